@@ -1,0 +1,281 @@
+"""Loop IR: the small imperative language every fused kernel is lowered to.
+
+Fusion (``fusion/``) turns a partition of the traced program into one
+``Kernel`` per launch.  Each backend renders the same ``Kernel``:
+
+* ``codegen/llvm.py``  -> LLVM IR through llvmlite (CPU);
+* ``codegen/hip.py``   -> HIP C++ (gfx906, and the NVIDIA flavour).
+
+The language is deliberately tiny:
+
+Expressions (immutable, hashable, every node knows its dtype)
+    Const(value, dtype)                 literal
+    Sym(name, dtype)                    loop variable, local scalar or scalar parameter
+    Load(buf, index, dtype)             ``buf[index]``: a buffer parameter or a local Array
+    Un(op, x)                           UN_OPS
+    Bin(op, a, b)                       BIN_OPS (comparisons give ``bool``)
+    Select(cond, a, b)                  ``cond ? a : b``
+    Cast(x, dtype)                      numeric conversion (f16 <-> f32, int -> float, ...)
+
+Statements
+    Loop(var, start, stop, body, parallel)   ``for var in range(start, stop)``; ``var`` is i32.
+        Iterations of a ``parallel`` loop are independent: the CPU splits them
+        across threads, a GPU maps them to workgroups/lanes.  Statements
+        outside every parallel loop are executed by every thread, so they may
+        only compute locals (no Store), unless the kernel runs on one thread.
+    Declare(name, dtype, init)          mutable local scalar
+    Assign(name, value)                 ``name = value``
+    Array(name, dtype, size)            local scratch array (registers/LDS/stack)
+    Store(buf, index, value)            ``buf[index] = value``
+
+All indices are flat element offsets (i32) into contiguous buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+DTYPES = ("f32", "f16", "i32", "bool")
+FLOAT_DTYPES = ("f32", "f16")
+
+UN_OPS = ("neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "logistic", "abs", "not")
+BIN_OPS = ("add", "sub", "mul", "div", "max", "min", "idiv", "mod",
+           "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
+CMP_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+# ----------------------------------------------------------------------------- expressions
+@dataclass(frozen=True)
+class Const:
+    value: Union[float, int, bool]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Sym:
+    name: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Load:
+    buf: str
+    index: "Expr"
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Un:
+    op: str
+    x: "Expr"
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+
+@dataclass(frozen=True)
+class Bin:
+    op: str
+    a: "Expr"
+    b: "Expr"
+
+    @property
+    def dtype(self):
+        return "bool" if self.op in CMP_OPS else self.a.dtype
+
+
+@dataclass(frozen=True)
+class Select:
+    cond: "Expr"
+    a: "Expr"
+    b: "Expr"
+
+    @property
+    def dtype(self):
+        return self.a.dtype
+
+
+@dataclass(frozen=True)
+class Cast:
+    x: "Expr"
+    dtype: str
+
+
+Expr = Union[Const, Sym, Load, Un, Bin, Select, Cast]
+
+
+# ----------------------------------------------------------------------------- statements
+@dataclass(frozen=True)
+class Loop:
+    var: str
+    start: Expr
+    stop: Expr
+    body: tuple
+    parallel: bool = False
+
+
+@dataclass(frozen=True)
+class Declare:
+    name: str
+    dtype: str
+    init: Expr
+
+
+@dataclass(frozen=True)
+class Assign:
+    name: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Array:
+    name: str
+    dtype: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Store:
+    buf: str
+    index: Expr
+    value: Expr
+
+
+Stmt = Union[Loop, Declare, Assign, Array, Store]
+
+
+@dataclass(frozen=True)
+class Param:
+    """A kernel parameter: a buffer (``shape`` in elements) or an i32 scalar."""
+    name: str
+    dtype: str
+    kind: str = "buffer"          # "buffer" | "scalar"
+    shape: tuple = ()
+    role: str = "in"              # "in" | "out" | "inout"
+
+    @property
+    def size(self):
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Kernel:
+    """One launch.  ``ops`` lists the DSL equations fused into it (for reports and source headers)."""
+    name: str
+    family: str                   # "elementwise" | "reduce" | "contract" | "scatter" | "attention"
+    params: tuple
+    body: tuple
+    ops: tuple = ()
+    bytes: int = 0                # bytes read + written per call (static estimate)
+    flops: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- helpers
+def c(v, dtype="i32"):
+    return Const(v, dtype)
+
+
+def add(a, b):
+    if isinstance(a, Const) and a.value == 0:
+        return b
+    if isinstance(b, Const) and b.value == 0:
+        return a
+    if isinstance(a, Const) and isinstance(b, Const):
+        return Const(a.value + b.value, a.dtype)
+    return Bin("add", a, b)
+
+
+def mul(a, b):
+    if isinstance(a, Const) and a.value == 1:
+        return b
+    if isinstance(b, Const) and b.value == 1:
+        return a
+    if (isinstance(a, Const) and a.value == 0) or (isinstance(b, Const) and b.value == 0):
+        return Const(0, a.dtype)
+    if isinstance(a, Const) and isinstance(b, Const):
+        return Const(a.value * b.value, a.dtype)
+    return Bin("mul", a, b)
+
+
+def linear_index(idx, shape):
+    """Row-major flat offset of multi-index ``idx`` (tuple of i32 Exprs) in ``shape``."""
+    off = c(0)
+    for i, d in zip(idx, shape):
+        off = add(mul(off, c(d)), i)
+    return off
+
+
+def walk_exprs(e):
+    """Yield ``e`` and every sub-expression."""
+    yield e
+    for ch in children(e):
+        yield from walk_exprs(ch)
+
+
+def children(e):
+    if isinstance(e, Load):
+        return (e.index,)
+    if isinstance(e, Un):
+        return (e.x,)
+    if isinstance(e, Bin):
+        return (e.a, e.b)
+    if isinstance(e, Select):
+        return (e.cond, e.a, e.b)
+    if isinstance(e, Cast):
+        return (e.x,)
+    return ()
+
+
+def walk_stmts(body):
+    """Yield every statement, depth first."""
+    for s in body:
+        yield s
+        if isinstance(s, Loop):
+            yield from walk_stmts(s.body)
+
+
+def format_expr(e):
+    if isinstance(e, Const):
+        return repr(e.value)
+    if isinstance(e, Sym):
+        return e.name
+    if isinstance(e, Load):
+        return f"{e.buf}[{format_expr(e.index)}]"
+    if isinstance(e, Un):
+        return f"{e.op}({format_expr(e.x)})"
+    if isinstance(e, Bin):
+        return f"{e.op}({format_expr(e.a)}, {format_expr(e.b)})"
+    if isinstance(e, Select):
+        return f"select({format_expr(e.cond)}, {format_expr(e.a)}, {format_expr(e.b)})"
+    if isinstance(e, Cast):
+        return f"{e.dtype}({format_expr(e.x)})"
+    raise TypeError(e)
+
+
+def format_kernel(k: Kernel) -> str:
+    """Readable pseudo-code of a kernel (for debugging and reports)."""
+    lines = [f"kernel {k.name} [{k.family}]("
+             + ", ".join(f"{p.name}:{p.dtype}{list(p.shape) if p.kind == 'buffer' else ''}" for p in k.params) + ")"]
+
+    def emit(body, ind):
+        for s in body:
+            pad = "  " * ind
+            if isinstance(s, Loop):
+                par = " parallel" if s.parallel else ""
+                lines.append(f"{pad}for{par} {s.var} in [{format_expr(s.start)}, {format_expr(s.stop)}):")
+                emit(s.body, ind + 1)
+            elif isinstance(s, Declare):
+                lines.append(f"{pad}{s.dtype} {s.name} = {format_expr(s.init)}")
+            elif isinstance(s, Assign):
+                lines.append(f"{pad}{s.name} = {format_expr(s.value)}")
+            elif isinstance(s, Array):
+                lines.append(f"{pad}{s.dtype} {s.name}[{s.size}]")
+            elif isinstance(s, Store):
+                lines.append(f"{pad}{s.buf}[{format_expr(s.index)}] = {format_expr(s.value)}")
+    emit(k.body, 1)
+    return "\n".join(lines)

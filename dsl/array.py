@@ -1,0 +1,348 @@
+"""The user-facing traced array and the numpy-like operations on it.
+
+Operations broadcast like numpy, promote dtypes (bool < i32 < f16 < f32), and
+turn Python scalars into literals of the other operand's dtype.
+"""
+from __future__ import annotations
+
+import builtins as _b
+
+import numpy as np
+
+from . import primitives  # noqa: F401  (registers the primitives)
+from .core import PRIMITIVES as P, DSLError, Lit, Var, bind, promote, user_source
+
+_bmax = _b.max
+
+
+class Tracer:
+    """A value inside a traced function.  ``shape`` and ``dtype`` are static."""
+    __array_priority__ = 1000
+
+    def __init__(self, var: Var):
+        self.var = var
+
+    shape = property(lambda self: self.var.shape)
+    dtype = property(lambda self: self.var.dtype)
+    ndim = property(lambda self: len(self.var.shape))
+    size = property(lambda self: self.var.size)
+
+    def __repr__(self):
+        return f"Tracer({self.dtype}{list(self.shape)})"
+
+    def __bool__(self):
+        raise DSLError(f"{user_source()}: a traced value has no Python truth value; use dsl.where")
+
+    # arithmetic
+    __add__ = lambda a, b: add(a, b)
+    __radd__ = lambda a, b: add(b, a)
+    __sub__ = lambda a, b: sub(a, b)
+    __rsub__ = lambda a, b: sub(b, a)
+    __mul__ = lambda a, b: mul(a, b)
+    __rmul__ = lambda a, b: mul(b, a)
+    __truediv__ = lambda a, b: div(a, b)
+    __rtruediv__ = lambda a, b: div(b, a)
+    __neg__ = lambda a: neg(a)
+    __matmul__ = lambda a, b: matmul(a, b)
+    __lt__ = lambda a, b: _binary("lt", a, b)
+    __le__ = lambda a, b: _binary("le", a, b)
+    __gt__ = lambda a, b: _binary("gt", a, b)
+    __ge__ = lambda a, b: _binary("ge", a, b)
+    __eq__ = lambda a, b: _binary("eq", a, b)
+    __ne__ = lambda a, b: _binary("ne", a, b)
+    __hash__ = object.__hash__
+    __getitem__ = lambda a, idx: getitem(a, idx)
+
+    def astype(self, dtype):
+        return astype(self, dtype)
+
+    def reshape(self, *shape):
+        return reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+
+    def transpose(self, *perm):
+        return transpose(self, perm[0] if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm or None)
+
+    @property
+    def T(self):
+        return transpose(self)
+
+    def sum(self, axis=None, keepdims=False):
+        return sum(self, axis, keepdims)
+
+    def max(self, axis=None, keepdims=False):
+        return max(self, axis, keepdims)
+
+    def mean(self, axis=None, keepdims=False):
+        return mean(self, axis, keepdims)
+
+
+def _lit(x, dtype):
+    if dtype == "bool":
+        return Lit(bool(x), dtype)
+    if dtype == "i32":
+        if isinstance(x, float) and not float(x).is_integer():
+            raise DSLError(f"{user_source()}: float {x} mixed with an i32 array; convert the array with .astype('f32')")
+        return Lit(int(x), dtype)
+    return Lit(float(x), dtype)
+
+
+def asarray(x, dtype=None):
+    if isinstance(x, Tracer):
+        return x
+    if isinstance(x, (bool, int, float, np.number)):
+        d = dtype or ("bool" if isinstance(x, bool) else "i32" if isinstance(x, (int, np.integer)) else "f32")
+        return _lit(x, d)
+    raise DSLError(f"{user_source()}: cannot use {type(x).__name__} inside a traced function; "
+                   "pass arrays as arguments of the jitted function")
+
+
+def _promote_pair(a, b):
+    """Return (a, b) as atoms of one dtype; Python scalars take the array's dtype."""
+    ta, tb = isinstance(a, Tracer), isinstance(b, Tracer)
+    if ta and not tb:
+        return a, asarray(b, a.dtype if not (isinstance(b, float) and a.dtype in ("i32", "bool")) else "f32")
+    if tb and not ta:
+        return asarray(a, b.dtype if not (isinstance(a, float) and b.dtype in ("i32", "bool")) else "f32"), b
+    if not ta and not tb:
+        raise DSLError(f"{user_source()}: at least one operand must be a traced array")
+    return a, b
+
+
+def _fix_dtypes(a, b):
+    d = promote(a.dtype, b.dtype)
+    return (a if a.dtype == d else astype(a, d)), (b if b.dtype == d else astype(b, d))
+
+
+def broadcast_shapes(*shapes):
+    nd = _bmax(len(s) for s in shapes)
+    out = []
+    for i in range(nd):
+        dims = {s[len(s) - nd + i] for s in shapes if len(s) - nd + i >= 0} - {1}
+        if len(dims) > 1:
+            raise DSLError(f"{user_source()}: shapes {[list(s) for s in shapes]} do not broadcast")
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def broadcast_to(x, shape):
+    shape = tuple(shape)
+    if x.shape == shape:
+        return x
+    nd = len(shape)
+    dims = tuple(range(nd - len(x.shape), nd))
+    return bind(P["broadcast_in_dim"], x, shape=shape, dims=dims)
+
+
+def _binary(name, a, b):
+    a, b = _promote_pair(a, b)
+    if a.dtype != b.dtype:
+        a, b = _fix_dtypes(a, b)
+    shape = broadcast_shapes(a.shape, b.shape)
+    return bind(P[name], broadcast_to(a, shape), broadcast_to(b, shape))
+
+
+def _unary(name, x):
+    return bind(P[name], asarray(x))
+
+
+add = lambda a, b: _binary("add", a, b)
+sub = lambda a, b: _binary("sub", a, b)
+mul = lambda a, b: _binary("mul", a, b)
+div = lambda a, b: _binary("div", a, b)
+maximum = lambda a, b: _binary("max", a, b)
+minimum = lambda a, b: _binary("min", a, b)
+logical_and = lambda a, b: _binary("and", a, b)
+logical_or = lambda a, b: _binary("or", a, b)
+neg = lambda x: _unary("neg", x)
+exp = lambda x: _unary("exp", x)
+log = lambda x: _unary("log", x)
+sqrt = lambda x: _unary("sqrt", x)
+rsqrt = lambda x: _unary("rsqrt", x)
+sin = lambda x: _unary("sin", x)
+cos = lambda x: _unary("cos", x)
+tanh = lambda x: _unary("tanh", x)
+sigmoid = lambda x: _unary("logistic", x)
+abs = lambda x: _unary("abs", x)  # noqa: A001
+
+
+def astype(x, dtype):
+    x = asarray(x)
+    return x if x.dtype == dtype else bind(P["convert"], x, dtype=dtype)
+
+
+def where(cond, a, b):
+    """``cond ? a : b`` elementwise, with broadcasting."""
+    a, b = _promote_pair(a, b) if not (isinstance(a, Tracer) and isinstance(b, Tracer)) else (a, b)
+    if a.dtype != b.dtype:
+        a, b = _fix_dtypes(a, b)
+    cond = asarray(cond, "bool")
+    shape = broadcast_shapes(cond.shape, a.shape, b.shape)
+    return bind(P["select"], broadcast_to(cond, shape), broadcast_to(a, shape), broadcast_to(b, shape))
+
+
+def iota(shape, dimension=0, dtype="i32"):
+    """Array of ``shape`` whose value is its index along ``dimension``."""
+    return bind(P["iota"], shape=tuple(shape), dimension=dimension, dtype=dtype)
+
+
+def arange(n, dtype="i32"):
+    return iota((n,), 0, dtype)
+
+
+def reshape(x, shape):
+    shape = list(shape)
+    if -1 in shape:
+        known = int(np.prod([d for d in shape if d != -1]))
+        shape[shape.index(-1)] = x.size // known if known else 0
+    shape = tuple(shape)
+    return x if shape == x.shape else bind(P["reshape"], x, shape=shape)
+
+
+def transpose(x, perm=None):
+    perm = tuple(reversed(range(x.ndim))) if perm is None else tuple(p % x.ndim for p in perm)
+    return x if perm == tuple(range(x.ndim)) else bind(P["transpose"], x, perm=perm)
+
+
+def swapaxes(x, a, b):
+    perm = list(range(x.ndim))
+    perm[a], perm[b] = perm[b], perm[a]
+    return transpose(x, perm)
+
+
+def expand_dims(x, axis):
+    shape = list(x.shape)
+    shape.insert(axis % (x.ndim + 1), 1)
+    return reshape(x, shape)
+
+
+def slice_(x, start, limit):
+    return bind(P["slice"], x, start=tuple(start), limit=tuple(limit))
+
+
+def concatenate(xs, axis=0):
+    xs = [asarray(x) for x in xs]
+    return bind(P["concatenate"], *xs, axis=axis % xs[0].ndim)
+
+
+def getitem(x, idx):
+    """Static indexing: ints, slices with step 1, ``None`` and ``...``."""
+    if not isinstance(idx, tuple):
+        idx = (idx,)
+    if any(isinstance(i, Tracer) for i in idx):
+        raise DSLError(f"{user_source()}: indexing with a traced value; use dsl.take or dsl.dynamic_update_slice")
+    if Ellipsis in idx:
+        k = idx.index(Ellipsis)
+        n_real = len([i for i in idx if i is not None and i is not Ellipsis])
+        idx = idx[:k] + (slice(None),) * (x.ndim - n_real) + idx[k + 1:]
+    idx = idx + (slice(None),) * (x.ndim - len([i for i in idx if i is not None]))
+    start, limit, out_shape, dim = [], [], [], 0
+    for i in idx:
+        if i is None:
+            out_shape.append(1)
+            continue
+        n = x.shape[dim]
+        if isinstance(i, slice):
+            a, b, step = i.indices(n)
+            if step != 1:
+                raise DSLError(f"{user_source()}: slice steps other than 1 are not supported")
+            b = _bmax(a, b)
+            start.append(a), limit.append(b), out_shape.append(b - a)
+        else:
+            j = int(i) + n if int(i) < 0 else int(i)
+            if not 0 <= j < n:
+                raise DSLError(f"{user_source()}: index {i} out of range for axis of size {n}")
+            start.append(j), limit.append(j + 1)
+        dim += 1
+    y = x if (tuple(start) == (0,) * x.ndim and tuple(limit) == x.shape) else slice_(x, start, limit)
+    return reshape(y, out_shape)
+
+
+def _axis_to_last(x, axis):
+    axis = axis % x.ndim
+    if axis != x.ndim - 1:
+        perm = [i for i in range(x.ndim) if i != axis] + [axis]
+        x = transpose(x, perm)
+    return x
+
+
+def _reduce(name, x, axis, keepdims):
+    x = asarray(x)
+    axes = tuple(range(x.ndim)) if axis is None else (axis,) if isinstance(axis, int) else tuple(axis)
+    axes = sorted(a % x.ndim for a in axes)
+    keep = [i for i in range(x.ndim) if i not in axes]
+    y = transpose(x, keep + axes)
+    y = reshape(y, [x.shape[i] for i in keep] + [int(np.prod([x.shape[a] for a in axes]))])
+    y = bind(P[name], y)
+    if keepdims:
+        y = reshape(y, [1 if i in axes else x.shape[i] for i in range(x.ndim)])
+    return y
+
+
+def sum(x, axis=None, keepdims=False):  # noqa: A001
+    """Sum over ``axis`` (accumulated in float32 for f16 inputs by the kernels)."""
+    return _reduce("reduce_sum", x, axis, keepdims)
+
+
+def max(x, axis=None, keepdims=False):  # noqa: A001
+    return _reduce("reduce_max", x, axis, keepdims)
+
+
+def argmax(x, axis=-1):
+    return _reduce("argmax", x, axis, False)
+
+
+def mean(x, axis=None, keepdims=False):
+    x = asarray(x)
+    axes = range(x.ndim) if axis is None else (axis,) if isinstance(axis, int) else axis
+    n = int(np.prod([x.shape[a] for a in axes]))
+    return sum(x, axis, keepdims) * (1.0 / n)
+
+
+def matmul(a, b):
+    """``a @ b`` with numpy broadcasting of batch dims; vectors are promoted to matrices."""
+    return _dot(a, b, trans_b=False)
+
+
+def dot_t(a, b):
+    """``a @ b^T`` over the last two axes (``b`` is [..., N, K]): the layout of linear weights."""
+    return _dot(a, b, trans_b=True)
+
+
+def _dot(a, b, trans_b):
+    a, b = asarray(a), asarray(b)
+    va, vb = a.ndim == 1, b.ndim == 1
+    if va:
+        a = reshape(a, (1,) + a.shape)
+    if vb:
+        b = reshape(b, (b.shape[0], 1) if not trans_b else (1, b.shape[0]))
+    batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = broadcast_to(a, batch + a.shape[-2:])
+    b = broadcast_to(b, batch + b.shape[-2:])
+    y = bind(P["dot"], a, b, trans_b=trans_b)
+    if va:
+        y = reshape(y, y.shape[:-2] + y.shape[-1:])
+    if vb:
+        y = reshape(y, y.shape[:-1])
+    return y
+
+
+def take(x, ids):
+    """Rows of ``x`` [V, ...] at integer ``ids`` [...] -> ids.shape + x.shape[1:] (embedding lookup)."""
+    return bind(P["take"], asarray(x), asarray(ids, "i32"))
+
+
+def dynamic_update_slice(x, update, starts):
+    """``x`` with ``update`` written at runtime offsets ``starts`` (i32 scalars or ints), like
+    ``jax.lax.dynamic_update_slice``.  Offsets are clamped so the update fits."""
+    return bind(P["dynamic_update_slice"], x, update, *[asarray(s, "i32") for s in starts])
+
+
+def attention(q, k, v, pos, scale):
+    """Causal grouped-query attention over a KV cache.
+
+    q [Hq, T, D] holds queries at absolute positions pos..pos+T-1; k, v [Hkv, S, D]
+    are the cache (S = capacity).  Query t sees keys 0..pos+t only, so cost grows
+    with the tokens in the cache, not its capacity.  Query head h reads kv head
+    h // (Hq // Hkv).  Returns f32 [Hq, T, D].  Softmax accumulates in float32.
+    """
+    return bind(P["attention"], q, k, v, asarray(pos, "i32"), scale=float(scale))

@@ -1,0 +1,169 @@
+"""The traced IR: ``Var``, ``Lit``, ``Eqn``, ``Program``, and the tracer that builds them.
+
+A program is a typed list of SSA equations, in the spirit of a jaxpr::
+
+    { lambda a:f32[4,8] b:i32[] ;
+      let c:f32[4,8] = mul a a
+          d:f32[4] = reduce_sum c
+      in ( d ) }
+
+Every equation has exactly one output.  Shapes are static; runtime integers
+(such as the decode position) are inputs of shape ``()``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DTYPES = ("f32", "f16", "i32", "bool")
+NP_DTYPES = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "bool": np.bool_, "f64": np.float64}
+FLOATS = ("f16", "f32", "f64")
+_RANK = {"bool": 0, "i32": 1, "f16": 2, "f32": 3, "f64": 4}
+
+
+class DSLError(Exception):
+    """A user error found while tracing; the message starts with the user's ``file:line``."""
+
+
+def dtype_of(x) -> str:
+    """Our dtype name for a numpy array or dtype (raises DSLError for unsupported dtypes)."""
+    dt = np.dtype(getattr(x, "dtype", x))
+    for name, npd in NP_DTYPES.items():
+        if dt == np.dtype(npd):
+            return name
+    raise DSLError(f"unsupported dtype {dt}; use one of {', '.join(DTYPES)}")
+
+
+def promote(a: str, b: str) -> str:
+    return a if _RANK[a] >= _RANK[b] else b
+
+
+@dataclass(eq=False)
+class Var:
+    """An SSA value of static ``shape`` and ``dtype``.  Hashed by identity."""
+    shape: tuple
+    dtype: str
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class Lit:
+    """A scalar literal, printed as ``2.0:f32``."""
+    value: object
+    dtype: str
+    shape: tuple = ()
+
+    @property
+    def ndim(self):
+        return 0
+
+
+@dataclass(eq=False)
+class Eqn:
+    prim: "Primitive"
+    inputs: list
+    params: dict
+    out: Var
+    source: str = ""              # "file.py:123" of the user's code that traced it
+
+
+@dataclass
+class Program:
+    """Inputs, equations in topological order, outputs (Vars or Lits)."""
+    inputs: list
+    eqns: list
+    outputs: list
+    meta: dict = field(default_factory=dict)
+
+    def as_text(self) -> str:
+        from .irtext import print_program
+        return print_program(self)
+
+    def __str__(self):
+        return self.as_text()
+
+    def run(self, *args, compute_dtype=None):
+        """Evaluate with the numpy reference interpreter (see ``dsl.interpreter``)."""
+        from .interpreter import run_program
+        return run_program(self, list(args), compute_dtype=compute_dtype)
+
+
+# ----------------------------------------------------------------------------- primitives
+@dataclass(eq=False)
+class Primitive:
+    """One primitive, defined in one place.
+
+    ``rule(avals, **params) -> (shape, dtype)`` checks inputs and gives the output type;
+    ``impl(*arrays, **params) -> np.ndarray`` is the numpy reference;
+    ``kind`` is the fusion class: elementwise | view | index | reduce | contract | opaque.
+    """
+    name: str
+    kind: str
+    rule: object
+    impl: object
+
+    def __repr__(self):
+        return self.name
+
+
+PRIMITIVES: dict = {}
+
+
+def primitive(name, kind, rule, impl):
+    p = Primitive(name, kind, rule, impl)
+    PRIMITIVES[name] = p
+    return p
+
+
+# ----------------------------------------------------------------------------- tracing
+_DSL_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_source() -> str:
+    """``file:line`` of the innermost frame outside ``dsl/`` (the user's line)."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if not fn.startswith(_DSL_DIR + os.sep):
+            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"
+
+
+class Trace:
+    """Collects equations while a function is traced."""
+    def __init__(self):
+        self.eqns = []
+
+
+_TRACES: list = []
+
+
+def current_trace() -> Trace:
+    if not _TRACES:
+        raise DSLError("DSL operations need a traced function: wrap it in dsl.jit")
+    return _TRACES[-1]
+
+
+def bind(prim: Primitive, *inputs, **params):
+    """Apply ``prim`` to tracers/literals, check types, record the equation, return a Tracer."""
+    from .array import Tracer
+    src = user_source()
+    atoms = [x.var if isinstance(x, Tracer) else x for x in inputs]
+    try:
+        shape, dtype = prim.rule([(a.shape, a.dtype) for a in atoms], **params)
+    except DSLError as e:
+        raise DSLError(f"{src}: {prim.name}: {e}") from None
+    out = Var(tuple(int(d) for d in shape), dtype)
+    current_trace().eqns.append(Eqn(prim, atoms, params, out, src))
+    return Tracer(out)

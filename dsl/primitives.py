@@ -1,0 +1,310 @@
+"""Every primitive: its shape/dtype rule, its numpy reference, its fusion class.
+
+Elementwise primitives map one-to-one onto Loop IR ops of the same name
+(``codegen/loopir.py``), which is all the codegen needs to know about them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .core import DSLError, FLOATS, NP_DTYPES, primitive
+
+
+def _np(dtype):
+    return NP_DTYPES[dtype]
+
+
+# ----------------------------------------------------------------------------- elementwise
+def _unary_rule(avals, **_):
+    (shape, dtype), = avals
+    return shape, dtype
+
+
+def _float_unary_rule(avals, **_):
+    (shape, dtype), = avals
+    if dtype not in FLOATS:
+        raise DSLError(f"needs a float input, got {dtype}; convert with .astype('f32')")
+    return shape, dtype
+
+
+def _binary_rule(avals, **_):
+    (sa, da), (sb, db) = avals
+    if sa != sb:
+        raise DSLError(f"shapes {list(sa)} and {list(sb)} differ (broadcast first)")
+    if da != db:
+        raise DSLError(f"dtypes {da} and {db} differ (convert with .astype)")
+    return sa, da
+
+
+def _compare_rule(avals, **_):
+    shape, _ = _binary_rule(avals)
+    return shape, "bool"
+
+
+def _bool_rule(avals, **_):
+    shape, dtype = _binary_rule(avals)
+    if dtype != "bool":
+        raise DSLError(f"needs bool inputs, got {dtype}")
+    return shape, dtype
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def _cast_like(f):
+    # keep the input dtype (numpy would promote f16 math to f16 anyway, but keep it explicit)
+    def g(*xs):
+        return np.asarray(f(*xs)).astype(xs[0].dtype, copy=False)
+    return g
+
+
+UNARY = {
+    "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x), "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
+    "logistic": _sigmoid, "abs": np.abs,
+}
+for _name, _f in UNARY.items():
+    primitive(_name, "elementwise", _unary_rule if _name in ("neg", "abs") else _float_unary_rule, _cast_like(_f))
+primitive("not", "elementwise", _unary_rule, np.logical_not)
+
+
+def _idiv(a, b):
+    # C semantics: truncate toward zero
+    return (np.trunc(a / b)).astype(a.dtype) if a.dtype.kind == "i" else a / b
+
+
+def _mod(a, b):
+    return np.fmod(a, b)
+
+
+BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+    "max": np.maximum, "min": np.minimum,
+}
+for _name, _f in BINARY.items():
+    primitive(_name, "elementwise", _binary_rule, _cast_like(_f))
+primitive("idiv", "elementwise", _binary_rule, _idiv)
+primitive("mod", "elementwise", _binary_rule, _mod)
+COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+           "eq": np.equal, "ne": np.not_equal}
+for _name, _f in COMPARE.items():
+    primitive(_name, "elementwise", _compare_rule, _f)
+primitive("and", "elementwise", _bool_rule, np.logical_and)
+primitive("or", "elementwise", _bool_rule, np.logical_or)
+
+
+def _select_rule(avals, **_):
+    (sc, dc), (sa, da), (sb, db) = avals
+    if dc != "bool":
+        raise DSLError(f"condition must be bool, got {dc}")
+    if not (sc == sa == sb):
+        raise DSLError(f"shapes {list(sc)}, {list(sa)}, {list(sb)} differ (broadcast first)")
+    if da != db:
+        raise DSLError(f"dtypes {da} and {db} differ")
+    return sa, da
+
+
+primitive("select", "elementwise", _select_rule, lambda c, a, b: np.where(c, a, b))
+
+
+def _convert_rule(avals, *, dtype):
+    (shape, _), = avals
+    if dtype not in NP_DTYPES:
+        raise DSLError(f"unknown dtype {dtype!r}")
+    return shape, dtype
+
+
+primitive("convert", "elementwise", _convert_rule, lambda x, *, dtype: x.astype(_np(dtype)))
+
+
+def _iota_rule(avals, *, shape, dimension, dtype):
+    if not 0 <= dimension < len(shape):
+        raise DSLError(f"dimension {dimension} out of range for shape {list(shape)}")
+    return tuple(shape), dtype
+
+
+def _iota_impl(*, shape, dimension, dtype):
+    v = np.arange(shape[dimension]).astype(_np(dtype))
+    return np.broadcast_to(v.reshape([-1 if i == dimension else 1 for i in range(len(shape))]), shape).copy()
+
+
+primitive("iota", "elementwise", _iota_rule, _iota_impl)
+
+
+# ----------------------------------------------------------------------------- views
+def _broadcast_rule(avals, *, shape, dims):
+    (s, d), = avals
+    if len(dims) != len(s) or any(not 0 <= k < len(shape) for k in dims) or list(dims) != sorted(set(dims)):
+        raise DSLError(f"bad dims {dims} for input {list(s)} -> {list(shape)}")
+    for k, n in zip(dims, s):
+        if n != 1 and n != shape[k]:
+            raise DSLError(f"cannot broadcast {list(s)} to {list(shape)}")
+    return tuple(shape), d
+
+
+def _broadcast_impl(x, *, shape, dims):
+    x = x.reshape([x.shape[dims.index(k)] if k in dims else 1 for k in range(len(shape))])
+    return np.broadcast_to(x, shape)
+
+
+primitive("broadcast_in_dim", "view", _broadcast_rule, _broadcast_impl)
+
+
+def _reshape_rule(avals, *, shape):
+    (s, d), = avals
+    if int(np.prod(s, dtype=np.int64)) != int(np.prod(shape, dtype=np.int64)):
+        raise DSLError(f"cannot reshape {list(s)} to {list(shape)}")
+    return tuple(shape), d
+
+
+primitive("reshape", "view", _reshape_rule, lambda x, *, shape: x.reshape(shape))
+
+
+def _transpose_rule(avals, *, perm):
+    (s, d), = avals
+    if sorted(perm) != list(range(len(s))):
+        raise DSLError(f"bad permutation {perm} for rank {len(s)}")
+    return tuple(s[p] for p in perm), d
+
+
+primitive("transpose", "view", _transpose_rule, lambda x, *, perm: np.transpose(x, perm))
+
+
+def _slice_rule(avals, *, start, limit):
+    (s, d), = avals
+    if len(start) != len(s) or len(limit) != len(s) or any(
+            not 0 <= a <= b <= n for a, b, n in zip(start, limit, s)):
+        raise DSLError(f"bad slice {start}:{limit} of {list(s)}")
+    return tuple(b - a for a, b in zip(start, limit)), d
+
+
+primitive("slice", "view", _slice_rule,
+          lambda x, *, start, limit: x[tuple(slice(a, b) for a, b in zip(start, limit))])
+
+
+def _concat_rule(avals, *, axis):
+    s0, d0 = avals[0]
+    for s, d in avals[1:]:
+        if d != d0 or len(s) != len(s0) or any(a != b for i, (a, b) in enumerate(zip(s, s0)) if i != axis):
+            raise DSLError(f"cannot concatenate {[list(s) for s, _ in avals]} on axis {axis}")
+    shape = list(s0)
+    shape[axis] = sum(s[axis] for s, _ in avals)
+    return tuple(shape), d0
+
+
+primitive("concatenate", "view", _concat_rule, lambda *xs, axis: np.concatenate(xs, axis))
+
+
+# ----------------------------------------------------------------------------- index
+def _take_rule(avals, **_):
+    (sx, dx), (si, di) = avals
+    if di != "i32":
+        raise DSLError(f"indices must be i32, got {di}")
+    if len(sx) < 1:
+        raise DSLError("cannot take rows of a scalar")
+    return tuple(si) + tuple(sx[1:]), dx
+
+
+primitive("take", "index", _take_rule, lambda x, ids: x[ids])
+
+
+def _dus_rule(avals, **_):
+    (so, do), (su, du), *starts = avals
+    if len(starts) != len(so):
+        raise DSLError(f"needs {len(so)} start indices, got {len(starts)}")
+    if any(s != () or d != "i32" for s, d in starts):
+        raise DSLError("start indices must be i32 scalars")
+    if len(su) != len(so) or any(u > o for u, o in zip(su, so)):
+        raise DSLError(f"update {list(su)} does not fit operand {list(so)}")
+    if du != do:
+        raise DSLError(f"update dtype {du} differs from operand dtype {do}")
+    return so, do
+
+
+def _dus_impl(x, u, *starts):
+    out = x.copy()
+    idx = []
+    for s, n, m in zip(starts, u.shape, x.shape):
+        s = int(min(max(int(s), 0), m - n))     # clamp like XLA
+        idx.append(slice(s, s + n))
+    out[tuple(idx)] = u
+    return out
+
+
+primitive("dynamic_update_slice", "index", _dus_rule, _dus_impl)
+
+
+# ----------------------------------------------------------------------------- reductions (last axis)
+def _reduce_rule(avals, **_):
+    (s, d), = avals
+    if len(s) < 1:
+        raise DSLError("cannot reduce a scalar")
+    return tuple(s[:-1]), d
+
+
+def _argmax_rule(avals, **_):
+    s, _ = _reduce_rule(avals)
+    return s, "i32"
+
+
+primitive("reduce_sum", "reduce", _reduce_rule, lambda x: np.sum(x, axis=-1).astype(x.dtype, copy=False))
+primitive("reduce_max", "reduce", _reduce_rule, lambda x: np.max(x, axis=-1))
+primitive("argmax", "reduce", _argmax_rule, lambda x: np.argmax(x, axis=-1).astype(np.int32))
+
+
+# ----------------------------------------------------------------------------- contraction
+def _dot_rule(avals, *, trans_b):
+    (sa, da), (sb, db) = avals
+    if len(sa) < 2 or len(sb) < 2 or len(sa) != len(sb):
+        raise DSLError(f"needs operands of equal rank >= 2, got {list(sa)} and {list(sb)}")
+    if sa[:-2] != sb[:-2]:
+        raise DSLError(f"batch dims {list(sa[:-2])} and {list(sb[:-2])} differ")
+    k_b, n = (sb[-1], sb[-2]) if trans_b else (sb[-2], sb[-1])
+    if sa[-1] != k_b:
+        raise DSLError(f"contracting dims differ: {list(sa)} @ {list(sb)}{'^T' if trans_b else ''}")
+    if da not in FLOATS or db not in FLOATS:
+        raise DSLError(f"needs float operands, got {da} and {db}")
+    return tuple(sa[:-1]) + (n,), "f32" if "f32" in (da, db) else promote(da, db)
+
+
+def _dot_impl(a, b, *, trans_b):
+    bt = np.swapaxes(b, -1, -2) if trans_b else b
+    acc = np.float64 if np.float64 in (a.dtype, b.dtype) else np.float32
+    out = np.matmul(a.astype(acc), bt.astype(acc))
+    return out.astype(np.promote_types(a.dtype, b.dtype) if acc == np.float64 else np.float32)
+
+
+primitive("dot", "contract", _dot_rule, _dot_impl)
+
+
+# ----------------------------------------------------------------------------- decode attention
+def _attention_rule(avals, *, scale):
+    (sq, dq), (sk, dk), (sv, dv), (sp, dp) = avals
+    if len(sq) != 3 or len(sk) != 3 or sk != sv:
+        raise DSLError(f"needs q [Hq,T,D], k and v [Hkv,S,D]; got {list(sq)}, {list(sk)}, {list(sv)}")
+    if sq[0] % sk[0] or sq[2] != sk[2]:
+        raise DSLError(f"query heads {sq[0]} must be a multiple of kv heads {sk[0]}, head dims equal")
+    if sp != () or dp != "i32":
+        raise DSLError("pos must be an i32 scalar")
+    return sq, "f32"
+
+
+def _attention_impl(q, k, v, pos, *, scale):
+    """Causal GQA attention: query t (absolute position pos+t) sees keys 0..pos+t.
+    Query head h reads kv head h // (Hq // Hkv).  Softmax in float64/float32 accumulate."""
+    acc = np.float64 if q.dtype == np.float64 else np.float32
+    hq, t, _ = q.shape
+    group = hq // k.shape[0]
+    out = np.zeros(q.shape, acc)
+    for h in range(hq):
+        kh, vh = k[h // group].astype(acc), v[h // group].astype(acc)
+        for i in range(t):
+            n = int(pos) + i + 1
+            s = kh[:n] @ q[h, i].astype(acc) * scale
+            p = np.exp(s - s.max())
+            out[h, i] = (p / p.sum()) @ vh[:n]
+    return out.astype(np.float32) if acc == np.float32 else out
+
+
+primitive("attention", "opaque", _attention_rule, _attention_impl)

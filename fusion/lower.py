@@ -1,0 +1,212 @@
+"""Lower each kernel root to Loop IR: expressions from the DSL graph, loops from the family.
+
+``Builder.expr(var, idx)`` returns the Loop IR expression of ``var`` at the
+multi-index ``idx`` (a tuple of i32 expressions), inlining everything that is
+not materialized.  Views only remap the index; reductions that are fused become
+per-row scalars computed before the loop that uses them; contractions fused
+under an epilogue become accumulators.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from codegen import loopir as L
+from dsl.core import Lit, Var
+
+from .partition import is_scalar_param
+
+
+class Unfusable(Exception):
+    """A reduction was needed at an index other than the kernel's rows: materialize it."""
+    def __init__(self, var):
+        self.var = var
+
+
+_counter = itertools.count()
+
+
+def fresh(prefix):
+    return f"{prefix}{next(_counter)}"
+
+
+REDUCE_INIT = {"reduce_sum": 0.0, "reduce_max": float("-inf"), "argmax": float("-inf")}
+
+
+class Builder:
+    """Builds expressions for one kernel; collects the buffers it reads and the DSL ops it holds."""
+
+    def __init__(self, ctx, row_idx=(), accs=None, n_idx=None):
+        self.ctx = ctx                  # the Lowering: graph, materialized set, buffer names
+        self.row_idx = tuple(row_idx)
+        self.accs = accs or {}          # contraction Var -> Sym of its accumulator
+        self.n_idx = n_idx              # the output-column index of a contraction kernel
+        self.row_stmts = []             # statements computing per-row scalars, in order
+        self.row_syms = {}              # reduce Var -> Sym
+        self.reads = {}                 # buffer name -> Var
+        self.ops = []                   # Eqns inlined here
+        self.memo = {}
+
+    # -------------------------------------------------------------- expressions
+    def expr(self, v, idx):
+        if isinstance(v, Lit):
+            return L.Const(v.value, v.dtype)
+        key = (id(v), idx)
+        if key not in self.memo:
+            self.memo[key] = self._expr(v, tuple(idx))
+        return self.memo[key]
+
+    def load(self, v, idx):
+        name = self.ctx.buffer_of(v)
+        if is_scalar_param(v):
+            self.reads[name] = v
+            return L.Sym(name, "i32")
+        self.reads[name] = v
+        return L.Load(name, L.linear_index(idx, v.shape), v.dtype)
+
+    def _expr(self, v, idx):
+        ctx = self.ctx
+        if v in self.accs:
+            assert self.at_rows(idx, v.shape[:-1] + (0,)) or idx[-1] == self.n_idx, "contraction index"
+            return self.accs[v]
+        if v in ctx.materialized or v not in ctx.g.producer:
+            return self.load(v, idx)
+        e = ctx.g.producer[v]
+        if e not in self.ops:
+            self.ops.append(e)
+        rule = LOWER.get(e.prim.name)
+        if e.prim.kind == "reduce":
+            return self.row_scalar(v, e, idx)
+        if rule is None:
+            raise NotImplementedError(f"no lowering for {e.prim.name}")
+        return rule(self, e, idx)
+
+    def at_rows(self, idx, shape):
+        """Is ``idx`` this kernel's row index?  (Any index is 0 along a dim of size 1.)"""
+        return len(idx) == len(self.row_idx) and all(
+            d == 1 or i == r for i, r, d in zip(idx, self.row_idx, shape))
+
+    def row_scalar(self, v, e, idx):
+        if not self.at_rows(idx, v.shape):
+            raise Unfusable(v)
+        idx = self.row_idx
+        if v in self.row_syms:
+            return self.row_syms[v]
+        (x,) = e.inputs
+        k = fresh("k")
+        body = self.expr(x, idx + (L.Sym(k, "i32"),))
+        acc = fresh("acc")
+        init = REDUCE_INIT[e.prim.name]
+        stmts = [L.Declare(acc, "f32", L.Const(init, "f32"))]
+        val = body if body.dtype == "f32" else L.Cast(body, "f32")
+        if e.prim.name == "argmax":
+            best = fresh("best")
+            stmts = [L.Declare(best, "f32", L.Const(init, "f32")), L.Declare(acc, "i32", L.Const(0, "i32"))]
+            better = L.Bin("gt", val, L.Sym(best, "f32"))
+            loop_body = (L.Assign(acc, L.Select(better, L.Sym(k, "i32"), L.Sym(acc, "i32"))),
+                         L.Assign(best, L.Bin("max", L.Sym(best, "f32"), val)))
+            result = L.Sym(acc, "i32")
+        else:
+            op = "add" if e.prim.name == "reduce_sum" else "max"
+            loop_body = (L.Assign(acc, L.Bin(op, L.Sym(acc, "f32"), val)),)
+            result = L.Sym(acc, "f32")
+        stmts.append(L.Loop(k, L.c(0), L.c(x.shape[-1]), loop_body))
+        self.row_stmts += stmts
+        if result.dtype != v.dtype:
+            name = fresh("r")
+            self.row_stmts.append(L.Declare(name, v.dtype, L.Cast(result, v.dtype)))
+            result = L.Sym(name, v.dtype)
+        self.row_syms[v] = result
+        return result
+
+
+# ------------------------------------------------------------------ per-primitive lowering rules
+def _elementwise(op):
+    def rule(b, e, idx):
+        args = [b.expr(a, idx) for a in e.inputs]
+        return L.Un(op, *args) if len(args) == 1 else L.Bin(op, *args)
+    return rule
+
+
+def _select(b, e, idx):
+    return L.Select(*[b.expr(a, idx) for a in e.inputs])
+
+
+def _convert(b, e, idx):
+    x = b.expr(e.inputs[0], idx)
+    return x if x.dtype == e.params["dtype"] else L.Cast(x, e.params["dtype"])
+
+
+def _iota(b, e, idx):
+    i = idx[e.params["dimension"]]
+    return i if e.params["dtype"] == "i32" else L.Cast(i, e.params["dtype"])
+
+
+def _broadcast(b, e, idx):
+    (x,) = e.inputs
+    shape, dims = e.params["shape"], e.params["dims"]
+    sub = tuple(idx[d] if x.shape[j] == shape[d] else L.c(0) for j, d in enumerate(dims))
+    return b.expr(x, sub)
+
+
+def _transpose(b, e, idx):
+    (x,) = e.inputs
+    perm = e.params["perm"]
+    sub = [None] * len(perm)
+    for i, p in enumerate(perm):
+        sub[p] = idx[i]
+    return b.expr(x, tuple(sub))
+
+
+def unravel(flat, shape):
+    """Multi-index of flat offset ``flat`` in ``shape`` (i32 expressions)."""
+    total = int(np.prod(shape, dtype=np.int64))
+    out, stride = [], total
+    for d in shape:
+        stride //= d
+        if d == 1:
+            out.append(L.c(0))
+            continue
+        q = flat if stride == 1 else L.Bin("idiv", flat, L.c(stride))
+        out.append(q if stride * d == total else L.Bin("mod", q, L.c(d)))
+    return tuple(out)
+
+
+def _reshape(b, e, idx):
+    (x,) = e.inputs
+    new = e.params["shape"]
+    # fast path: only size-1 dims inserted or removed
+    if [d for d in new if d != 1] == [d for d in x.shape if d != 1]:
+        real = iter([i for i, d in zip(idx, new) if d != 1])
+        return b.expr(x, tuple(L.c(0) if d == 1 else next(real) for d in x.shape))
+    return b.expr(x, unravel(L.linear_index(idx, new), x.shape))
+
+
+def _slice(b, e, idx):
+    (x,) = e.inputs
+    return b.expr(x, tuple(L.add(i, L.c(s)) for i, s in zip(idx, e.params["start"])))
+
+
+def _concatenate(b, e, idx):
+    ax = e.params["axis"]
+    offs = np.cumsum([0] + [a.shape[ax] for a in e.inputs])
+    out = None
+    for a, lo in reversed(list(zip(e.inputs, offs[:-1]))):
+        sub = idx[:ax] + (L.add(idx[ax], L.c(-int(lo))),) + idx[ax + 1:]
+        val = b.expr(a, sub)
+        out = val if out is None else L.Select(L.Bin("lt", idx[ax], L.c(int(offs[list(e.inputs).index(a) + 1]))), val, out)
+    return out
+
+
+def _take(b, e, idx):
+    x, ids = e.inputs
+    row = b.expr(ids, idx[:ids.ndim])
+    row = L.Bin("max", L.c(0), L.Bin("min", row, L.c(x.shape[0] - 1)))     # clamp like XLA gather
+    return b.expr(x, (row,) + idx[ids.ndim:])
+
+
+LOWER = {name: _elementwise(name) for name in L.UN_OPS + L.BIN_OPS}
+LOWER.update(select=_select, convert=_convert, iota=_iota, broadcast_in_dim=_broadcast,
+             transpose=_transpose, reshape=_reshape, slice=_slice, concatenate=_concatenate,
+             take=_take)

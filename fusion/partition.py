@@ -1,0 +1,190 @@
+"""Partition a traced Program into kernels, by named rules.
+
+Which values live in memory (are *materialized*) decides the partition: every
+materialized value is the root of one kernel, and everything else is inlined as
+an expression into the kernels that read it.  The rules below shrink the
+materialized set; each can be switched off by name to measure it A/B.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from dsl.core import Lit, Var
+
+RULES = {
+    "elementwise": "chains of elementwise ops, views and gathers run as one loop",
+    "reduce": "a reduction runs inside the kernel that consumes it, as a per-row scalar "
+              "(RMSNorm and softmax are one kernel)",
+    "prologue": "the activation operand of a GEMV/matmul is computed inside it (RMSNorm before Q/K/V)",
+    "epilogue": "elementwise consumers of a GEMV/matmul run on its accumulator (bias, residual, SiLU*mul)",
+    "horizontal": "sibling kernels launch as one: GEMVs sharing their input (Q/K/V, gate/up), "
+                  "and independent loops (RoPE and KV-cache writes)",
+}
+
+
+def enabled_rules(overrides=None) -> frozenset:
+    """All rules, minus those named in ``$VEGAFUSE_FUSION_OFF`` (comma-separated),
+    then ``overrides`` ({rule: bool}) applied.  Unknown names raise ValueError."""
+    on = set(RULES)
+    env = [r.strip() for r in os.environ.get("VEGAFUSE_FUSION_OFF", "").split(",") if r.strip()]
+    for name, val in [(r, False) for r in env] + list((overrides or {}).items()):
+        if name not in RULES:
+            raise ValueError(f"unknown fusion rule {name!r}; rules are: {', '.join(RULES)}")
+        (on.add if val else on.discard)(name)
+    return frozenset(on)
+
+
+@dataclass
+class Graph:
+    prog: object
+    producer: dict = field(default_factory=dict)     # Var -> Eqn
+    users: dict = field(default_factory=dict)        # Var -> [Eqn]
+    order: dict = field(default_factory=dict)        # Eqn -> index
+    outputs: set = field(default_factory=set)
+
+    @classmethod
+    def of(cls, prog):
+        g = cls(prog)
+        for i, e in enumerate(prog.eqns):
+            g.producer[e.out] = e
+            g.order[e] = i
+            for a in e.inputs:
+                if isinstance(a, Var):
+                    g.users.setdefault(a, []).append(e)
+        g.outputs = {o for o in prog.outputs if isinstance(o, Var)}
+        return g
+
+    def kind(self, v):
+        e = self.producer.get(v)
+        return None if e is None else e.prim.kind
+
+
+def is_scalar_param(v):
+    return isinstance(v, Var) and v.shape == () and v.dtype == "i32"
+
+
+def materialize(g: Graph, rules) -> set:
+    """The initial materialized set: inputs, outputs, anchors and operands that must be buffers."""
+    m = set(g.prog.inputs) | set(g.outputs)
+    for e in g.prog.eqns:
+        kind, name = e.prim.kind, e.prim.name
+        if kind in ("contract", "opaque") or name == "dynamic_update_slice" or (
+                kind == "reduce" and "reduce" not in rules):
+            m.add(e.out)
+        if kind == "opaque":
+            m.update(a for a in e.inputs if isinstance(a, Var) and not is_scalar_param(a))
+        if name == "dynamic_update_slice" and isinstance(e.inputs[0], Var):
+            m.add(e.inputs[0])
+        if "elementwise" not in rules and kind in ("elementwise", "index") and e.out.shape != ():
+            m.add(e.out)
+        if "prologue" not in rules and kind == "contract" and isinstance(e.inputs[0], Var):
+            m.add(e.inputs[0])
+        if "reduce" not in rules and kind == "reduce" and isinstance(e.inputs[0], Var):
+            m.add(e.inputs[0])
+    return m
+
+
+def _depends_on(g: Graph, v, region, memo):
+    if not isinstance(v, Var) or v in region:
+        return isinstance(v, Var)
+    if v not in memo:
+        e = g.producer.get(v)
+        memo[v] = e is not None and any(_depends_on(g, a, region, memo) for a in e.inputs)
+    return memo[v]
+
+
+def _sibling(g, c, v):
+    """Is ``v`` a contraction with the same activation operand and shape as ``c``?"""
+    e, ce = g.producer.get(v), g.producer[c]
+    return (e is not None and e.prim.kind == "contract" and e.inputs[0] is ce.inputs[0]
+            and e.params == ce.params and v.shape == c.shape and v not in g.outputs)
+
+
+def epilogue_region(g: Graph, c: Var):
+    """Grow the elementwise region that consumes contraction ``c`` at its own index.
+
+    Returns (root, contracts): the single value of the region read outside it, and the
+    contractions (``c`` and same-input siblings, e.g. gate and up) it holds.
+    """
+    region, contracts = {c}, [c]
+    later = [e for e in g.prog.eqns if g.order[e] > g.order[g.producer[c]]]
+    grown = True
+    while grown:
+        grown = False
+        for e in later:
+            if e.out in region or e.prim.kind != "elementwise" or e.out.shape != c.shape:
+                continue
+            if not any(a in region for a in e.inputs if isinstance(a, Var)):
+                continue
+            memo, new = {}, []
+            for a in e.inputs:
+                if not isinstance(a, Var) or a in region:
+                    continue
+                if _sibling(g, c, a) and a not in contracts:
+                    new.append(a)
+                elif _depends_on(g, a, region, memo):
+                    break
+            else:
+                region.add(e.out)
+                region.update(new)
+                contracts += new
+                grown = True
+
+    def outs(reg):
+        return [v for v in reg if v in g.outputs
+                or any(u.out not in reg for u in g.users.get(v, []))]
+
+    # prune the latest elementwise values until one value leaves the region
+    while len(outs(region)) > 1:
+        latest = max((v for v in region if v not in contracts), key=lambda v: g.order[g.producer[v]], default=None)
+        if latest is None:
+            break
+        region.discard(latest)
+        changed = True
+        while changed:               # drop what no longer connects, and unused siblings
+            changed = False
+            for v in list(region):
+                if v is c:
+                    continue
+                e = g.producer[v]
+                if v in contracts:
+                    if not any(u.out in region for u in g.users.get(v, [])):
+                        region.discard(v), contracts.remove(v)
+                        changed = True
+                elif any(isinstance(a, Var) and a not in region and _depends_on(g, a, region - {a}, {})
+                         for a in e.inputs):
+                    region.discard(v)
+                    changed = True
+    out = outs(region)
+    if len(out) != 1:
+        return c, [c], {c}
+    return out[0], contracts, region
+
+
+def plan_epilogues(g: Graph, m: set, rules) -> dict:
+    """Apply the epilogue rule: {root: [contractions fused under it]}; updates ``m``."""
+    epi, taken = {}, set()
+    for e in g.prog.eqns:
+        c = e.out
+        if e.prim.kind != "contract" or c in taken:
+            continue
+        if "epilogue" not in rules or c in g.outputs:
+            epi[c] = [c]
+            taken.add(c)
+            continue
+        root, contracts, region = epilogue_region(g, c)
+        if any(x in taken for x in contracts):
+            root, contracts, region = c, [c], {c}
+        for x in region:
+            if x is not root:
+                m.discard(x)
+        taken.update(contracts)
+        m.add(root)
+        epi[root] = contracts
+    return epi
+
+
+def operand(v):
+    """Shape/dtype-bearing input (Var or Lit)."""
+    return v if isinstance(v, (Var, Lit)) else None

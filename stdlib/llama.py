@@ -1,0 +1,58 @@
+"""The Llama family (Llama, Qwen2, SmolLM, Mistral) in the DSL.
+
+One function runs both prefill (T prompt tokens) and decode (T = 1): the
+position ``pos`` is a runtime scalar, so decode never retraces.  The KV cache is
+static ([Hkv, S, hd] per layer) and updated in place when donated.
+"""
+from __future__ import annotations
+
+import dsl
+
+from .config import LlamaConfig
+from .nn import causal_attention, linear, rms_norm, rope, silu
+
+
+def block(cfg: LlamaConfig, p, x, k_cache, v_cache, pos):
+    """One decoder layer.  x f32 [T, D] -> (x, k_cache, v_cache)."""
+    T = x.shape[0]
+    hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+
+    h = rms_norm(x, p["attn_norm"], cfg.norm_eps)                       # (T, D)
+    q = linear(h, p["wq"], p.get("bq"))                                 # (T, hq*hd)
+    k = linear(h, p["wk"], p.get("bk"))                                 # (T, hkv*hd)
+    v = linear(h, p["wv"], p.get("bv"))                                 # (T, hkv*hd)
+    q = q.reshape(T, hq, hd).transpose(1, 0, 2)                         # (hq, T, hd)
+    k = k.reshape(T, hkv, hd).transpose(1, 0, 2)                        # (hkv, T, hd)
+    v = v.reshape(T, hkv, hd).transpose(1, 0, 2)                        # (hkv, T, hd)
+    q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+    a, k_cache, v_cache = causal_attention(q, k_cache, v_cache, k, v, pos)   # (hq, T, hd)
+    a = a.transpose(1, 0, 2).reshape(T, hq * hd)                        # (T, hq*hd)
+    x = x + linear(a, p["wo"])                                          # (T, D)
+
+    h = rms_norm(x, p["ffn_norm"], cfg.norm_eps)                        # (T, D)
+    x = x + linear(silu(linear(h, p["w_gate"])) * linear(h, p["w_up"]), p["w_down"])   # (T, D)
+    return x, k_cache, v_cache
+
+
+def forward(cfg: LlamaConfig, params, tokens, pos, last, cache):
+    """Run T tokens starting at absolute position ``pos``.
+
+    tokens i32 [T]; pos, last: i32 scalars (``last`` is the row whose logits are returned,
+    so padded prefill buckets work); cache: list of (k, v) [Hkv, S, hd] per layer.
+    Returns (logits f32 [V], new cache).
+    """
+    x = dsl.take(params["embed"], tokens).astype("f32")                 # (T, D)
+    new_cache = []
+    for p, (k_cache, v_cache) in zip(params["layers"], cache):
+        x, k_cache, v_cache = block(cfg, p, x, k_cache, v_cache, pos)
+        new_cache.append((k_cache, v_cache))
+    x = dsl.take(x, dsl.reshape(last, (1,)))                            # (1, D)
+    x = rms_norm(x, params["norm"], cfg.norm_eps)                       # (1, D)
+    logits = linear(x, params.get("lm_head", params["embed"]))          # (1, V)
+    return logits.reshape(-1), new_cache
+
+
+def greedy_forward(cfg: LlamaConfig, params, tokens, pos, last, cache):
+    """``forward`` followed by argmax on the device: returns (next id i32 [], logits, cache)."""
+    logits, cache = forward(cfg, params, tokens, pos, last, cache)
+    return dsl.argmax(logits), logits, cache
