@@ -279,3 +279,45 @@ def format_kernel(k: Kernel) -> str:
                 lines.append(f"{pad}{s.buf}[{format_expr(s.index)}] = {format_expr(s.value)}")
     emit(k.body, 1)
     return "\n".join(lines)
+
+
+def canonicalize(k: Kernel) -> Kernel:
+    """The same kernel with parameters named p0, p1, ... and locals v0, v1, ... in order of
+    appearance.  Kernels that differ only in names (the same layer, 30 times) become equal,
+    so a backend compiles each distinct kernel once."""
+    names = {p.name: f"p{i}" for i, p in enumerate(k.params)}
+
+    def n(x):
+        if x not in names:
+            names[x] = f"v{len(names)}"
+        return names[x]
+
+    def ex(e):
+        if isinstance(e, Sym):
+            return Sym(n(e.name), e.dtype)
+        if isinstance(e, Load):
+            return Load(n(e.buf), ex(e.index), e.dtype)
+        if isinstance(e, Un):
+            return Un(e.op, ex(e.x))
+        if isinstance(e, Bin):
+            return Bin(e.op, ex(e.a), ex(e.b))
+        if isinstance(e, Select):
+            return Select(ex(e.cond), ex(e.a), ex(e.b))
+        if isinstance(e, Cast):
+            return Cast(ex(e.x), e.dtype)
+        return e
+
+    def st(s):
+        if isinstance(s, Loop):
+            return Loop(n(s.var), ex(s.start), ex(s.stop), tuple(st(b) for b in s.body), s.parallel)
+        if isinstance(s, Declare):
+            return Declare(n(s.name), s.dtype, ex(s.init))
+        if isinstance(s, Assign):
+            return Assign(n(s.name), ex(s.value))
+        if isinstance(s, Array):
+            return Array(n(s.name), s.dtype, s.size)
+        return Store(n(s.buf), ex(s.index), ex(s.value))
+
+    params = tuple(Param(names[p.name], p.dtype, p.kind, p.shape, p.role) for p in k.params)
+    body = tuple(st(s) for s in k.body)
+    return Kernel("canonical", k.family, params, body, (), k.bytes, k.flops, dict(k.meta))
