@@ -119,7 +119,7 @@ def broadcast_shapes(*shapes):
     for i in range(nd):
         dims = {s[len(s) - nd + i] for s in shapes if len(s) - nd + i >= 0} - {1}
         if len(dims) > 1:
-            raise DSLError(f"{user_source()}: shapes {[list(s) for s in shapes]} do not broadcast")
+            raise DSLError(f"{user_source()}: shapes {', '.join(str(list(s)) for s in shapes)} do not broadcast")
         out.append(dims.pop() if dims else 1)
     return tuple(out)
 

@@ -183,6 +183,12 @@ def parse_ir(text: str) -> Program:
     """Parse IR text (as printed by ``Program.as_text()``) into a Program.
 
     Raises DSLError for an unknown primitive, an undefined name or a declared
-    type that contradicts the primitive's rule; lark's error for bad syntax."""
-    tree = _parser.parse(text)
-    return _Build().transform(tree)
+    type that contradicts the primitive's rule, or text that does not parse."""
+    from lark.exceptions import LarkError, VisitError
+    try:
+        tree = _parser.parse(text)
+        return _Build().transform(tree)
+    except VisitError as e:
+        raise e.orig_exc if isinstance(e.orig_exc, DSLError) else DSLError(f"IR text: {e.orig_exc}") from None
+    except LarkError as e:
+        raise DSLError(f"IR text does not parse: {str(e).splitlines()[0]}") from None

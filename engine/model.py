@@ -1,0 +1,79 @@
+"""A Llama-family model bound to a backend: static KV cache, prefill, decode step.
+
+    m = Model(cfg, params, backend="cpu", context=2048)
+    logits = m.prefill(prompt_ids)     # f32 [V] for the last prompt token
+    logits = m.decode(next_id)         # f32 [V]; the KV cache grows by one position
+
+Prefill pads the prompt to a power-of-two bucket, so a new prompt length rarely
+compiles anything; the padded rows sit past the prompt in the cache and are
+overwritten by decode before they are ever attended to.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import dsl
+from stdlib import llama
+from stdlib.config import LlamaConfig
+
+from .errors import ModelError
+
+
+class ContextFull(ModelError):
+    """The KV cache has no free position left."""
+
+
+class Model:
+    def __init__(self, cfg: LlamaConfig, params, backend="cpu", context=None, fusion=None):
+        self.cfg, self.params, self.backend = cfg, params, backend
+        self.context = int(context or min(cfg.max_seq_len, 2048))
+        if self.context < 1:
+            raise ModelError(f"context must be at least 1, got {self.context}")
+        shape = (cfg.n_kv_heads, self.context, cfg.head_dim)
+        self.cache = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(cfg.n_layers)]
+        self.pos = 0
+
+        def forward(params, tokens, pos, last, cache):
+            return llama.forward(cfg, params, tokens, pos, last, cache)
+        self.step = dsl.jit(forward, donate_argnums=(4,), backend=backend, fusion=fusion)
+
+    def _run(self, tokens, last):
+        logits, self.cache = self.step(self.params, tokens, self.pos, last, self.cache)
+        return logits
+
+    def reset(self):
+        self.pos = 0
+
+    def prefill(self, ids) -> np.ndarray:
+        """Run the prompt ``ids`` (list of ints) from position 0; returns f32 logits [V]."""
+        n = len(ids)
+        if n == 0:
+            raise ModelError("the prompt is empty: give some text to continue")
+        if n >= self.context:
+            raise ModelError(f"the prompt has {n} tokens but the context holds {self.context}; "
+                             f"shorten the prompt or raise --context")
+        tokens = np.zeros(self.bucket(n), np.int32)
+        tokens[:n] = ids
+        self.pos = 0
+        logits = self._run(tokens, n - 1)
+        self.pos = n
+        return logits
+
+    def decode(self, token_id) -> np.ndarray:
+        """Append one token at the current position; returns f32 logits [V]."""
+        if self.pos >= self.context:
+            raise ContextFull(f"the KV cache is full ({self.context} positions); raise --context")
+        logits = self._run(np.array([token_id], np.int32), 0)
+        self.pos += 1
+        return logits
+
+    def bucket(self, n):
+        """Padded prefill length for an n-token prompt: a power of two, at least 8."""
+        return min(self.context, max(8, 1 << (n - 1).bit_length()))
+
+    def compile(self, n_prompt=None):
+        """Compile the decode step (and the prefill bucket of an n_prompt-token prompt) ahead
+        of time; returns the decode executable (``.fusion_report()``, ``.kernels``)."""
+        if n_prompt:
+            self.step.compile(self.params, np.zeros(self.bucket(n_prompt), np.int32), 0, 0, self.cache)
+        return self.step.compile(self.params, np.zeros(1, np.int32), 0, 0, self.cache)

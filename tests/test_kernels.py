@@ -1,0 +1,247 @@
+"""Every kernel family, fused and compiled for the CPU, against the float64 reference interpreter.
+
+Also the fusion hazards and numerical failure kinds other engines shipped:
+KV write vs attention read, in-place update vs a later read of the old value,
+f16 RMSNorm overflow, fully masked softmax rows, grouped-query attention.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import dsl
+from fusion import RULES
+from stdlib import nn
+
+rng = np.random.default_rng()
+
+
+def randn(*shape, dtype=np.float32, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def check(f, *args, rtol=2e-4, atol=2e-4, fusion=None, donate=()):
+    """Run ``f`` fused on the CPU and in the f64 reference; compare every output."""
+    ref_args = [[x.copy() for x in a] if isinstance(a, list) else a.copy() if isinstance(a, np.ndarray) else a
+                for a in args]
+    jf = dsl.jit(f, backend="cpu", fusion=fusion, donate_argnums=donate)
+    low = jf.lower(*ref_args)
+    leaves = dsl.tree_flatten(list(ref_args))[0]
+    want = low.program.run(*leaves, compute_dtype="f64")
+    got = dsl.tree_flatten(jf(*args))[0]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert np.all(np.isfinite(g)) or not np.all(np.isfinite(w))
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=rtol, atol=atol)
+    return jf.compile(*args)
+
+
+def families(c):
+    return [k.family for k in c.plan.kernels]
+
+
+def test_elementwise_chain_is_one_kernel():
+    def f(x, y):
+        return dsl.tanh(x * y + 1.0) - dsl.sigmoid(y) / (dsl.abs(x) + 2.0) + dsl.sqrt(dsl.exp(x * 0.1))
+    c = check(f, randn(7, 33), randn(33))
+    assert families(c) == ["elementwise"]
+
+
+def test_rmsnorm_is_one_reduce_kernel():
+    x, w = randn(5, 64), randn(64)
+    c = check(lambda x, w: nn.rms_norm(x, w, 1e-5), x, w)
+    assert families(c) == ["reduce"]
+
+
+def test_softmax_with_two_reductions_is_one_kernel_and_masked_rows_are_zero():
+    x = randn(6, 40)
+    x[2, :] = -np.inf                                    # a fully masked row
+    c = check(lambda x: nn.softmax(x), x)
+    assert families(c) == ["reduce"]
+    out = dsl.jit(nn.softmax)(x)
+    assert np.all(out[2] == 0) and np.all(np.isfinite(out))
+
+
+def test_f16_rmsnorm_does_not_overflow():
+    x = (rng.uniform(256, 1000, (3, 96)) * rng.choice([-1, 1], (3, 96))).astype(np.float16)
+    w = randn(96).astype(np.float16)
+    check(lambda x, w: nn.rms_norm(x, w, 1e-5), x, w, rtol=2e-3, atol=2e-3)
+
+
+def test_f16_sum_accumulates_in_f32():
+    x = rng.uniform(0.5, 1.5, (2, 4096)).astype(np.float16)   # the sum needs more than f16 precision
+    got = dsl.jit(lambda x: dsl.sum(x.astype("f32"), axis=-1))(x)
+    np.testing.assert_allclose(got, x.astype(np.float64).sum(-1), rtol=1e-5)
+
+
+def test_gemv_with_rmsnorm_prologue_and_residual_epilogue():
+    x, g, w, r = randn(1, 96), randn(96), randn(80, 96, dtype=np.float16), randn(1, 80)
+    c = check(lambda x, g, w, r: r + nn.linear(nn.rms_norm(x, g, 1e-5), w), x, g, w, r, rtol=1e-3, atol=1e-3)
+    assert families(c) == ["contract"]
+
+
+def test_matmul_rows_bias_and_silu_mul_siblings():
+    def mlp(x, wg, wu, b):
+        return nn.silu(nn.linear(x, wg, b)) * nn.linear(x, wu)
+    c = check(mlp, randn(4, 48), randn(40, 48), randn(40, 48), randn(40), rtol=1e-3, atol=1e-3)
+    assert families(c) == ["contract"]                   # gate/up share one kernel and one n loop
+
+
+def test_qkv_horizontal_fusion_shares_the_activation():
+    def qkv(x, wq, wk, wv):
+        h = nn.rms_norm(x, wq[0], 1e-5)
+        return nn.linear(h, wq), nn.linear(h, wk), nn.linear(h, wv)
+    c = check(qkv, randn(2, 64), randn(64, 64), randn(16, 64), randn(16, 64), rtol=1e-3, atol=1e-3)
+    assert families(c) == ["contract"]
+    c = check(qkv, randn(2, 64), randn(64, 64), randn(16, 64), randn(16, 64), rtol=1e-3, atol=1e-3,
+              fusion={"horizontal": False})
+    assert families(c) == ["contract"] * 3
+
+
+def test_batched_matmul_and_transposed_operands():
+    def f(a, b, c):
+        return dsl.matmul(a, b), dsl.dot_t(a, c), dsl.matmul(a, dsl.swapaxes(c, -1, -2))
+    check(f, randn(3, 5, 8), randn(3, 8, 6), randn(3, 7, 8), rtol=1e-4, atol=1e-4)
+
+
+def test_gather_reshape_transpose_slice_concat():
+    def f(table, ids, x):
+        e = dsl.take(table, ids)                             # (4, 12)
+        y = e.reshape(4, 3, 4).transpose(1, 0, 2)            # (3, 4, 4)
+        z = dsl.concatenate([y[..., 2:], -y[..., :2]], axis=-1)
+        return z + x.reshape(3, 1, 4)
+    check(f, randn(10, 12), rng.integers(0, 10, 4).astype(np.int32), randn(12))
+
+
+def test_argmax_first_index_on_ties():
+    x = randn(3, 50)
+    x[1, 7] = x[1, 30] = 99.0
+    got = dsl.jit(lambda x: dsl.argmax(x))(x)
+    np.testing.assert_array_equal(got, [np.argmax(x[0]), 7, np.argmax(x[2])])
+
+
+def reference_attention(q, k, v, pos):
+    """Independent GQA reference: query head h reads kv head h // (Hq // Hkv); float64."""
+    hq, t, d = q.shape
+    group = hq // k.shape[0]
+    out = np.zeros(q.shape)
+    for h in range(hq):
+        for i in range(t):
+            n = pos + i + 1
+            s = np.array([np.dot(q[h, i], k[h // group, j]) for j in range(n)], np.float64) / math.sqrt(d)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[h, i] = p @ v[h // group, :n].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv,t,pos", [(8, 2, 1, 9), (6, 3, 4, 0), (4, 4, 3, 5)])
+def test_kv_write_then_gqa_attention(hq, hkv, t, pos):
+    S, D = 16, 32
+    q, k, v = randn(hq, t, D), randn(hkv, t, D), randn(hkv, t, D)
+    kc, vc = randn(hkv, S, D), randn(hkv, S, D)
+
+    def f(q, k, v, caches, pos):
+        out, kc, vc = nn.causal_attention(q, caches[0], caches[1], k, v, pos)
+        return out, [kc, vc]
+    kc_ref, vc_ref = kc.copy(), vc.copy()
+    c = check(f, q, k, v, [kc, vc], pos, donate=(3,))
+    fam = families(c)
+    assert "attention" in fam and fam.index("attention") > fam.index("scatter" if "scatter" in fam else "elementwise")
+    # the attention kernel reads the cache; the kernel writing it is an earlier launch
+    att = [k for k in c.plan.kernels if k.family == "attention"][0]
+    writers = [k for k in c.plan.kernels if any(p.role != "in" and "caches" in p.name for p in k.params)]
+    assert writers and att not in writers
+    kc_ref[:, pos:pos + t], vc_ref[:, pos:pos + t] = k, v
+    out = dsl.jit(f)(q, k, v, [kc_ref.copy(), vc_ref.copy()], pos)[0]
+    np.testing.assert_allclose(out, reference_attention(q, kc_ref, vc_ref, pos), rtol=1e-4, atol=1e-4)
+
+
+def test_in_place_update_never_moves_before_an_earlier_read():
+    """The old cache is read after the update: the update must not happen in place."""
+    def f(cache, u, pos):
+        new = dsl.dynamic_update_slice(cache, u, [pos, 0])
+        old_sum = dsl.sum(cache, axis=-1)                   # reads the old values
+        return new, old_sum
+    cache, u = randn(8, 16), randn(2, 16)
+    c = check(f, cache.copy(), u, 3, donate=(0,))
+    assert not c.plan.aliases                            # a copy, not an in-place write
+
+
+def test_donated_cache_is_updated_in_place():
+    def f(cache, u, pos):
+        return dsl.dynamic_update_slice(cache, u, [pos, 0])
+    cache, u = randn(8, 16), randn(2, 16)
+    want = cache.copy()
+    want[5:7] = u
+    out = dsl.jit(f, donate_argnums=0)(cache, u, 5)
+    assert out is cache
+    np.testing.assert_array_equal(out, want)
+    out = dsl.jit(f)(want.copy(), u, 100)                 # offsets clamp so the update fits
+    np.testing.assert_array_equal(out[6:8], u)
+
+
+def test_every_rule_can_be_switched_off(monkeypatch):
+    def layer(x, g, wq, wo):
+        h = nn.rms_norm(x, g, 1e-5)
+        return x + nn.linear(nn.silu(nn.linear(h, wq)), wo)
+    args = randn(2, 32), randn(32), randn(48, 32), randn(32, 48)
+    n_on = len(check(layer, *args, rtol=1e-3, atol=1e-3).plan.kernels)
+    for rule in RULES:
+        c = check(layer, *args, rtol=1e-3, atol=1e-3, fusion={rule: False})
+        assert rule not in c.plan.rules
+        assert len(c.plan.kernels) >= n_on
+    monkeypatch.setenv("VEGAFUSE_FUSION_OFF", "prologue,epilogue")
+    c = check(layer, *args, rtol=1e-3, atol=1e-3)
+    assert len(c.plan.kernels) > n_on
+    with pytest.raises(ValueError, match="unknown fusion rule"):
+        dsl.jit(layer, fusion={"nonsense": False}).compile(*args)
+
+
+# ----------------------------------------------------------------------------- property tests
+SHAPES = [(3, 5), (1, 8), (4, 1), (2, 3, 4)]
+UNARY = [dsl.exp, dsl.tanh, dsl.sigmoid, lambda x: -x, lambda x: dsl.sqrt(dsl.abs(x) + 0.5), dsl.sin]
+BINARY = [dsl.add, dsl.sub, dsl.mul, dsl.maximum, dsl.minimum, lambda a, b: a / (dsl.abs(b) + 1.0)]
+
+
+@st.composite
+def programs(draw):
+    """A random straight-line program over a pool of values: elementwise ops, broadcasts,
+    reductions and matmuls, with its inputs."""
+    shape = draw(st.sampled_from(SHAPES))
+    n_in = draw(st.integers(1, 3))
+    ops = draw(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=8))
+    bshape = shape[-1:] if draw(st.booleans()) else (1,) * len(shape)
+    return shape, n_in, bshape, ops
+
+
+def build(shape, n_in, bshape, ops):
+    def f(*xs):
+        pool = list(xs[:-1]) + [xs[-1]]           # the last input broadcasts
+        for kind, i, j in ops:
+            a, b = pool[i % len(pool)], pool[j % len(pool)]
+            if kind == 0:
+                pool.append(UNARY[i % len(UNARY)](a))
+            elif kind in (1, 2):
+                try:
+                    pool.append(BINARY[j % len(BINARY)](a, b))
+                except dsl.DSLError:
+                    pool.append(a * 0.5)
+            elif kind == 3 and a.ndim >= 1:
+                pool.append(dsl.sum(a, axis=-1, keepdims=True) * 0.1 + a if a.ndim > 1 else dsl.sum(a, axis=-1))
+            elif kind == 4 and a.ndim >= 2:
+                w = xs[0]
+                pool.append(dsl.matmul(a, dsl.swapaxes(w, -1, -2)) * 0.1 if a.shape == w.shape else a)
+            else:
+                pool.append(nn.softmax(a) if a.ndim >= 1 else a)
+        return pool[len(xs):]
+    return f
+
+
+@settings(max_examples=25, deadline=None)
+@given(programs())
+def test_random_programs_fused_match_the_reference(prog):
+    shape, n_in, bshape, ops = prog
+    args = [randn(*shape) for _ in range(n_in)] + [randn(*bshape)]
+    check(build(shape, n_in, bshape, ops), *args, rtol=1e-3, atol=1e-3)
