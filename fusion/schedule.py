@@ -158,6 +158,11 @@ def _bytes(params):
     return sum(int(np.prod(p.shape, dtype=np.int64)) * _ITEMSIZE[p.dtype] for p in params if p.kind == "buffer")
 
 
+def describe(e):
+    """One DSL op as it appears in kernel headers: ``dot f32[1,576]  (stdlib/nn.py:39)``."""
+    return f"{e.prim.name} {e.out.dtype}[{','.join(map(str, e.out.shape))}]  ({e.source or '?'})"
+
+
 def _op_list(b):
     return tuple(b.ops)
 
@@ -396,6 +401,9 @@ def _lower_all(lw) -> Plan:
         kernels = merge_loops(kernels)
     for i, k in enumerate(kernels):
         k.name = f"k{i:03d}_{k.name}"
+        eqns = sorted(set(k.ops), key=lw.g.order.get)             # DSL ops, in program order
+        k.meta["eqns"] = eqns
+        k.ops = tuple(describe(e) for e in eqns)
     buffers = {}
     for v, n in lw.names.items():
         buffers.setdefault(n, (tuple(v.shape), v.dtype))
