@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from dsl.core import DSLError
+
 from .errors import ModelError
 from .sampling import is_eos, sample
 
@@ -73,7 +75,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         return run(args)
-    except (ModelError, ValueError) as e:
+    except (ModelError, ValueError, DSLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
