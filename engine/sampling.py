@@ -1,0 +1,60 @@
+"""Next-token sampling: temperature, top-k and top-p (nucleus) over one logits row."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def sample(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           rng: np.random.Generator | None = None) -> int:
+    """Pick the next token id from ``logits``.
+
+    Args:
+        logits: shape [V], float (float32 expected); -inf entries are never picked.
+        temperature: 0 -> greedy argmax (first index of the max on ties);
+            otherwise logits are divided by it before the softmax.
+        top_k: keep the k most likely ids (<= 0: no limit; 1: argmax, ties included).
+            Ties at the k-th place keep the lower ids.
+        top_p: keep the smallest set of most likely ids whose probability sum
+            reaches ``top_p`` (after top_k); 1.0 keeps everything.
+        rng: a seeded ``np.random.Generator`` (required unless greedy).
+
+    Returns:
+        the chosen id as a Python int.
+
+    Raises:
+        ValueError: logits not 1-D, temperature < 0, top_p outside (0, 1],
+            or rng missing when sampling.
+    """
+    logits = np.asarray(logits)
+    if logits.ndim != 1:
+        raise ValueError(f"logits must have shape [V], got {logits.shape}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if temperature == 0 or top_k == 1:
+        return int(np.argmax(logits))
+    if rng is None:
+        raise ValueError("sampling with temperature > 0 needs an np.random.Generator")
+    z = logits.astype(np.float64) / temperature
+    if top_k > 0 or top_p < 1:
+        order = np.arange(len(z))
+        if 0 < top_k < len(z):                         # the k best ids, ties -> lower ids
+            kth = np.partition(z, -top_k)[-top_k]
+            tied = np.flatnonzero(z == kth)[: top_k - int(np.count_nonzero(z > kth))]
+            order = np.sort(np.concatenate([np.flatnonzero(z > kth), tied]))
+        order = order[np.argsort(-z[order], kind="stable")]   # most likely first, ties by id
+        z = z[order]
+    else:
+        order = None
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(p), top_p)) + 1   # first prefix with sum >= top_p
+        p = p[:keep] / p[:keep].sum()
+    cdf = np.cumsum(p)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(i if order is None else order[i])
+
+
+def is_eos(token_id: int, eos_ids) -> bool:
+    """True if ``token_id`` is one of ``eos_ids`` (an iterable of ints, e.g. LlamaConfig.eos_ids)."""
+    return int(token_id) in tuple(eos_ids)

@@ -1,0 +1,172 @@
+"""Tests for engine.tokenizer on the real SmolLM2 GGUF vocabulary."""
+import gguf
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.weights import default_model_path
+
+
+@pytest.fixture(scope="module")
+def fields():
+    return gguf.GGUFReader(default_model_path()).fields
+
+
+@pytest.fixture(scope="module")
+def tok(fields):
+    return Tokenizer.from_gguf(fields)
+
+
+PARIS = [7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34, 32, 33, 40, 29, 32, 33, 29, 34, 34, 216]
+
+TEXTS = [
+    "The capital of France is",
+    "  leading spaces,\ttabs\tand trailing   ",
+    "line one\nline two\r\n\n\nend",
+    "Punctuation!? ... (brackets) [x] {y} <tag> 'quotes' \"double\" -- a/b\\c @#$%^&*",
+    "emoji 😀🤖👍🏽 and a family 👩‍👩‍👧‍👦 zwj",
+    "multibyte: café naïve Ωμέγα Москва 日本語テキスト 한국어 العربية עברית",
+    "numbers 3.14159, 2024-01-22, 1,000,000",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "",
+]
+
+
+def test_known_ids(tok):
+    assert tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    assert tok.decode(PARIS) == " Paris.\n\nThe answer is: 2018-01-22 "
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_roundtrip(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_special_tokens_are_single_ids_and_no_bos(tok):
+    assert tok.encode("<|im_start|>") == [1]
+    assert tok.encode("<|im_end|>") == [2]
+    assert tok.encode("<|endoftext|>") == [0]
+    assert tok.encode("<|im_start|>assistant\n")[0] == 1
+    assert tok.encode("") == []
+    assert tok.encode("Hi")[0] not in (0, 1, 2)                # no BOS added
+    assert tok.eos_id == 2 and tok.bos_id == 1 and tok.vocab_size == 49152
+    assert tok.decode([1, 2], skip_special=True) == ""
+
+
+def test_digits_split_one_by_one(tok):
+    ids = tok.encode("12345")
+    assert len(ids) == 5 and [tok.decode([i]) for i in ids] == list("12345")
+
+
+def test_stream_decoder_emoji_split_over_tokens(tok):
+    ids = tok.encode("😀")
+    assert len(ids) >= 2                                     # 4 UTF-8 bytes, several tokens
+    assert all("\ufffd" in tok.decode([i]) for i in ids)      # no token alone is a character
+    sd = tok.stream_decoder()
+    pieces = [sd.push(i) for i in ids]
+    assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "😀"
+    assert sd.flush() == ""
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_decoder_concatenation(tok, text):
+    ids = tok.encode(text)
+    sd = StreamDecoder(tok)
+    pieces = [sd.push(i) for i in ids] + [sd.flush()]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_decoder_flushes_invalid_tail(tok):
+    ids = tok.encode("ok 😀")[:-1]                            # cut inside the emoji
+    sd = tok.stream_decoder()
+    text = "".join(sd.push(i) for i in ids)
+    assert text == "ok" and "\ufffd" not in text
+    assert text + sd.flush() == tok.decode(ids)
+
+
+# SmolLM2's byte-level vocabulary lacks the byte tokens 0x04 0x06 0x13 0x14 0x16 0x1d
+# (and 0xf1 0xf2, lead bytes of U+40000..U+BFFFF, plus bytes never valid in UTF-8);
+# such characters are dropped by encode, exactly as with the model's own tokenizer.json.
+MISSING_BYTES = "\x04\x06\x13\x14\x16\x1d"
+
+
+def test_vocabulary_gaps_are_dropped(tok):
+    assert tok.decode(tok.encode("a\x04b")) == "ab"
+    assert tok.decode(tok.encode("\U00040000")) == "\ufffd" * 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_characters="\ufffd" + MISSING_BYTES,
+                                      blacklist_categories=("Cs",), max_codepoint=0x3FFFF),
+               max_size=40))
+def test_roundtrip_and_stream_property(tok, text):
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    sd = tok.stream_decoder()
+    pieces = [sd.push(i) for i in ids] + [sd.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_chat_template_from_gguf(tok):
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    assert tok.apply_chat_template(msgs) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    with_system = [{"role": "system", "content": "Be brief."}] + msgs
+    out = tok.apply_chat_template(with_system, add_generation_prompt=False)
+    assert out == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+    assert tok.encode(out).count(1) == 2 and tok.encode(out).count(2) == 2
+
+
+def test_chat_template_chatml_fallback(tok):
+    plain = Tokenizer(tok.hf, eos_id=2)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert plain.apply_chat_template(msgs) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
+def test_save_and_from_file(tok, tmp_path):
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    tok2 = Tokenizer.from_file(str(path), eos_id=2)
+    for text in TEXTS:
+        assert tok2.encode(text) == tok.encode(text)
+    assert tok2.decode(PARIS) == tok.decode(PARIS)
+    assert tok2.eos_id == 2
+
+
+def test_from_file_errors(tmp_path):
+    from engine.errors import ModelError
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    with pytest.raises(ModelError, match="tokenizer.json"):
+        Tokenizer.from_file(str(bad))
+
+
+class _Field:
+    def __init__(self, value):
+        self.value = value
+
+    def contents(self):
+        return self.value
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt2", "smollm"])
+def test_pre_tokenizer_variants(fields, pre):
+    fake = {k: _Field(f.contents()) for k, f in fields.items() if k.startswith("tokenizer.")}
+    fake["tokenizer.ggml.pre"] = _Field(pre)
+    t = Tokenizer.from_gguf(fake)
+    text = "Hello world's 12345 <|im_end|> 😀\n\n  x"
+    assert t.decode(t.encode(text)) == text
+    pieces = [p for p, _ in t.hf.pre_tokenizer.pre_tokenize_str("ab 12345")]
+    assert pieces == {"llama-bpe": ["ab", "Ġ", "123", "45"]}.get(pre, ["ab", "Ġ", *"12345"])
+
+
+def test_from_gguf_rejects_sentencepiece():
+    from engine.errors import ModelError
+    with pytest.raises(ModelError, match="not supported"):
+        Tokenizer.from_gguf({"tokenizer.ggml.model": _Field("llama"),
+                             "tokenizer.ggml.tokens": _Field(["a"])}, source="m.gguf")
