@@ -242,7 +242,7 @@ def contract_kernel(lw, a, roots):
     pro = b.expr(a, b.row_idx + (L.Sym(k, "i32"),))
     pro = pro if pro.dtype == "f32" else L.Cast(pro, "f32")
     stmts = [L.Array(act, "f32", K), L.Loop(k, L.c(0), L.c(K), (L.Store(act, L.Sym(k, "i32"), pro),))]
-    writes, flops = {}, 0
+    writes, flops, segments = {}, 0, []
     for r in roots:
         contracts = lw.epi[r]
         n = fresh("n")
@@ -251,7 +251,7 @@ def contract_kernel(lw, a, roots):
         b.n_idx = nsym
         kk = fresh("k")
         ksym = L.Sym(kk, "i32")
-        upd = []
+        upd, dots = [], []
         for c in contracts:
             ce = lw.g.producer[c]
             b.ops.append(ce)
@@ -260,6 +260,11 @@ def contract_kernel(lw, a, roots):
             wv = b.expr(w, bidx)
             wv = wv if wv.dtype == "f32" else L.Cast(wv, "f32")
             acc = b.accs[c]
+            is_buffer = w in lw.materialized or w not in lw.g.producer
+            rows_of_w = L.linear_index(b.row_idx[:-1] + (nsym,), w.shape[:-1])
+            # a weight row contiguous in k: the GPU renderers load it 16 bytes at a time
+            contig = (lw.buffer_of(w), w.dtype, rows_of_w) if is_buffer and ce.params["trans_b"] else None
+            dots.append({"acc": acc.name, "b": wv, "contig": contig})
             upd.append(L.Assign(acc.name, L.Bin("add", acc, L.Bin("mul", L.Load(act, ksym, "f32"), wv))))
             flops += 2 * int(np.prod(c.shape, dtype=np.int64)) * K
         if r in b.accs:
@@ -276,12 +281,15 @@ def contract_kernel(lw, a, roots):
         seg += [L.Loop(kk, L.c(0), L.c(K), tuple(upd)),
                 L.Store(out, L.linear_index(b.row_idx + (nsym,), r.shape), val)]
         stmts.append(L.Loop(n, L.c(0), L.c(r.shape[-1]), tuple(seg), parallel=True))
+        segments.append({"n": n, "N": r.shape[-1], "k": kk, "dots": dots, "out": out,
+                         "index": seg[-1].index, "value": val})
     b.accs, b.n_idx = {}, None
     body = _nest(rv, rows, tuple(b.row_stmts) + tuple(stmts), parallel_outer=False)
     params = _params(lw, b, writes)
     name = "gemv" if int(np.prod(rows, dtype=np.int64)) == 1 else "matmul"
     return L.Kernel(f"{name}_{'_'.join(writes)}", "contract", params, body, _op_list(b), _bytes(params), flops,
-                    meta={"K": K, "rows": rows})
+                    meta={"K": K, "rows": rows, "row_vars": rv, "row_stmts": tuple(b.row_stmts), "act": act,
+                          "kvar": k, "prologue": pro, "segments": segments})
 
 
 def attention_kernel(lw, r):
@@ -330,7 +338,9 @@ def attention_kernel(lw, r):
     body = (L.Loop(h, L.c(0), L.c(hq), (L.Loop(t, L.c(0), L.c(t_len), per_query),), parallel=True),)
     params = _params(lw, b, {out: r})
     flops = 4 * hq * t_len * d * s_len
-    return L.Kernel(f"attention_{out}", "attention", params, body, _op_list(b), _bytes(params), flops)
+    meta = {"q": qn, "k": kn, "v": vn, "out": out, "Hq": hq, "Hkv": hkv, "T": t_len, "S": s_len, "D": d,
+            "pos": p, "scale": e.params["scale"], "dtypes": (q.dtype, kc.dtype, vc.dtype)}
+    return L.Kernel(f"attention_{out}", "attention", params, body, _op_list(b), _bytes(params), flops, meta=meta)
 
 
 def merge_loops(kernels):

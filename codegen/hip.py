@@ -1,0 +1,453 @@
+"""Render Loop IR kernels to HIP C++ for gfx906, and the same source for NVIDIA (NVRTC).
+
+``render_hip(kernel, target) -> HipKernel`` (source, entry name, launch geometry).
+
+The kernel body is the same text for every target: everything that differs
+(wave width, half types, the 16-byte load + dot product, the wave reduction)
+is written into a prelude from the target table (``codegen/targets.py``).
+
+Families and their GPU mapping:
+* contract (GEMV/matmul): the workgroup computes the prologue (RMSNorm included,
+  its sum of squares as a block reduction) into LDS once; each wave then owns
+  output rows, its lanes stride over k with 16-byte weight loads against the
+  activation in LDS, and a wave reduction feeds the epilogue on lane 0.
+* attention: one workgroup per (query head, query row); its waves split the
+  context 0..pos+t, lanes hold head-dim elements, partial softmax states are
+  combined with log-sum-exp in LDS.
+* elementwise / scatter / reduce: every thread runs the Loop IR body; each
+  parallel loop becomes a grid-stride loop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import loopir as L
+from .targets import Target, get_target, occupancy_lds
+
+CTYPE = {"f32": "float", "f16": "vf_half", "i32": "int", "bool": "bool"}
+ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
+
+# ------------------------------------------------------------------------------------ prelude
+_DEFINES = r"""#define VF_WAVE {wave}
+#define VF_BLOCK {block}
+#define VF_WAVES (VF_BLOCK / VF_WAVE)
+"""
+
+_COMMON = r"""__device__ __forceinline__ float vf_wave_sum(float v) {{
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
+  return v;
+}}
+__device__ __forceinline__ float vf_wave_max(float v) {{
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v = fmaxf(v, vf_shfl_xor(v, m));
+  return v;
+}}
+// block-wide reductions through LDS (every thread gets the result)
+__device__ __forceinline__ float vf_block_sum(float v, float* red) {{
+  v = vf_wave_sum(v);
+  __syncthreads();
+  if (threadIdx.x % VF_WAVE == 0) red[threadIdx.x / VF_WAVE] = v;
+  __syncthreads();
+  v = 0.0f;
+  for (int w = 0; w < VF_WAVES; ++w) v += red[w];
+  return v;
+}}
+__device__ __forceinline__ float vf_block_max(float v, float* red) {{
+  v = vf_wave_max(v);
+  __syncthreads();
+  if (threadIdx.x % VF_WAVE == 0) red[threadIdx.x / VF_WAVE] = v;
+  __syncthreads();
+  v = -VF_INF;
+  for (int w = 0; w < VF_WAVES; ++w) v = fmaxf(v, red[w]);
+  return v;
+}}
+"""
+
+_AMD = r"""// target {name}: AMD, wave{wave}, v_dot2_f32_f16 {dot2}
+typedef _Float16 vf_half;
+typedef _Float16 vf_half2 __attribute__((ext_vector_type(2)));
+typedef _Float16 vf_half8 __attribute__((ext_vector_type(8)));
+typedef float vf_float4 __attribute__((ext_vector_type(4)));
+#define VF_INF __builtin_inff()
+__device__ __forceinline__ float vf_h2f(vf_half x) {{ return (float)x; }}
+__device__ __forceinline__ vf_half vf_f2h(float x) {{ return (vf_half)x; }}
+__device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
+"""
+
+_AMD_DOT2 = r"""// the activation lives in LDS as f16 pairs; one v_dot2_f32_f16 per pair
+typedef vf_half vf_act_t;
+__device__ __forceinline__ vf_act_t vf_to_act(float x) { return (vf_half)x; }
+__device__ __forceinline__ float vf_from_act(vf_act_t x) { return (float)x; }
+__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {
+  const vf_half8 wv = *(const vf_half8*)w;          // one 16-byte global load
+  const vf_half8 av = *(const vf_half8*)a;          // one 16-byte LDS read
+  acc = __builtin_amdgcn_fdot2(av.s01, wv.s01, acc, false);
+  acc = __builtin_amdgcn_fdot2(av.s23, wv.s23, acc, false);
+  acc = __builtin_amdgcn_fdot2(av.s45, wv.s45, acc, false);
+  acc = __builtin_amdgcn_fdot2(av.s67, wv.s67, acc, false);
+  return acc;
+}
+__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {
+  const vf_float4 wv = *(const vf_float4*)w;
+  for (int i = 0; i < 4; ++i) acc += (float)a[i] * wv[i];
+  return acc;
+}
+"""
+
+_AMD_F32ACT = r"""typedef float vf_act_t;
+__device__ __forceinline__ vf_act_t vf_to_act(float x) { return x; }
+__device__ __forceinline__ float vf_from_act(vf_act_t x) { return x; }
+__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {
+  const vf_half8 wv = *(const vf_half8*)w;
+  for (int i = 0; i < 8; ++i) acc += a[i] * (float)wv[i];
+  return acc;
+}
+__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {
+  const vf_float4 wv = *(const vf_float4*)w;
+  for (int i = 0; i < 4; ++i) acc += a[i] * wv[i];
+  return acc;
+}
+"""
+
+_NVIDIA = r"""// target {name}: NVIDIA, warp{wave}
+#include <cuda_fp16.h>
+typedef __half vf_half;
+#define VF_INF __int_as_float(0x7f800000)
+__device__ __forceinline__ float vf_h2f(vf_half x) {{ return __half2float(x); }}
+__device__ __forceinline__ vf_half vf_f2h(float x) {{ return __float2half(x); }}
+__device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
+typedef float vf_act_t;
+__device__ __forceinline__ vf_act_t vf_to_act(float x) {{ return x; }}
+__device__ __forceinline__ float vf_from_act(vf_act_t x) {{ return x; }}
+__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {{
+  const uint4 raw = *(const uint4*)w;               // one 16-byte global load
+  const __half2* h = (const __half2*)&raw;
+  const float4 a0 = *(const float4*)a, a1 = *(const float4*)(a + 4);
+  float2 f;
+  f = __half22float2(h[0]); acc = fmaf(a0.x, f.x, acc); acc = fmaf(a0.y, f.y, acc);
+  f = __half22float2(h[1]); acc = fmaf(a0.z, f.x, acc); acc = fmaf(a0.w, f.y, acc);
+  f = __half22float2(h[2]); acc = fmaf(a1.x, f.x, acc); acc = fmaf(a1.y, f.y, acc);
+  f = __half22float2(h[3]); acc = fmaf(a1.z, f.x, acc); acc = fmaf(a1.w, f.y, acc);
+  return acc;
+}}
+__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {{
+  const float4 wv = *(const float4*)w, av = *(const float4*)a;
+  return fmaf(av.x, wv.x, fmaf(av.y, wv.y, fmaf(av.z, wv.z, fmaf(av.w, wv.w, acc))));
+}}
+"""
+
+
+def prelude(t: Target) -> str:
+    """Everything target-specific in a kernel's source, from the target table."""
+    if t.vendor == "amd":
+        head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
+        head += _AMD_DOT2 if t.dot2 else _AMD_F32ACT
+    else:
+        head = _NVIDIA.format(name=t.name, wave=t.wave)
+    return _DEFINES.format(wave=t.wave, block=t.block) + head + _COMMON.format()
+
+
+# ------------------------------------------------------------------------------------ expressions
+def _const(e: L.Const) -> str:
+    if e.dtype == "bool":
+        return "true" if e.value else "false"
+    if e.dtype == "i32":
+        return str(int(e.value))
+    v = float(e.value)
+    if math.isinf(v):
+        return "VF_INF" if v > 0 else "(-VF_INF)"
+    if math.isnan(v):
+        return "(VF_INF - VF_INF)"
+    s = repr(v)
+    return (s if ("." in s or "e" in s) else s + ".0") + "f" if e.dtype == "f32" else f"vf_f2h({s}f)"
+
+
+UNARY = {
+    "neg": "(-{x})", "exp": "expf({x})", "log": "logf({x})", "sqrt": "sqrtf({x})", "rsqrt": "rsqrtf({x})",
+    "sin": "sinf({x})", "cos": "cosf({x})", "tanh": "tanhf({x})", "logistic": "(1.0f / (1.0f + expf(-({x}))))",
+    "abs": "fabsf({x})", "not": "(!{x})",
+}
+BINARY = {
+    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",
+    "max": "fmaxf({a}, {b})", "min": "fminf({a}, {b})", "idiv": "({a} / {b})", "mod": "({a} % {b})",
+    "lt": "({a} < {b})", "le": "({a} <= {b})", "gt": "({a} > {b})", "ge": "({a} >= {b})",
+    "eq": "({a} == {b})", "ne": "({a} != {b})", "and": "({a} && {b})", "or": "({a} || {b})",
+}
+INT_BINARY = {"max": "max({a}, {b})", "min": "min({a}, {b})"}
+
+
+def expr(e) -> str:
+    """C expression for a Loop IR expression.  f16 values are converted to f32 by explicit Casts."""
+    if isinstance(e, L.Const):
+        return _const(e)
+    if isinstance(e, L.Sym):
+        return e.name
+    if isinstance(e, L.Load):
+        return f"{e.buf}[{expr(e.index)}]"
+    if isinstance(e, L.Un):
+        x = expr(e.x)
+        if e.dtype == "i32" and e.op in ("neg", "abs"):
+            return "(-{x})".format(x=x) if e.op == "neg" else f"abs({x})"
+        return UNARY[e.op].format(x=x)
+    if isinstance(e, L.Bin):
+        table = INT_BINARY if e.a.dtype == "i32" and e.op in INT_BINARY else BINARY
+        return table[e.op].format(a=expr(e.a), b=expr(e.b))
+    if isinstance(e, L.Select):
+        return f"({expr(e.cond)} ? {expr(e.a)} : {expr(e.b)})"
+    if isinstance(e, L.Cast):
+        src, dst = e.x.dtype, e.dtype
+        if src == dst:
+            return expr(e.x)
+        if src == "f16":
+            inner = f"vf_h2f({expr(e.x)})"
+            return inner if dst == "f32" else f"({CTYPE[dst]})({inner})"
+        if dst == "f16":
+            return f"vf_f2h((float)({expr(e.x)}))"
+        return f"({CTYPE[dst]})({expr(e.x)})"
+    raise TypeError(e)
+
+
+# ------------------------------------------------------------------------------------ statements
+def _is_reduction_loop(s):
+    """``for k: acc = op(acc, value)`` with op add/max: can run as a block-wide reduction."""
+    return isinstance(s, L.Loop) and s.body and all(
+        isinstance(a, L.Assign) and isinstance(a.value, L.Bin) and a.value.op in ("add", "max")
+        and a.value.a == L.Sym(a.name, "f32") for a in s.body)
+
+
+def stmts(body, ind, cooperative=False):
+    """C for a statement list.  Per-thread semantics; parallel loops become grid-stride loops.
+    ``cooperative``: reduction loops run block-wide (all threads of the workgroup take part)."""
+    out, pad = [], "  " * ind
+    for s in body:
+        if isinstance(s, L.Loop):
+            if cooperative and _is_reduction_loop(s):
+                out.append(f"{pad}for (int {s.var} = {expr(s.start)} + threadIdx.x; {s.var} < {expr(s.stop)}; "
+                           f"{s.var} += VF_BLOCK) {{")
+                out += stmts(s.body, ind + 1)
+                out.append(f"{pad}}}")
+                for a in s.body:
+                    fn = "vf_block_sum" if a.value.op == "add" else "vf_block_max"
+                    out.append(f"{pad}{a.name} = {fn}({a.name}, vf_red);")
+                continue
+            if s.parallel:
+                out.append(f"{pad}for (int {s.var} = {expr(s.start)} + vf_tid; {s.var} < {expr(s.stop)}; "
+                           f"{s.var} += vf_nthreads) {{")
+            else:
+                out.append(f"{pad}for (int {s.var} = {expr(s.start)}; {s.var} < {expr(s.stop)}; ++{s.var}) {{")
+            out += stmts(s.body, ind + 1, cooperative)
+            out.append(f"{pad}}}")
+        elif isinstance(s, L.Declare):
+            out.append(f"{pad}{CTYPE[s.dtype]} {s.name} = {expr(s.init)};")
+        elif isinstance(s, L.Assign):
+            out.append(f"{pad}{s.name} = {expr(s.value)};")
+        elif isinstance(s, L.Array):
+            out.append(f"{pad}{CTYPE[s.dtype]} {s.name}[{s.size}];")
+        elif isinstance(s, L.Store):
+            out.append(f"{pad}{s.buf}[{expr(s.index)}] = {expr(s.value)};")
+    return out
+
+
+# ------------------------------------------------------------------------------------ kernels
+@dataclass
+class HipKernel:
+    """Rendered source plus how to launch it (grid and block in threads' units, dynamic LDS bytes)."""
+    name: str
+    source: str
+    grid: tuple
+    block: tuple
+    dynamic_lds: int
+    kernel: object
+    target: Target
+    body_start: int = 0           # offset where the target-independent kernel text begins
+
+    @property
+    def body(self):
+        return self.source[self.body_start:]
+
+
+def _signature(k: L.Kernel) -> str:
+    args = []
+    for p in k.params:
+        if p.kind == "scalar":
+            args.append(f"int {p.name}")
+        else:
+            const = "const " if p.role == "in" else ""
+            args.append(f"{const}{CTYPE[p.dtype]}* __restrict__ {p.name}")
+    return ", ".join(args)
+
+
+def _header(k: L.Kernel, how: str) -> str:
+    lines = [f"// {k.name}: {k.family} kernel, {k.bytes} bytes moved, {k.flops} flops per call",
+             f"// {how}", "// fused DSL ops:"]
+    lines += [f"//   {op}" for op in k.ops]
+    return "\n".join(lines) + "\n"
+
+
+def _static_extent(e):
+    return e.value if isinstance(e, L.Const) else None
+
+
+def render_generic(k: L.Kernel, t: Target):
+    extents = [_static_extent(s.stop) or 1 for s in L.walk_stmts(k.body) if isinstance(s, L.Loop) and s.parallel]
+    threads = max(extents, default=1)
+    if k.meta.get("single_thread"):
+        threads = 1
+    src = _header(k, "mapping: every thread runs the body; parallel loops are grid-stride loops")
+    src += f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{\n'
+    src += "  const int vf_tid = blockIdx.x * VF_BLOCK + threadIdx.x;\n"
+    src += "  const int vf_nthreads = gridDim.x * VF_BLOCK;\n"
+    src += "\n".join(stmts(k.body, 1)) + "\n}\n"
+    grid = max(1, min(-(-threads // t.block), 65535))
+    return src, grid
+
+
+def _weight_dot(d, K, k_var, t):
+    """The inner loop of one GEMV row: 16-byte weight loads when the row is contiguous."""
+    contig = d["contig"]
+    if contig is not None and contig[1] in ("f16", "f32"):
+        per = 16 // ITEMSIZE[contig[1]]
+        if K % per == 0:
+            fn = "vf_dot8_h" if contig[1] == "f16" else "vf_dot4_f"
+            row = f"(size_t)({expr(contig[2])}) * {K}"
+            return ("vec", per, f"{d['acc']} = {fn}({d['acc']}, {contig[0]} + {row} + vf_k, vf_act + vf_k);")
+    return ("scalar", 1, f"{d['acc']} += vf_from_act(vf_act[{k_var}]) * ({expr(d['b'])});")
+
+
+def render_contract(k: L.Kernel, t: Target):
+    m = k.meta
+    K, segs = m["K"], m["segments"]
+    total = sum(s["N"] for s in segs)
+    lines = [f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{',
+             f"  __shared__ vf_act_t vf_act[{K}];              // the activation, read from LDS in the main loop",
+             "  __shared__ float vf_red[VF_WAVES];",
+             "  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;"]
+    ind = 1
+    for v, n in zip(m["row_vars"], m["rows"]):
+        lines.append(f"{'  ' * ind}for (int {v} = 0; {v} < {n}; ++{v}) {{")
+        ind += 1
+    pad = "  " * ind
+    lines += stmts(m["row_stmts"], ind, cooperative=True)
+    lines += [f"{pad}// prologue: the activation row into LDS",
+              f"{pad}for (int {m['kvar']} = threadIdx.x; {m['kvar']} < {K}; {m['kvar']} += VF_BLOCK)",
+              f"{pad}  vf_act[{m['kvar']}] = vf_to_act({expr(m['prologue'])});",
+              f"{pad}__syncthreads();",
+              f"{pad}// each wave owns output rows; lanes split k",
+              f"{pad}for (int vf_r = blockIdx.x * VF_WAVES + vf_wave; vf_r < {total}; vf_r += gridDim.x * VF_WAVES) {{"]
+    start = 0
+    for j, s in enumerate(segs):
+        cond = "if" if j == 0 else "} else if"
+        lines.append(f"{pad}  {cond} (vf_r < {start + s['N']}) {{")
+        p2 = pad + "    "
+        lines.append(f"{p2}const int {s['n']} = vf_r - {start};")
+        for d in s["dots"]:
+            lines.append(f"{p2}float {d['acc']} = 0.0f;")
+        kinds = [_weight_dot(d, K, s["k"], t) for d in s["dots"]]
+        if all(kd[0] == "vec" for kd in kinds) and len({kd[1] for kd in kinds}) == 1:
+            per = kinds[0][1]
+            lines.append(f"{p2}for (int vf_k = vf_lane * {per}; vf_k < {K}; vf_k += VF_WAVE * {per}) {{")
+            lines += [f"{p2}  {kd[2]}" for kd in kinds]
+        else:
+            lines.append(f"{p2}for (int {s['k']} = vf_lane; {s['k']} < {K}; {s['k']} += VF_WAVE) {{")
+            lines += [f"{p2}  {_weight_dot(dict(d, contig=None), K, s['k'], t)[2]}" for d in s["dots"]]
+        lines.append(f"{p2}}}")
+        for d in s["dots"]:
+            lines.append(f"{p2}{d['acc']} = vf_wave_sum({d['acc']});")
+        lines.append(f"{p2}if (vf_lane == 0) {s['out']}[{expr(s['index'])}] = {expr(s['value'])};   // epilogue")
+        start += s["N"]
+    lines.append(f"{pad}  }}")
+    lines.append(f"{pad}}}")
+    lines.append(f"{pad}__syncthreads();")
+    while ind > 1:
+        ind -= 1
+        lines.append(f"{'  ' * ind}}}")
+    lines.append("}")
+    how = (f"mapping: {K}-element activation in LDS; one wave per output row "
+           f"({total} rows), lanes stride k with 16-byte loads")
+    grid = max(1, -(-total // (t.waves_per_block * t.rows_per_wave)))
+    return _header(k, how) + "\n".join(lines) + "\n", grid
+
+
+def render_attention(k: L.Kernel, t: Target):
+    m = k.meta
+    D, S, T = m["D"], m["S"], m["T"]
+    group = m["Hq"] // m["Hkv"]
+    qd, kd, vd = m["dtypes"]
+    ld = lambda buf, idx, dt: f"vf_h2f({buf}[{idx}])" if dt == "f16" else f"{buf}[{idx}]"  # noqa: E731
+    src = f"""extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{
+  // one workgroup per (query head, query row); waves split the context, lanes hold head-dim elements
+  constexpr int D = {D}, S = {S}, T = {T}, DPL = (D + VF_WAVE - 1) / VF_WAVE;
+  __shared__ float vf_m[VF_WAVES], vf_l[VF_WAVES], vf_o[VF_WAVES][D];
+  const int h = blockIdx.x / T, t = blockIdx.x % T, kvh = h / {group};
+  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;
+  const int n = min({expr(m['pos'])} + t + 1, S);        // positions 0..pos+t only
+  const size_t qrow = ((size_t)h * T + t) * D;
+  float q[DPL], o[DPL];
+#pragma unroll
+  for (int j = 0; j < DPL; ++j) {{
+    const int d = vf_lane + j * VF_WAVE;
+    q[j] = d < D ? {ld(m['q'], 'qrow + d', qd)} * {float(m['scale'])!r}f : 0.0f;
+    o[j] = 0.0f;
+  }}
+  float mx = -VF_INF, l = 0.0f;
+  for (int s = vf_wave; s < n; s += VF_WAVES) {{
+    const size_t row = ((size_t)kvh * S + s) * D;
+    float part = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) {{
+      const int d = vf_lane + j * VF_WAVE;
+      if (d < D) part += q[j] * {ld(m['k'], 'row + d', kd)};
+    }}
+    const float sc = vf_wave_sum(part);
+    const float mn = fmaxf(mx, sc), corr = expf(mx - mn), p = expf(sc - mn);
+    l = l * corr + p;
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) {{
+      const int d = vf_lane + j * VF_WAVE;
+      if (d < D) o[j] = o[j] * corr + p * {ld(m['v'], 'row + d', vd)};
+    }}
+    mx = mn;
+  }}
+  // log-sum-exp combine of the waves' partial results
+  if (vf_lane == 0) {{ vf_m[vf_wave] = mx; vf_l[vf_wave] = l; }}
+#pragma unroll
+  for (int j = 0; j < DPL; ++j) {{
+    const int d = vf_lane + j * VF_WAVE;
+    if (d < D) vf_o[vf_wave][d] = o[j];
+  }}
+  __syncthreads();
+  float M = -VF_INF;
+  for (int w = 0; w < VF_WAVES; ++w) M = fmaxf(M, vf_m[w]);
+  float L = 0.0f;
+  for (int w = 0; w < VF_WAVES; ++w) L += vf_m[w] == -VF_INF ? 0.0f : vf_l[w] * expf(vf_m[w] - M);
+  for (int d = threadIdx.x; d < D; d += VF_BLOCK) {{
+    float acc = 0.0f;
+    for (int w = 0; w < VF_WAVES; ++w) acc += vf_m[w] == -VF_INF ? 0.0f : vf_o[w][d] * expf(vf_m[w] - M);
+    {m['out']}[qrow + d] = acc / L;
+  }}
+}}
+"""
+    how = "mapping: workgroup per (head, row); context split over waves; log-sum-exp combine"
+    return _header(k, how) + src, m["Hq"] * T
+
+
+RENDERERS = {"contract": render_contract, "attention": render_attention}
+
+
+def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
+    """HIP source of one kernel for ``target`` (a name or a Target), with its launch geometry."""
+    t = get_target(target) if isinstance(target, str) else target
+    body, grid = RENDERERS.get(k.family, render_generic)(k, t)
+    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t)
+    src = head + "\n" + body
+    static = _static_lds(k, t)
+    return HipKernel(k.name, src, (grid, 1, 1), (t.block, 1, 1), occupancy_lds(t, static), k, t, len(head) + 1)
+
+
+def _static_lds(k, t):
+    if k.family == "contract":
+        act = 2 if (t.vendor == "amd" and t.dot2) else 4
+        return k.meta["K"] * act + 4 * t.waves_per_block
+    if k.family == "attention":
+        return 4 * t.waves_per_block * (2 + k.meta["D"])
+    return 0

@@ -1,0 +1,64 @@
+"""GPU target tables: every target-specific choice of the HIP renderer lives here.
+
+The renderer emits the same kernel body for every target; what differs is the
+prelude it writes from this table (wave width, half-precision types, the
+16-byte vector load, the dot-product and wave-reduction primitives) and the
+launch parameters (workgroup size, occupancy cap).  A test renders every
+kernel for two tables and checks that the sources differ only there.
+
+gfx906 facts (AMD Instinct MI50, Vega 20): wave64, 4 SIMDs and 64 KiB LDS per
+CU, at most 10 waves per SIMD; ``v_dot2_f32_f16``; bandwidth fell 2.3x at 10
+waves per SIMD against 9 in a measured GEMV (shared/reference/000), hence the
+occupancy cap.  Sources: AMD "Vega ISA" reference and ROCm hardware tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str                    # offload arch: "gfx906", "sm_90"
+    vendor: str                  # "amd" | "nvidia"
+    wave: int                    # lanes per wavefront / warp
+    block: int = 256             # threads per workgroup
+    load_bytes: int = 16         # widest global load: 16 bytes = 8 halves (global_load_dwordx4)
+    dot2: bool = False           # fp16 dot2 into f32 (v_dot2_f32_f16): activation kept as f16 in LDS
+    rows_per_wave: int = 1       # GEMV output rows per wave (several rows per workgroup = block/wave * this)
+    max_waves_per_simd: int = 0  # occupancy cap for bandwidth-bound kernels (0: none)
+    simds_per_cu: int = 4
+    lds_per_cu: int = 65536      # bytes
+    lds_granule: int = 512       # LDS allocation granularity, bytes
+    max_waves_hw: int = 10       # hardware limit of waves per SIMD
+    max_static_lds: int = 65536  # bytes of __shared__ a kernel may declare statically
+
+    @property
+    def waves_per_block(self):
+        return self.block // self.wave
+
+
+TARGETS = {
+    "gfx906": Target("gfx906", "amd", wave=64, dot2=True, max_waves_per_simd=9),
+    "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
+                    lds_per_cu=228 * 1024, max_waves_hw=16),
+}
+
+
+def get_target(name: str, **overrides) -> Target:
+    """The table for ``name`` ("gfx906", "sm_90"); keyword overrides (e.g. ``wave=32``) for tests
+    and A/B switches such as ``max_waves_per_simd=0``."""
+    if name not in TARGETS:
+        raise ValueError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+    return replace(TARGETS[name], **overrides) if overrides else TARGETS[name]
+
+
+def occupancy_lds(t: Target, static_lds: int = 0) -> int:
+    """Dynamic LDS bytes to request at launch so that at most ``t.max_waves_per_simd`` waves run per
+    SIMD (the occupancy-cliff switch).  Workgroups per CU = floor(lds_per_cu / lds_per_wg); waves per
+    SIMD = workgroups per CU * waves per workgroup / SIMDs per CU."""
+    if not t.max_waves_per_simd or t.max_waves_per_simd >= t.max_waves_hw:
+        return 0
+    max_wgs = max(1, t.max_waves_per_simd * t.simds_per_cu // t.waves_per_block)
+    need = t.lds_per_cu // (max_wgs + 1) + 1                 # so that max_wgs + 1 workgroups do not fit
+    need = -(-need // t.lds_granule) * t.lds_granule
+    return max(0, need - static_lds)
