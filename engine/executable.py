@@ -25,7 +25,7 @@ class Executable:
         self.program, self.out_tree, self.backend = program, out_tree, backend
         self.plan = build_plan(program, enabled_rules(fusion), input_names, donated)
         self.device = get_device(backend)
-        self.kernels = compile_deduplicated(self.device, self.plan.kernels) if self.device else []
+        self.kernels = self.device.compile_many(self.plan.kernels) if self.device else []
         self._buffers = {}
         for name, (shape, dtype) in self.plan.buffers.items():
             if name not in self.plan.inputs:
@@ -104,21 +104,6 @@ class Executable:
             else:
                 outs.append(self._buffers[o[1]].copy())
         return unflatten(self.out_tree, outs)
-
-
-def compile_deduplicated(device, kernels):
-    """Compile each distinct kernel once (kernels equal up to names share machine code)."""
-    from codegen.loopir import canonicalize, format_kernel
-    keys = [format_kernel(canonicalize(k)) for k in kernels]
-    unique = {}
-    for k, key in zip(kernels, keys):
-        unique.setdefault(key, k)
-    compiled = dict(zip(unique, device.compile_many(list(unique.values()))))
-    out = []
-    for k, key in zip(kernels, keys):
-        twin = compiled[key]
-        out.append(twin if twin.kernel is k else type(twin)(device, k, twin.symbol, twin.address, twin.optimized_ir))
-    return out
 
 
 _DEVICES = {}

@@ -1,0 +1,410 @@
+"""CPU backend: render a Loop IR ``Kernel`` as textual LLVM IR (built with ``llvmlite.ir``).
+
+Function ABI (one exported symbol per kernel)::
+
+    void NAME(ptr args, i32 tid, i32 nthreads)
+
+``args`` is a table of ``len(kernel.params)`` pointers, one per parameter in
+``kernel.params`` order: a buffer parameter's entry points at its first element
+(contiguous, row-major, element type of its dtype, ``bool`` as one byte); a
+scalar parameter's entry points at an ``i32`` that is read once at entry (so a
+launch can be pre-bound and the scalar changed in place between launches).
+
+``NAME`` unpacks the table and calls ``NAME.body(<one argument per param>, tid,
+nthreads)`` whose buffer pointers carry ``noalias`` where that is safe (see
+``_noalias``).  Every thread runs the whole body; the outermost ``parallel``
+loop of each loop nest only runs its own contiguous chunk of iterations
+(``tid`` of ``nthreads``).  Nothing in the generated code creates threads.
+
+Lowering: mutable locals (``Declare``) and local ``Array``s are allocas in the
+entry block (mem2reg/SROA promote them); loops are header/body/latch with an
+i32 induction variable; float arithmetic carries fast-math flags without
+``nnan``/``ninf`` (masked softmax relies on -inf); max/min are ``maxnum``/``minnum``;
+``idiv``/``mod`` are signed i32 ``sdiv``/``srem`` (C semantics, truncating);
+``tanh`` and ``logistic`` are composed from ``llvm.exp``.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from llvmlite import ir
+
+from .loopir import (Array, Assign, Bin, Cast, Const, Declare, Kernel, Load, Loop, Select, Store, Sym, Un,
+                     format_expr, format_kernel)
+
+I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()
+VOID = ir.VoidType()
+TYPES = {"f32": ir.FloatType(), "f16": ir.HalfType(), "i32": I32, "bool": I1}          # SSA value types
+MEM_TYPES = {**TYPES, "bool": I8}                                                       # in-memory types
+ELEM_BYTES = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
+KIND = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
+FMF = ("reassoc", "nsz", "arcp", "contract", "afn")   # `fast` minus nnan/ninf
+MAX_STACK_BYTES = 4 << 20                              # local Arrays live on the (thread's) stack
+
+
+# ----------------------------------------------------------------------------- op tables
+def _fconst(r, ty, v):
+    return ir.Constant(ty, r.float_value(v, ty))
+
+
+def _tanh(r, x):
+    """tanh = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|); odd Taylor polynomial for |x| < 1/16."""
+    b, ty = r.b, x.type
+    ax = r.intr("llvm.fabs", x)
+    e = r.intr("llvm.exp", b.fmul(ax, _fconst(r, ty, -2.0), flags=FMF))
+    one = _fconst(r, ty, 1.0)
+    big = r.intr("llvm.copysign", b.fdiv(b.fsub(one, e, flags=FMF), b.fadd(one, e, flags=FMF), flags=FMF), x)
+    x2 = b.fmul(x, x, flags=FMF)
+    poly = b.fadd(_fconst(r, ty, -1 / 3), b.fmul(x2, _fconst(r, ty, 2 / 15), flags=FMF), flags=FMF)
+    small = b.fadd(x, b.fmul(b.fmul(x, x2, flags=FMF), poly, flags=FMF), flags=FMF)
+    return b.select(b.fcmp_ordered("<", ax, _fconst(r, ty, 1 / 16)), small, big)
+
+
+def _logistic(r, x):
+    one = _fconst(r, x.type, 1.0)
+    e = r.intr("llvm.exp", r.b.fneg(x, flags=FMF))
+    return r.b.fdiv(one, r.b.fadd(one, e, flags=FMF), flags=FMF)
+
+
+UN_TABLE = {
+    "float": {
+        "neg": lambda r, x: r.b.fneg(x, flags=FMF),
+        "exp": lambda r, x: r.intr("llvm.exp", x),
+        "log": lambda r, x: r.intr("llvm.log", x),
+        "sqrt": lambda r, x: r.intr("llvm.sqrt", x),
+        "rsqrt": lambda r, x: r.b.fdiv(_fconst(r, x.type, 1.0), r.intr("llvm.sqrt", x), flags=FMF),
+        "sin": lambda r, x: r.intr("llvm.sin", x),
+        "cos": lambda r, x: r.intr("llvm.cos", x),
+        "tanh": _tanh,
+        "logistic": _logistic,
+        "abs": lambda r, x: r.intr("llvm.fabs", x),
+    },
+    "int": {
+        "neg": lambda r, x: r.b.sub(ir.Constant(I32, 0), x),
+        "abs": lambda r, x: r.intr("llvm.abs", x, ir.Constant(I1, 0)),
+        "not": lambda r, x: r.b.xor(x, ir.Constant(I32, -1)),
+    },
+    "bool": {
+        "not": lambda r, x: r.b.xor(x, ir.Constant(I1, 1)),
+    },
+}
+
+_FCMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+def _fcmp(op):
+    # ordered comparisons, except `ne` which is true for NaN (like C / numpy)
+    if op == "ne":
+        return lambda r, a, b: r.b.fcmp_unordered("!=", a, b, flags=FMF)
+    return lambda r, a, b: r.b.fcmp_ordered(_FCMP[op], a, b, flags=FMF)
+
+
+def _icmp(op):
+    return lambda r, a, b: r.b.icmp_signed(_FCMP[op], a, b)
+
+
+BIN_TABLE = {
+    "float": {
+        "add": lambda r, a, b: r.b.fadd(a, b, flags=FMF),
+        "sub": lambda r, a, b: r.b.fsub(a, b, flags=FMF),
+        "mul": lambda r, a, b: r.b.fmul(a, b, flags=FMF),
+        "div": lambda r, a, b: r.b.fdiv(a, b, flags=FMF),
+        "mod": lambda r, a, b: r.b.frem(a, b, flags=FMF),
+        "max": lambda r, a, b: r.intr("llvm.maxnum", a, b),
+        "min": lambda r, a, b: r.intr("llvm.minnum", a, b),
+        **{op: _fcmp(op) for op in _FCMP},
+    },
+    "int": {
+        "add": lambda r, a, b: r.b.add(a, b, flags=["nsw"]),
+        "sub": lambda r, a, b: r.b.sub(a, b, flags=["nsw"]),
+        "mul": lambda r, a, b: r.b.mul(a, b, flags=["nsw"]),
+        "idiv": lambda r, a, b: r.b.sdiv(a, b),
+        "mod": lambda r, a, b: r.b.srem(a, b),
+        "max": lambda r, a, b: r.intr("llvm.smax", a, b),
+        "min": lambda r, a, b: r.intr("llvm.smin", a, b),
+        "and": lambda r, a, b: r.b.and_(a, b),
+        "or": lambda r, a, b: r.b.or_(a, b),
+        **{op: _icmp(op) for op in _FCMP},
+    },
+    "bool": {
+        "and": lambda r, a, b: r.b.and_(a, b),
+        "or": lambda r, a, b: r.b.or_(a, b),
+        "eq": lambda r, a, b: r.b.icmp_unsigned("==", a, b),
+        "ne": lambda r, a, b: r.b.icmp_unsigned("!=", a, b),
+        "max": lambda r, a, b: r.b.or_(a, b),
+        "min": lambda r, a, b: r.b.and_(a, b),
+    },
+}
+
+# (from, to) -> builder call; looked up by exact dtype first, then by kind.
+CAST_TABLE = {
+    ("f16", "f32"): lambda r, x, ty: r.b.fpext(x, ty),
+    ("f32", "f16"): lambda r, x, ty: r.b.fptrunc(x, ty),
+    ("float", "int"): lambda r, x, ty: r.b.fptosi(x, ty),
+    ("int", "float"): lambda r, x, ty: r.b.sitofp(x, ty),
+    ("bool", "int"): lambda r, x, ty: r.b.zext(x, ty),
+    ("bool", "float"): lambda r, x, ty: r.b.uitofp(x, ty),
+    ("int", "bool"): lambda r, x, ty: r.b.icmp_signed("!=", x, ir.Constant(I32, 0)),
+    ("float", "bool"): lambda r, x, ty: r.b.fcmp_unordered("!=", x, ir.Constant(x.type, 0.0)),
+}
+
+
+# ----------------------------------------------------------------------------- renderer
+def _noalias(kernel: Kernel):
+    """Params whose pointer may be marked noalias.
+
+    "out" buffers never alias another parameter.  "in" and "inout" buffers are
+    marked only when the kernel has no "inout" buffer (read-only pointers may
+    alias each other freely; an inout one might be passed again as an input).
+    """
+    has_inout = any(p.kind == "buffer" and p.role == "inout" for p in kernel.params)
+    return {p.name for p in kernel.params
+            if p.kind == "buffer" and (p.role == "out" or not has_inout)}
+
+
+class _Renderer:
+    def __init__(self, module: ir.Module, kernel: Kernel):
+        self.module, self.kernel = module, kernel
+        self.b: ir.IRBuilder = None
+        self.entry: ir.IRBuilder = None      # positioned in the entry block, for allocas
+        self.tid = self.nthreads = None
+        self.in_parallel = False
+        self.stack_bytes = 0
+
+    # ---- helpers
+    def intr(self, name, *args):
+        """Call the overloaded intrinsic ``name`` (suffix from the first argument's type)."""
+        ty = args[0].type
+        full = f"{name}.{ty.intrinsic_name}"
+        fn = self.module.globals.get(full)
+        if fn is None:
+            fn = ir.Function(self.module, ir.FunctionType(ty, [a.type for a in args]), full)
+        flags = FMF if isinstance(ty, (ir.FloatType, ir.HalfType)) else ()
+        return self.b.call(fn, args, fastmath=flags)
+
+    @staticmethod
+    def float_value(v, ty):
+        # LLVM rejects float literals that are not exactly representable in the type
+        return float(np.float16(v) if isinstance(ty, ir.HalfType) else np.float32(v))
+
+    def fail(self, msg, e=None):
+        where = f" in `{format_expr(e)}`" if e is not None else ""
+        raise TypeError(f"kernel {self.kernel.name}: {msg}{where}")
+
+    def lookup(self, env, name, e=None):
+        if name not in env:
+            self.fail(f"unknown name {name!r}", e)
+        return env[name]
+
+    # ---- expressions
+    def expr(self, e, env):
+        return self.EXPR[type(e)](self, e, env)
+
+    def const(self, e, env):
+        ty = TYPES[e.dtype]
+        if KIND[e.dtype] == "float":
+            return ir.Constant(ty, self.float_value(e.value, ty))
+        return ir.Constant(ty, int(e.value))
+
+    def sym(self, e, env):
+        kind, val, dtype = self.lookup(env, e.name, e)
+        if kind not in ("val", "var"):
+            self.fail(f"{e.name!r} is not a scalar", e)
+        if dtype != e.dtype:
+            self.fail(f"{e.name!r} is {dtype}, used as {e.dtype}", e)
+        return val if kind == "val" else self.b.load(val, typ=TYPES[dtype])
+
+    def element_ptr(self, buf, index, env, e):
+        kind, base, dtype = self.lookup(env, buf, e)
+        if kind not in ("buf", "arr"):
+            self.fail(f"{buf!r} is not a buffer or array", e)
+        idx = self.expr(index, env)
+        if idx.type != I32:
+            self.fail("index must be i32", e)
+        return self.b.gep(base, [idx], inbounds=True, source_etype=MEM_TYPES[dtype]), dtype
+
+    def load(self, e, env):
+        ptr, dtype = self.element_ptr(e.buf, e.index, env, e)
+        v = self.b.load(ptr, typ=MEM_TYPES[dtype], align=ELEM_BYTES[dtype])
+        return self.b.icmp_unsigned("!=", v, ir.Constant(I8, 0)) if dtype == "bool" else v
+
+    def un(self, e, env):
+        fn = UN_TABLE[KIND[e.x.dtype]].get(e.op)
+        if fn is None:
+            self.fail(f"unary op {e.op!r} not defined for {e.x.dtype}", e)
+        return fn(self, self.expr(e.x, env))
+
+    def bin(self, e, env):
+        if e.a.dtype != e.b.dtype:
+            self.fail(f"operand dtypes differ ({e.a.dtype} vs {e.b.dtype})", e)
+        fn = BIN_TABLE[KIND[e.a.dtype]].get(e.op)
+        if fn is None:
+            self.fail(f"binary op {e.op!r} not defined for {e.a.dtype}", e)
+        return fn(self, self.expr(e.a, env), self.expr(e.b, env))
+
+    def select(self, e, env):
+        if e.cond.dtype != "bool" or e.a.dtype != e.b.dtype:
+            self.fail("select needs a bool condition and equal branch dtypes", e)
+        return self.b.select(self.expr(e.cond, env), self.expr(e.a, env), self.expr(e.b, env))
+
+    def cast(self, e, env):
+        x, src, dst = self.expr(e.x, env), e.x.dtype, e.dtype
+        if src == dst:
+            return x
+        for key in ((src, dst), (KIND[src], dst), (src, KIND[dst]), (KIND[src], KIND[dst])):
+            if key in CAST_TABLE:
+                return CAST_TABLE[key](self, x, TYPES[dst])
+        self.fail(f"no cast {src} -> {dst}", e)
+
+    EXPR = {Const: const, Sym: sym, Load: load, Un: un, Bin: bin, Select: select, Cast: cast}
+
+    # ---- statements
+    def stmts(self, body, env):
+        for s in body:
+            self.STMT[type(s)](self, s, env)
+
+    def declare(self, s, env):
+        slot = self.entry.alloca(TYPES[s.dtype], name=s.name)
+        init = self.expr(s.init, env)
+        if init.type != TYPES[s.dtype]:
+            self.fail(f"Declare {s.name}: init has dtype {s.init.dtype}, expected {s.dtype}", s.init)
+        self.b.store(init, slot)
+        env[s.name] = ("var", slot, s.dtype)
+
+    def assign(self, s, env):
+        kind, slot, dtype = self.lookup(env, s.name)
+        if kind != "var":
+            self.fail(f"cannot assign to {s.name!r} (not a Declare'd local)")
+        if s.value.dtype != dtype:
+            self.fail(f"Assign {s.name}: value has dtype {s.value.dtype}, expected {dtype}", s.value)
+        self.b.store(self.expr(s.value, env), slot)
+
+    def array(self, s, env):
+        self.stack_bytes += s.size * ELEM_BYTES[s.dtype]
+        if self.stack_bytes > MAX_STACK_BYTES:
+            self.fail(f"local arrays need {self.stack_bytes} bytes of stack (limit {MAX_STACK_BYTES})")
+        slot = self.entry.alloca(MEM_TYPES[s.dtype], size=s.size, name=s.name)
+        slot.align = 64
+        env[s.name] = ("arr", slot, s.dtype)
+
+    def store(self, s, env):
+        ptr, dtype = self.element_ptr(s.buf, s.index, env, None)
+        if s.value.dtype != dtype:
+            self.fail(f"Store to {s.buf} ({dtype}) of a {s.value.dtype} value", s.value)
+        v = self.expr(s.value, env)
+        if dtype == "bool":
+            v = self.b.zext(v, I8)
+        self.b.store(v, ptr, align=ELEM_BYTES[dtype])
+
+    def chunk(self, start, stop):
+        """[lo, hi) of this thread's contiguous share of [start, stop)."""
+        b = self.b
+        n = self.intr("llvm.smax", b.sub(stop, start), ir.Constant(I32, 0))
+        per = b.sdiv(b.add(n, b.sub(self.nthreads, ir.Constant(I32, 1))), self.nthreads)
+        lo = self.intr("llvm.smin", b.mul(self.tid, per), n)
+        hi = self.intr("llvm.smin", b.add(lo, per), n)
+        return b.add(start, lo, flags=["nsw"]), b.add(start, hi, flags=["nsw"])
+
+    def loop(self, s, env):
+        b, fn = self.b, self.b.function
+        lo, hi = self.expr(s.start, env), self.expr(s.stop, env)
+        split = s.parallel and not self.in_parallel
+        if split:
+            lo, hi = self.chunk(lo, hi)
+        pre = b.block
+        header, body = fn.append_basic_block(f"{s.var}.header"), fn.append_basic_block(f"{s.var}.body")
+        b.branch(header)
+        b.position_at_end(header)
+        i = b.phi(I32, name=s.var)
+        i.add_incoming(lo, pre)
+        cond = b.icmp_signed("<", i, hi)
+        b.position_at_end(body)
+        inner = dict(env)
+        inner[s.var] = ("val", i, "i32")
+        saved, self.in_parallel = self.in_parallel, self.in_parallel or split
+        self.stmts(s.body, inner)
+        self.in_parallel = saved
+        latch, exit_ = fn.append_basic_block(f"{s.var}.latch"), fn.append_basic_block(f"{s.var}.exit")
+        b.branch(latch)
+        b.position_at_end(latch)
+        i.add_incoming(b.add(i, ir.Constant(I32, 1), flags=["nsw"]), latch)
+        b.branch(header)
+        b.position_at_end(header)
+        b.cbranch(cond, body, exit_)
+        b.position_at_end(exit_)
+
+    STMT = {Loop: loop, Declare: declare, Assign: assign, Array: array, Store: store}
+
+    # ---- functions
+    def render(self, symbol):
+        k = self.kernel
+        noalias = _noalias(k)
+        arg_types = [PTR if p.kind == "buffer" else I32 for p in k.params] + [I32, I32]
+        body_fn = ir.Function(self.module, ir.FunctionType(VOID, arg_types), f"{symbol}.body")
+        body_fn.linkage = "internal"
+        body_fn.attributes.add("nounwind")
+        env = {}
+        for p, a in zip(k.params, body_fn.args):
+            a.name = p.name
+            if p.kind == "buffer":
+                if p.dtype not in MEM_TYPES:
+                    self.fail(f"param {p.name}: unknown dtype {p.dtype}")
+                if p.name in noalias:
+                    a.add_attribute("noalias")
+                a.attributes.align = ELEM_BYTES[p.dtype]
+                if p.size:
+                    a.attributes.dereferenceable = p.size * ELEM_BYTES[p.dtype]
+                env[p.name] = ("buf", a, p.dtype)
+            else:
+                if p.dtype != "i32":
+                    self.fail(f"scalar param {p.name} must be i32")
+                env[p.name] = ("val", a, "i32")
+        self.tid, self.nthreads = body_fn.args[-2], body_fn.args[-1]
+        self.tid.name, self.nthreads.name = "tid", "nthreads"
+        entry, start = body_fn.append_basic_block("entry"), body_fn.append_basic_block("start")
+        self.entry, self.b = ir.IRBuilder(entry), ir.IRBuilder(start)
+        self.stmts(k.body, env)
+        self.b.ret_void()
+        self.entry.branch(start)
+
+        # exported wrapper: unpack the argument table
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [PTR, I32, I32]), symbol)
+        fn.attributes.add("nounwind")
+        table, tid, nthreads = fn.args
+        table.name, tid.name, nthreads.name = "args", "tid", "nthreads"
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        args = []
+        for j, p in enumerate(k.params):
+            ptr = b.load(b.gep(table, [ir.Constant(I32, j)], inbounds=True, source_etype=PTR), typ=PTR,
+                         name=p.name, align=8)
+            args.append(ptr if p.kind == "buffer" else b.load(ptr, typ=I32, align=4, name=p.name))
+        b.call(body_fn, args + [tid, nthreads])
+        b.ret_void()
+        return fn
+
+
+def symbol_name(name: str) -> str:
+    """A C-identifier-like symbol for a kernel name."""
+    s = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    return s if s and not s[0].isdigit() else "k_" + s
+
+
+def render_into(module: ir.Module, kernel: Kernel, symbol: str | None = None) -> ir.Function:
+    """Add ``kernel`` (exported as ``symbol``, default its sanitized name) to ``module``."""
+    return _Renderer(module, kernel).render(symbol or symbol_name(kernel.name))
+
+
+def render_llvm(kernel: Kernel, symbol: str | None = None) -> str:
+    """Textual LLVM IR of ``kernel`` (target independent: no triple / data layout)."""
+    module = ir.Module(name=kernel.name)
+    render_into(module, kernel, symbol)
+    header = "".join(f"; {line}\n" for line in format_kernel_header(kernel))
+    return header + str(module)
+
+
+def format_kernel_header(kernel: Kernel):
+    yield f"{kernel.name} [{kernel.family}] bytes={kernel.bytes} flops={kernel.flops}"
+    for op in kernel.ops:
+        yield f"  op: {op}"
+    yield from format_kernel(kernel).splitlines()

@@ -1,0 +1,752 @@
+"""CPU device: JIT-compile Loop IR kernels with LLVM (llvmlite, MCJIT) and launch them.
+
+Usage::
+
+    dev = CPUDevice()
+    ck = dev.compile(kernel)                     # or dev.compile_many([k1, k2, ...]) (batched)
+    ck({"x": x, "w": w, "out": out}, {"pos": 3}) # checked, convenient launch
+    pos = ScalarSlots(["pos"])
+    run = dev.prepare(ck, {"x": x, "w": w, "out": out}, pos)   # pointers bound once
+    pos["pos"] = 7; run()                        # cheap launch; scalars read at launch time
+    step = dev.plan([run, run2, ...]); step()    # a whole sequence in one native call
+
+Kernel ABI: see ``codegen/llvm.py`` (``void NAME(ptr args, i32 tid, i32 nthreads)``).
+
+Threads: a kernel whose outermost ``parallel`` loops can be split (see
+``threadable``) and that moves more than ``parallel_bytes`` runs on
+``nthreads`` threads: the iteration range is cut into ``nthreads`` chunks
+(the kernel's ``tid``/``nthreads``) that the calling thread and persistent
+worker threads claim with an atomic compare-and-swap, so a late worker never
+stalls a launch (the caller simply runs the chunk itself).  Workers are Python
+threads that sit inside a small native dispatcher (ctypes releases the GIL): it
+spins on a job word in a shared control block and calls the kernel function
+itself, so a hand-off costs well under a microsecond.  After ``spin_us``
+without work a worker returns to Python and sleeps on a semaphore; the next
+launch wakes it.  Launches must come from one Python thread at a time.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import functools
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import llvmlite.binding as llvm
+from llvmlite import ir
+
+from codegen.llvm import render_into, render_llvm, symbol_name
+from codegen.loopir import Kernel, canonicalize, Load, Loop, Store, walk_exprs, walk_stmts
+
+NP_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32),
+             "bool": np.dtype(np.bool_)}
+KERNEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
+_TABLES = {}                      # n -> ctypes array type of n pointers
+
+_llvm_ready = False
+
+
+def _init_llvm():
+    global _llvm_ready
+    if not _llvm_ready:
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        _llvm_ready = True
+
+
+_HOST = {}
+
+
+def _host_target_machine(jit=False):
+    _init_llvm()
+    if not _HOST:
+        _HOST.update(cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten())
+    target = llvm.Target.from_default_triple()
+    return target.create_target_machine(cpu=_HOST["cpu"], features=_HOST["features"], opt=3,
+                                        codemodel="jitdefault" if jit else "default", jit=jit)
+
+
+def host_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+# ----------------------------------------------------------------------------- vector math
+# The loop vectorizer widens llvm.exp/log/sin/cos to vector intrinsics that the backend would
+# scalarize into libm calls; glibc's libmvec has vector versions (x86-64 vector ABI names).
+_VEC_MATH = {"exp": "expf", "log": "logf", "sin": "sinf", "cos": "cosf"}
+
+
+def _libmvec_widths():
+    if not llvm.get_default_triple().startswith("x86_64"):
+        return {}
+    lib = ctypes.util.find_library("mvec")
+    try:
+        llvm.load_library_permanently(lib)
+    except Exception:                       # no libmvec (or lib is None): keep libm calls
+        return {}
+    feats = llvm.get_host_cpu_features()
+    isa = {4: "b"}
+    if feats.get("avx2"):
+        isa[8] = "d"
+    if feats.get("avx512f"):
+        isa[16] = "e"
+    return isa
+
+
+_VEC_ISA = None
+
+
+def _vector_math(text):
+    """Rename vector float math intrinsics to libmvec functions (``_ZGVeN16v_expf`` ...)."""
+    global _VEC_ISA
+    if "f32(<" not in text:
+        return text
+    if _VEC_ISA is None:
+        _VEC_ISA = _libmvec_widths()
+
+    def sub(m):
+        isa = _VEC_ISA.get(int(m.group(2)))
+        return f"@_ZGV{isa}N{m.group(2)}v_{_VEC_MATH[m.group(1)]}" if isa else m.group(0)
+    return re.sub(r"@llvm\.(exp|log|sin|cos)\.v(\d+)f32\b", sub, text)
+
+
+# ----------------------------------------------------------------------------- analysis
+def threadable(kernel: Kernel) -> bool:
+    """Can the kernel's outermost parallel loops be split across threads without a barrier?
+
+    Needs a parallel loop, every Store to a parameter inside an outermost
+    parallel loop, and each written buffer written and read only inside one
+    such loop (so no thread reads what another thread writes).
+    """
+    params = {p.name for p in kernel.params}
+    writes, reads = {}, []                  # region: id of the enclosing outermost parallel loop, or None
+
+    def walk(body, region):
+        for s in body:
+            for f in ("start", "stop", "init", "index", "value"):
+                e = getattr(s, f, None)
+                if e is not None:
+                    reads.extend((x.buf, region) for x in walk_exprs(e) if isinstance(x, Load))
+            if isinstance(s, Store) and s.buf in params:
+                writes.setdefault(s.buf, set()).add(region)
+            if isinstance(s, Loop):
+                walk(s.body, id(s) if s.parallel and region is None else region)
+
+    walk(kernel.body, None)
+    if not any(isinstance(s, Loop) and s.parallel for s in walk_stmts(kernel.body)):
+        return False
+    if any(len(r) > 1 or None in r for r in writes.values()):
+        return False
+    return all(buf not in writes or writes[buf] == {region} for buf, region in reads)
+
+
+# ----------------------------------------------------------------------------- scalars
+class ScalarSlots:
+    """Named i32 scalars living in one numpy array whose addresses launches bind once.
+
+    ``slots["pos"] = 7`` changes the value every prepared launch that bound
+    ``pos`` sees at its next launch.  Names get a slot on first use (up to
+    ``capacity``; the array never moves).
+    """
+
+    def __init__(self, names=(), capacity=64, **values):
+        self.array = np.zeros(capacity, np.int32)
+        self.index = {}
+        for n in names:
+            self.add(n)
+        for n, v in values.items():
+            self[n] = v
+
+    def add(self, name):
+        if name not in self.index:
+            if len(self.index) == len(self.array):
+                raise ValueError(f"ScalarSlots full ({len(self.array)} names)")
+            self.index[name] = len(self.index)
+        return self.index[name]
+
+    def __setitem__(self, name, value):
+        self.array[self.add(name)] = value
+
+    def __getitem__(self, name):
+        return int(self.array[self.index[name]])
+
+    def __contains__(self, name):
+        return name in self.index
+
+    def address(self, name):
+        return self.array.ctypes.data + 4 * self.index[name]
+
+
+# ----------------------------------------------------------------------------- worker pool
+# Control block (int64 slots), written by the launching thread unless noted:
+#   0  job word: seq (bits 32..63) | nchunks (16..31) | next unclaimed chunk (0..15; workers CAS it)
+#   1  fn   2 args   4 quit   5 wake mask (out of vf_launch)
+#   8  chunks done (workers add)   16+8w sleeping flag of worker w   17+8w last seq worker w finished
+# A job is split into nchunks chunks (the kernel's tid / nthreads); every participant, the
+# launching thread included, claims chunks with a CAS on the job word, so a worker that is
+# late (descheduled, asleep) never delays the launch beyond the chunk it actually took.
+_DISPATCH_IR = r"""
+declare i64 @llvm.readcyclecounter()
+{pause_decl}
+
+define i64 @vf_ticks() {{
+  %t = call i64 @llvm.readcyclecounter()
+  ret i64 %t
+}}
+
+; claim and run chunks of job `seq` until none is left (or a newer job was published)
+define internal void @vf_drain(ptr %ctl, ptr %fn, ptr %args, i64 %seq) alwaysinline {{
+entry:
+  %donep = getelementptr i64, ptr %ctl, i64 8
+  br label %look
+look:
+  %word = load atomic i64, ptr %ctl acquire, align 8
+  %s = lshr i64 %word, 32
+  %same = icmp eq i64 %s, %seq
+  %k = and i64 %word, 65535
+  %n16 = lshr i64 %word, 16
+  %n = and i64 %n16, 65535
+  %avail = icmp ult i64 %k, %n
+  %go = and i1 %same, %avail
+  br i1 %go, label %claim, label %out
+claim:
+  %next = add i64 %word, 1
+  %pair = cmpxchg ptr %ctl, i64 %word, i64 %next acq_rel acquire
+  %ok = extractvalue {{ i64, i1 }} %pair, 1
+  br i1 %ok, label %run, label %look
+run:
+  %f = load ptr, ptr %fn
+  %a = load ptr, ptr %args
+  %k32 = trunc i64 %k to i32
+  %n32 = trunc i64 %n to i32
+  call void %f(ptr %a, i32 %k32, i32 %n32)
+  %old = atomicrmw add ptr %donep, i64 1 release
+  br label %look
+out:
+  ret void
+}}
+
+; worker loop: returns 0 when the caller must sleep on its semaphore, 1 on quit
+define i32 @vf_worker(ptr %ctl, i32 %w, i64 %limit) {{
+entry:
+  %w64 = sext i32 %w to i64
+  %b = mul i64 %w64, 8
+  %si = add i64 %b, 16
+  %li = add i64 %b, 17
+  %sleepp = getelementptr i64, ptr %ctl, i64 %si
+  %lastp = getelementptr i64, ptr %ctl, i64 %li
+  %fnp = getelementptr i64, ptr %ctl, i64 1
+  %argsp = getelementptr i64, ptr %ctl, i64 2
+  %quitp = getelementptr i64, ptr %ctl, i64 4
+  br label %wait
+wait:
+  %t0 = call i64 @llvm.readcyclecounter()
+  br label %spin
+spin:
+  %last = load i64, ptr %lastp
+  %word = load atomic i64, ptr %ctl acquire, align 8
+  %seq = lshr i64 %word, 32
+  %new = icmp ne i64 %seq, %last
+  br i1 %new, label %work, label %idle
+work:
+  call void @vf_drain(ptr %ctl, ptr %fnp, ptr %argsp, i64 %seq)
+  store i64 %seq, ptr %lastp
+  br label %wait
+idle:
+  %q = load atomic i64, ptr %quitp monotonic, align 8
+  %quit = icmp ne i64 %q, 0
+  br i1 %quit, label %exit, label %pause
+pause:
+  {pause}
+  %t = call i64 @llvm.readcyclecounter()
+  %dt = sub i64 %t, %t0
+  %tired = icmp ugt i64 %dt, %limit
+  br i1 %tired, label %sleep, label %spin
+sleep:
+  store atomic i64 1, ptr %sleepp seq_cst, align 8
+  %word2 = load atomic i64, ptr %ctl seq_cst, align 8
+  %seq2 = lshr i64 %word2, 32
+  %last2 = load i64, ptr %lastp
+  %still = icmp eq i64 %seq2, %last2
+  br i1 %still, label %block, label %cancel
+cancel:
+  %old = atomicrmw xchg ptr %sleepp, i64 0 seq_cst
+  %ours = icmp eq i64 %old, 1
+  br i1 %ours, label %wait, label %block
+block:
+  ret i32 0
+exit:
+  ret i32 1
+}}
+
+; publish a job of nchunks chunks; returns the mask of sleeping workers the caller must wake
+; (then call vf_finish), or runs the job (vf_finish) and returns 0
+define i32 @vf_launch(ptr %ctl, ptr %fn, ptr %args, i32 %nchunks, i32 %nw) {{
+entry:
+  %fnp = getelementptr i64, ptr %ctl, i64 1
+  %argsp = getelementptr i64, ptr %ctl, i64 2
+  %maskp = getelementptr i64, ptr %ctl, i64 5
+  %donep = getelementptr i64, ptr %ctl, i64 8
+  store atomic i64 0, ptr %donep monotonic, align 8
+  store ptr %fn, ptr %fnp
+  store ptr %args, ptr %argsp
+  %old = load atomic i64, ptr %ctl monotonic, align 8
+  %s = lshr i64 %old, 32
+  %s1 = add i64 %s, 1
+  %hi = shl i64 %s1, 32
+  %n64 = zext i32 %nchunks to i64
+  %mid = shl i64 %n64, 16
+  %word = or i64 %hi, %mid
+  store atomic i64 %word, ptr %ctl seq_cst, align 8
+  br label %check
+check:
+  %w = phi i32 [0, %entry], [%w1, %next]
+  %mask = phi i32 [0, %entry], [%mask2, %next]
+  %more = icmp slt i32 %w, %nw
+  br i1 %more, label %look, label %decide
+look:
+  %w64 = sext i32 %w to i64
+  %b = mul i64 %w64, 8
+  %si = add i64 %b, 16
+  %sleepp = getelementptr i64, ptr %ctl, i64 %si
+  %sl = load atomic i64, ptr %sleepp seq_cst, align 8
+  %asleep = icmp ne i64 %sl, 0
+  br i1 %asleep, label %take, label %next
+take:
+  %was = atomicrmw xchg ptr %sleepp, i64 0 seq_cst
+  %ours = icmp eq i64 %was, 1
+  %bit = shl i32 1, %w
+  %m1 = or i32 %mask, %bit
+  %mask1 = select i1 %ours, i32 %m1, i32 %mask
+  br label %next
+next:
+  %mask2 = phi i32 [%mask, %look], [%mask1, %take]
+  %w1 = add i32 %w, 1
+  br label %check
+decide:
+  %mask64 = zext i32 %mask to i64
+  store i64 %mask64, ptr %maskp
+  %wake = icmp ne i32 %mask, 0
+  br i1 %wake, label %ret_mask, label %finish
+ret_mask:
+  ret i32 %mask
+finish:
+  call void @vf_finish(ptr %ctl, ptr %fn, ptr %args, i32 %nchunks, i32 %nw)
+  ret i32 0
+}}
+
+; run the launching thread's share of the current job, then wait until every chunk is done
+define void @vf_finish(ptr %ctl, ptr %fn, ptr %args, i32 %nchunks, i32 %nw) {{
+entry:
+  %fnp = getelementptr i64, ptr %ctl, i64 1
+  %argsp = getelementptr i64, ptr %ctl, i64 2
+  %donep = getelementptr i64, ptr %ctl, i64 8
+  %word = load atomic i64, ptr %ctl monotonic, align 8
+  %seq = lshr i64 %word, 32
+  call void @vf_drain(ptr %ctl, ptr %fnp, ptr %argsp, i64 %seq)
+  %n64 = zext i32 %nchunks to i64
+  br label %spin
+spin:
+  %d = load atomic i64, ptr %donep acquire, align 8
+  %busy = icmp ult i64 %d, %n64
+  br i1 %busy, label %pause, label %out
+pause:
+  {pause}
+  br label %spin
+out:
+  ret void
+}}
+
+; run plan entries [start, n) (int64 triples fn, args, nthreads); returns n when done, or the
+; index i of a multi-threaded entry whose workers must be woken (mask in ctl[5]): the caller
+; wakes them, calls vf_finish for entry i and resumes at i + 1.
+define i32 @vf_run_plan(ptr %ctl, ptr %plan, i32 %start, i32 %n, i32 %nw) {{
+entry:
+  br label %head
+head:
+  %i = phi i32 [%start, %entry], [%i1, %step]
+  %more = icmp slt i32 %i, %n
+  br i1 %more, label %body, label %out
+body:
+  %i64 = sext i32 %i to i64
+  %o = mul i64 %i64, 3
+  %fnp = getelementptr i64, ptr %plan, i64 %o
+  %o1 = add i64 %o, 1
+  %argsp = getelementptr i64, ptr %plan, i64 %o1
+  %o2 = add i64 %o, 2
+  %ntp = getelementptr i64, ptr %plan, i64 %o2
+  %fn = load ptr, ptr %fnp
+  %args = load ptr, ptr %argsp
+  %nt64 = load i64, ptr %ntp
+  %nt = trunc i64 %nt64 to i32
+  %par = icmp sgt i32 %nt, 1
+  br i1 %par, label %multi, label %single
+single:
+  call void %fn(ptr %args, i32 0, i32 1)
+  br label %step
+multi:
+  %mask = call i32 @vf_launch(ptr %ctl, ptr %fn, ptr %args, i32 %nt, i32 %nw)
+  %wake = icmp ne i32 %mask, 0
+  br i1 %wake, label %out, label %step
+step:
+  %i1 = add i32 %i, 1
+  br label %head
+out:
+  ret i32 %i
+}}
+"""
+
+
+class _Pool:
+    """``nworkers`` persistent threads running ``vf_worker``; one control block."""
+
+    def __init__(self, nworkers: int, spin_us: float):
+        self.nworkers = nworkers
+        x86 = llvm.get_default_triple().startswith(("x86_64", "i686", "i386"))
+        text = _DISPATCH_IR.format(pause_decl="declare void @llvm.x86.sse2.pause()" if x86 else "",
+                                   pause="call void @llvm.x86.sse2.pause()" if x86 else "")
+        tm = _host_target_machine(jit=True)
+        mod = llvm.parse_assembly(text)
+        mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
+        mod.verify()
+        self._engine = llvm.create_mcjit_compiler(mod, tm)
+        self._engine.finalize_object()
+        addr = self._engine.get_function_address
+        self.ticks = ctypes.CFUNCTYPE(ctypes.c_int64)(addr("vf_ticks"))
+        self.worker_fn = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64)(
+            addr("vf_worker"))
+        sig = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                               ctypes.c_int32)
+        self.launch_fn = sig(addr("vf_launch"))
+        self.finish_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                          ctypes.c_int32)(addr("vf_finish"))
+        self.run_plan_fn = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                            ctypes.c_int32, ctypes.c_int32)(addr("vf_run_plan"))
+        self.spin_ticks = int(spin_us * self._ticks_per_us())
+        self.ctl = np.zeros(16 + 8 * nworkers + 8, np.int64)
+        self.ctl_addr = self.ctl.ctypes.data
+        self.sems = [threading.Semaphore(0) for _ in range(nworkers)]
+        old = threading.stack_size(64 << 20)          # kernels keep local Arrays on the stack
+        try:
+            self.threads = [threading.Thread(target=self._work, args=(w,), daemon=True, name=f"vf-cpu-{w + 1}")
+                            for w in range(nworkers)]
+            for t in self.threads:
+                t.start()
+        finally:
+            threading.stack_size(old)
+        atexit.register(self.close)
+
+    def _ticks_per_us(self):
+        t0, c0 = time.perf_counter(), self.ticks()
+        time.sleep(0.005)
+        t1, c1 = time.perf_counter(), self.ticks()
+        return max(1.0, (c1 - c0) / ((t1 - t0) * 1e6))
+
+    def _work(self, w):
+        while self.worker_fn(self.ctl_addr, w, self.spin_ticks) == 0:
+            self.sems[w].acquire()
+
+    def wake_from_ctl(self):
+        """Wake the workers whose sleep the last ``vf_launch`` cancelled (mask in ctl[5])."""
+        mask = int(self.ctl[5])
+        for w in range(self.nworkers):
+            if mask >> w & 1:
+                self.sems[w].release()
+
+    def close(self):
+        if self.ctl[4]:
+            return
+        self.ctl[4] = 1
+        for s in self.sems:
+            s.release()
+        for t in self.threads:
+            t.join(timeout=1.0)
+
+
+_pools: dict = {}
+
+
+def _pool(nworkers, spin_us) -> _Pool:
+    """The process-wide pool with ``nworkers`` workers (0: just the native dispatcher, for plans)."""
+    key = (nworkers, spin_us)
+    if key not in _pools:
+        _pools[key] = _Pool(nworkers, spin_us)
+    return _pools[key]
+
+
+# ----------------------------------------------------------------------------- compiled kernels
+class CompiledKernel:
+    """A kernel JIT-compiled for the host.  Call it with ``(buffers, scalars)``."""
+
+    def __init__(self, device, kernel, symbol, address, module_ir, source=None):
+        self.device, self.kernel, self.symbol, self.address = device, kernel, symbol, address
+        self.fn = KERNEL_FN(address)
+        self._module_ir = module_ir             # optimized IR of the module this kernel lives in
+        self._source = source
+        self.threadable = threadable(kernel)
+        self.nthreads = device.default_nthreads(kernel, self.threadable)
+
+    @property
+    def source(self) -> str:
+        """The LLVM IR as rendered (before optimization)."""
+        if self._source is None:
+            self._source = render_llvm(self.kernel, self.symbol)
+        return self._source
+
+    @property
+    def optimized_ir(self) -> str:
+        """The optimized LLVM IR of the module holding this kernel (shared by a ``compile_many`` batch)."""
+        return self._module_ir
+
+    def asm(self) -> str:
+        """Host assembly of this kernel's exported function (inlined body included)."""
+        return self.device.assembly(self)
+
+    def __call__(self, buffers: dict, scalars: dict | None = None, nthreads: int | None = None):
+        self.device.prepare(self, buffers, scalars, nthreads)()
+
+    def __repr__(self):
+        return f"<CompiledKernel {self.kernel.name} as {self.symbol}, nthreads={self.nthreads}>"
+
+
+class Launch:
+    """A prepared launch (argument table bound once).  ``launch()`` runs the kernel; ``launch.run``
+    is the bare callable (one Python frame less, for hot loops)."""
+
+    __slots__ = ("compiled", "nthreads", "table", "keep", "fn_addr", "table_addr", "run")
+
+    def __init__(self, compiled, table, keep, nthreads, pool):
+        self.compiled, self.table, self.keep, self.nthreads = compiled, table, keep, nthreads
+        self.fn_addr = fn = compiled.address
+        self.table_addr = args = ctypes.addressof(table)
+        if nthreads > 1:
+            launch, finish, ctl, nw = pool.launch_fn, pool.finish_fn, pool.ctl_addr, pool.nworkers
+
+            def run():
+                if launch(ctl, fn, args, nthreads, nw):      # some workers were asleep: wake them, join in
+                    pool.wake_from_ctl()
+                    finish(ctl, fn, args, nthreads, nw)
+            self.run = run
+        else:
+            self.run = functools.partial(compiled.fn, args, 0, 1)
+
+    def __call__(self):
+        self.run()
+
+
+class Plan:
+    """A fixed sequence of prepared launches run by one native call: ``plan()``."""
+
+    def __init__(self, launches, pool):
+        self.launches, self.pool = list(launches), pool
+        self.entries = np.array([(l.fn_addr, l.table_addr, l.nthreads) for l in self.launches],
+                                np.int64).reshape(-1, 3)
+
+    def __call__(self):
+        pool, n = self.pool, len(self.launches)
+        plan, ctl, nw = self.entries.ctypes.data, pool.ctl_addr, pool.nworkers
+        i = pool.run_plan_fn(ctl, plan, 0, n, nw)
+        while i < n:                                       # entry i found sleeping workers
+            pool.wake_from_ctl()
+            fn, args, nt = (int(v) for v in self.entries[i])
+            pool.finish_fn(ctl, fn, args, nt, nw)
+            i = pool.run_plan_fn(ctl, plan, i + 1, n, nw)
+
+
+# ----------------------------------------------------------------------------- device
+class CPUDevice:
+    """JIT compiler + launcher for the host CPU.
+
+    ``nthreads``: threads for multi-threaded launches (default: usable cores).
+    ``parallel_bytes``: kernels moving more bytes than this (``Kernel.bytes``) run multi-threaded.
+    ``spin_us``: how long idle workers spin before sleeping.
+    """
+
+    name = "cpu"
+
+    def __init__(self, nthreads: int | None = None, parallel_bytes: int = 256 << 10, spin_us: float | None = None):
+        _init_llvm()
+        self.nthreads = max(1, nthreads or host_threads())
+        self.parallel_bytes = parallel_bytes
+        self.spin_us = float(os.environ.get("VEGAFUSE_SPIN_US", 2000) if spin_us is None else spin_us)
+        self.triple = llvm.get_process_triple()
+        self.cpu_name = llvm.get_host_cpu_name()
+        self._asm_tm = None
+        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _host_target_machine(jit=True))
+        self._symbols = set()
+        self._cache = {}                  # (params, body) -> (symbol, address, optimized module IR)
+        self._pool = None
+
+    # ---- compilation
+    def default_nthreads(self, kernel, can_thread):
+        return self.nthreads if can_thread and kernel.bytes > self.parallel_bytes else 1
+
+    def _symbol(self, kernel):
+        base = symbol_name(kernel.name)
+        sym, n = base, 1
+        while sym in self._symbols:
+            n += 1
+            sym = f"{base}_{n}"
+        self._symbols.add(sym)
+        return sym
+
+    def _compile_object(self, text):
+        """IR text -> (optimized IR text, object code).  Thread-safe: own LLVM context and target machine."""
+        ctx = llvm.create_context()
+        mod = llvm.parse_assembly(text, context=ctx)
+        tm = _host_target_machine(jit=True)
+        mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
+        mod.verify()
+        pto = llvm.create_pipeline_tuning_options(speed_level=3)
+        pto.loop_vectorization = pto.slp_vectorization = pto.loop_unrolling = True
+        pb = llvm.create_pass_builder(tm, pto)
+        pb.getModulePassManager().run(mod, pb)
+        text = str(mod)
+        vectorized = _vector_math(text)
+        if vectorized != text:
+            text, mod = vectorized, llvm.parse_assembly(vectorized, context=ctx)
+            mod.verify()
+        return text, tm.emit_object(mod)
+
+    def compile(self, kernel: Kernel) -> CompiledKernel:
+        """Render, optimize (O3, host CPU) and JIT one kernel."""
+        return self.compile_many([kernel])[0]
+
+    def compile_many(self, kernels, group_size: int = 16) -> list:
+        """Compile kernels in one go.  Kernels equal up to names (``loopir.canonicalize``: the same
+        layer thirty times; here or in an earlier compile on this device) share one function; the others are rendered into
+        modules of ~``group_size`` functions that are optimized and code-generated concurrently
+        on ``nthreads`` threads (llvmlite calls release the GIL)."""
+        kernels = list(kernels)
+        todo = {}                                     # canonical (params, body) -> first kernel
+        keys = []
+        for k in kernels:
+            c = canonicalize(k)
+            key = (c.params, c.body)
+            keys.append(key)
+            if key not in self._cache:
+                todo.setdefault(key, k)
+        if todo:
+            todo_keys, todo = list(todo), list(todo.values())
+            syms = [self._symbol(k) for k in todo]
+            ngroups = min(self.nthreads, -(-len(todo) // group_size))
+            groups = [list(range(g, len(todo), ngroups)) for g in range(ngroups)]
+            texts = []
+            for group in groups:
+                module = ir.Module(name="vegafuse")
+                for i in group:
+                    render_into(module, todo[i], syms[i])
+                texts.append(str(module))
+            if len(texts) > 1:
+                with ThreadPoolExecutor(len(texts)) as ex:
+                    results = list(ex.map(self._compile_object, texts))
+            else:
+                results = [self._compile_object(texts[0])]
+            for _, obj in results:
+                self._engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+            self._engine.finalize_object()
+            for group, (opt_text, _) in zip(groups, results):
+                for i in group:
+                    self._cache[todo_keys[i]] = (syms[i], self._engine.get_function_address(syms[i]), opt_text)
+        return [CompiledKernel(self, k, *self._cache[key]) for k, key in zip(kernels, keys)]
+
+    def assembly(self, compiled: CompiledKernel) -> str:
+        if self._asm_tm is None:
+            self._asm_tm = _host_target_machine(jit=False)
+        mod = llvm.parse_assembly(compiled.optimized_ir)
+        text = self._asm_tm.emit_assembly(mod)
+        sym = re.escape(compiled.symbol)
+        m = re.search(rf'^"?{sym}"?:.*?(?=^\.Lfunc_end|\Z)', text, re.S | re.M)
+        return m.group(0) if m else text
+
+    # ---- launching
+    def _pool_for(self, nthreads):
+        """The worker pool (``self.nthreads - 1`` workers, shared process-wide) for multi-chunk launches."""
+        if nthreads <= 1:
+            return None
+        if self._pool is None:
+            self._pool = _pool(min(self.nthreads, 32) - 1, self.spin_us)   # wake masks are 32-bit
+        return self._pool
+
+    def prepare(self, compiled: CompiledKernel, buffers: dict, scalars=None, nthreads: int | None = None) -> Launch:
+        """Check and bind arguments once; ``launch()`` then runs the kernel.
+
+        ``buffers``: name -> C-contiguous ndarray with the param's dtype and shape.
+        ``scalars``: a ``ScalarSlots`` (bound by address: later changes are seen by the launch),
+        or a dict name -> int (copied now) or name -> int32 ndarray (bound by address).
+        ``nthreads``: chunks to split the parallel loops into (default: the compiled choice;
+        always 1 for kernels that are not ``threadable``).
+        """
+        k = compiled.kernel
+        n = max(1, len(k.params))
+        if n not in _TABLES:
+            _TABLES[n] = ctypes.c_void_p * n
+        table = _TABLES[n]()
+        keep, spans, private = [table, scalars], [], None
+        for j, p in enumerate(k.params):
+            if p.kind == "buffer":
+                a = buffers.get(p.name)
+                self._check_buffer(k, p, a)
+                table[j] = ptr = a.__array_interface__["data"][0]
+                spans.append((p, ptr, ptr + a.nbytes))
+                keep.append(a)
+            elif isinstance(scalars, ScalarSlots):
+                if p.name not in scalars:
+                    raise ValueError(f"kernel {k.name}: missing scalar {p.name!r}")
+                table[j] = scalars.address(p.name)
+            else:
+                v = (scalars or {}).get(p.name)
+                if isinstance(v, np.ndarray) and v.dtype == np.int32 and v.size >= 1:
+                    table[j] = v.__array_interface__["data"][0]
+                    keep.append(v)
+                elif isinstance(v, (int, np.integer)) and -2 ** 31 <= v < 2 ** 31:
+                    private = private or ScalarSlots(capacity=len(k.params))
+                    private[p.name] = v
+                    table[j] = private.address(p.name)
+                    keep.append(private)
+                else:
+                    raise ValueError(f"kernel {k.name}: scalar {p.name!r} must be an i32 int or int32 array, "
+                                     f"got {v!r}")
+        if len(spans) != len(buffers):
+            extra = set(buffers) - {p.name for p in k.params}
+            raise ValueError(f"kernel {k.name}: unknown buffers {sorted(extra)}")
+        self._check_aliasing(k, spans)
+        nt = max(1, compiled.nthreads if nthreads is None else nthreads) if compiled.threadable else 1
+        return Launch(compiled, table, keep, nt, self._pool_for(nt))
+
+    def plan(self, launches) -> Plan:
+        """Bundle prepared launches; ``plan()`` runs them in order with a single native call."""
+        return Plan(launches, self._pool_for(2))
+
+    @staticmethod
+    def _check_buffer(k, p, a):
+        where = f"kernel {k.name}: buffer {p.name!r}"
+        if a is None:
+            raise ValueError(f"{where} missing")
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{where} must be a numpy array, got {type(a).__name__}")
+        if a.dtype != NP_DTYPES[p.dtype]:
+            raise TypeError(f"{where} must be {NP_DTYPES[p.dtype]} ({p.dtype}), got {a.dtype}")
+        if tuple(a.shape) != tuple(p.shape):
+            raise ValueError(f"{where} must have shape {tuple(p.shape)}, got {a.shape}")
+        if not (a.flags.c_contiguous and a.flags.aligned):
+            raise ValueError(f"{where} must be C-contiguous and aligned")
+        if p.role != "in" and not a.flags.writeable:
+            raise ValueError(f"{where} ({p.role}) must be writeable")
+
+    @staticmethod
+    def _check_aliasing(k, spans):
+        for p, lo, hi in spans:
+            if p.role != "out" or lo == hi:
+                continue
+            for q, lo2, hi2 in spans:
+                if q is not p and lo2 < hi and lo < hi2:
+                    raise ValueError(f"kernel {k.name}: output {p.name!r} overlaps buffer {q.name!r}")
