@@ -1,0 +1,77 @@
+"""The HIP renderer: target choices come from the table alone.
+
+Rendering needs no ROCm; compiling is tested in test_hip_inspect.py."""
+import numpy as np
+import pytest
+
+from codegen.hip import prelude, render_hip
+from codegen.targets import TARGETS, get_target, occupancy_lds
+from tests.decode_step import decode_plan
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return decode_plan().kernels
+
+
+def test_every_family_of_the_decode_step_renders(kernels):
+    fams = {k.family for k in kernels}
+    assert {"contract", "attention", "elementwise"} <= fams
+    for k in kernels:
+        src = render_hip(k, "gfx906").source
+        assert f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}(' in src
+        for op in k.ops:                                   # the header lists every fused op with its shape
+            assert op in src
+
+
+def test_wave_width_comes_only_from_the_table(kernels):
+    """Rendered at wave 64 and at wave 32, every kernel differs only in the VF_WAVE line."""
+    for k in kernels:
+        a = render_hip(k, get_target("gfx906", wave=64)).source.splitlines()
+        b = render_hip(k, get_target("gfx906", wave=32)).source.splitlines()
+        diff = [(x, y) for x, y in zip(a, b) if x != y]
+        assert len(a) == len(b)
+        # only the table's define and the prelude's comment naming the wave width differ
+        assert [x for x, _ in diff if not x.startswith("// target")] == ["#define VF_WAVE 64"], diff
+
+
+def test_nvidia_flavour_differs_only_in_the_prelude(kernels):
+    for k in kernels:
+        amd, nv = render_hip(k, "gfx906"), render_hip(k, "sm_90")
+        assert amd.body == nv.body                          # the kernel text is shared
+        assert amd.source[:amd.body_start] != nv.source[:nv.body_start]
+    amd, nv = prelude(TARGETS["gfx906"]), prelude(TARGETS["sm_90"])
+    assert "#define VF_WAVE 64" in amd and "#define VF_WAVE 32" in nv
+    assert "__builtin_amdgcn_fdot2" in amd and "fdot2" not in nv
+    assert "__shfl_xor_sync" in nv and "__shfl_xor_sync" not in amd
+    assert "hip_fp16.h" not in amd                          # clashes with hiprtc's built-in header
+
+
+def test_gemv_keeps_the_activation_in_lds_and_loads_16_bytes(kernels):
+    gemvs = [k for k in kernels if k.family == "contract"]
+    assert len(gemvs) >= 4 * 30
+    for k in gemvs[:6]:
+        src = render_hip(k, "gfx906").body
+        assert "__shared__ vf_act_t vf_act[" in src
+        assert "vf_dot8_h(" in src                           # the 16-byte weight path
+        loop = src[src.index("for (int vf_k"):]
+        assert "vf_act + vf_k" in loop
+
+
+def test_occupancy_cap_requests_lds_so_at_most_9_waves_per_simd():
+    t = get_target("gfx906")
+    lds = occupancy_lds(t)
+    wgs_per_cu = t.lds_per_cu // lds
+    assert wgs_per_cu * t.waves_per_block / t.simds_per_cu <= 9
+    assert occupancy_lds(get_target("gfx906", max_waves_per_simd=0)) == 0    # the named switch
+
+
+def test_const_and_cast_rendering():
+    from codegen import loopir as L
+    from codegen.hip import expr
+    assert expr(L.Const(float("-inf"), "f32")) == "(-VF_INF)"
+    assert expr(L.Const(1e-05, "f32")) == "1e-05f"
+    assert expr(L.Cast(L.Load("w", L.c(3), "f16"), "f32")) == "vf_h2f(w[3])"
+    assert expr(L.Cast(L.Sym("x", "f32"), "f16")) == "vf_f2h((float)(x))"
+    assert expr(L.Bin("max", L.Sym("i", "i32"), L.c(0))) == "max(i, 0)"
+    assert np.isclose(float(expr(L.Const(0.125, "f32"))[:-1]), 0.125)
