@@ -116,10 +116,12 @@ typedef __half vf_half;
 __device__ __forceinline__ float vf_h2f(vf_half x) {{ return __half2float(x); }}
 __device__ __forceinline__ vf_half vf_f2h(float x) {{ return __float2half(x); }}
 __device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
-typedef float vf_act_t;
-__device__ __forceinline__ vf_act_t vf_to_act(float x) {{ return x; }}
-__device__ __forceinline__ float vf_from_act(vf_act_t x) {{ return x; }}
-__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {{
+"""
+
+_NVIDIA_F32ACT = r"""typedef float vf_act_t;
+__device__ __forceinline__ vf_act_t vf_to_act(float x) { return x; }
+__device__ __forceinline__ float vf_from_act(vf_act_t x) { return x; }
+__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {
   const uint4 raw = *(const uint4*)w;               // one 16-byte global load
   const __half2* h = (const __half2*)&raw;
   const float4 a0 = *(const float4*)a, a1 = *(const float4*)(a + 4);
@@ -129,21 +131,50 @@ __device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict_
   f = __half22float2(h[2]); acc = fmaf(a1.x, f.x, acc); acc = fmaf(a1.y, f.y, acc);
   f = __half22float2(h[3]); acc = fmaf(a1.z, f.x, acc); acc = fmaf(a1.w, f.y, acc);
   return acc;
-}}
-__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {{
+}
+__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {
   const float4 wv = *(const float4*)w, av = *(const float4*)a;
   return fmaf(av.x, wv.x, fmaf(av.y, wv.y, fmaf(av.z, wv.z, fmaf(av.w, wv.w, acc))));
-}}
+}
+"""
+
+_NVIDIA_F16ACT = r"""// the activation is too long for LDS in f32: it lives there as f16
+typedef __half vf_act_t;
+__device__ __forceinline__ vf_act_t vf_to_act(float x) { return __float2half(x); }
+__device__ __forceinline__ float vf_from_act(vf_act_t x) { return __half2float(x); }
+__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {
+  const uint4 wr = *(const uint4*)w, ar = *(const uint4*)a;
+  const __half2* wh = (const __half2*)&wr;
+  const __half2* ah = (const __half2*)&ar;
+  for (int i = 0; i < 4; ++i) {
+    const float2 fw = __half22float2(wh[i]), fa = __half22float2(ah[i]);
+    acc = fmaf(fa.x, fw.x, acc); acc = fmaf(fa.y, fw.y, acc);
+  }
+  return acc;
+}
+__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {
+  const float4 wv = *(const float4*)w;
+  return fmaf(__half2float(a[0]), wv.x, fmaf(__half2float(a[1]), wv.y,
+              fmaf(__half2float(a[2]), wv.z, fmaf(__half2float(a[3]), wv.w, acc))));
+}
 """
 
 
-def prelude(t: Target) -> str:
-    """Everything target-specific in a kernel's source, from the target table."""
+def act_dtype(t: Target, K: int) -> str:
+    """The dtype of a GEMV's activation in LDS: f16 where the target has fp16 dot products
+    (v_dot2_f32_f16), or where K f32 values would not fit the static LDS limit."""
+    return "f16" if t.dot2 or 4 * K > t.max_static_lds - 1024 else "f32"
+
+
+def prelude(t: Target, act: str | None = None) -> str:
+    """Everything target-specific in a kernel's source, from the target table
+    (``act``: the GEMV activation dtype in LDS, see ``act_dtype``)."""
+    act = act or act_dtype(t, 0)
     if t.vendor == "amd":
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
-        head += _AMD_DOT2 if t.dot2 else _AMD_F32ACT
+        head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
     else:
-        head = _NVIDIA.format(name=t.name, wave=t.wave)
+        head = _NVIDIA.format(name=t.name, wave=t.wave) + (_NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT)
     return _DEFINES.format(wave=t.wave, block=t.block) + head + _COMMON.format()
 
 
@@ -267,14 +298,20 @@ class HipKernel:
 
 
 def _signature(k: L.Kernel) -> str:
+    """Parameters named after tensors.  Scalars (the decode position) arrive through device memory
+    (``const int* name_``), so a captured graph replays with the current value."""
     args = []
     for p in k.params:
         if p.kind == "scalar":
-            args.append(f"int {p.name}")
+            args.append(f"const int* __restrict__ {p.name}_")
         else:
             const = "const " if p.role == "in" else ""
             args.append(f"{const}{CTYPE[p.dtype]}* __restrict__ {p.name}")
     return ", ".join(args)
+
+
+def _scalars(k: L.Kernel, pad="  ") -> str:
+    return "".join(f"{pad}const int {p.name} = {p.name}_[0];\n" for p in k.params if p.kind == "scalar")
 
 
 def _header(k: L.Kernel, how: str) -> str:
@@ -295,6 +332,7 @@ def render_generic(k: L.Kernel, t: Target):
         threads = 1
     src = _header(k, "mapping: every thread runs the body; parallel loops are grid-stride loops")
     src += f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{\n'
+    src += _scalars(k)
     src += "  const int vf_tid = blockIdx.x * VF_BLOCK + threadIdx.x;\n"
     src += "  const int vf_nthreads = gridDim.x * VF_BLOCK;\n"
     src += "\n".join(stmts(k.body, 1)) + "\n}\n"
@@ -322,6 +360,7 @@ def render_contract(k: L.Kernel, t: Target):
              f"  __shared__ vf_act_t vf_act[{K}];              // the activation, read from LDS in the main loop",
              "  __shared__ float vf_red[VF_WAVES];",
              "  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;"]
+    lines += _scalars(k).rstrip("\n").split("\n") if _scalars(k) else []
     ind = 1
     for v, n in zip(m["row_vars"], m["rows"]):
         lines.append(f"{'  ' * ind}for (int {v} = 0; {v} < {n}; ++{v}) {{")
@@ -376,7 +415,7 @@ def render_attention(k: L.Kernel, t: Target):
     ld = lambda buf, idx, dt: f"vf_h2f({buf}[{idx}])" if dt == "f16" else f"{buf}[{idx}]"  # noqa: E731
     src = f"""extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{
   // one workgroup per (query head, query row); waves split the context, lanes hold head-dim elements
-  constexpr int D = {D}, S = {S}, T = {T}, DPL = (D + VF_WAVE - 1) / VF_WAVE;
+{_scalars(k)}  constexpr int D = {D}, S = {S}, T = {T}, DPL = (D + VF_WAVE - 1) / VF_WAVE;
   __shared__ float vf_m[VF_WAVES], vf_l[VF_WAVES], vf_o[VF_WAVES][D];
   const int h = blockIdx.x / T, t = blockIdx.x % T, kvh = h / {group};
   const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;
@@ -438,7 +477,8 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     """HIP source of one kernel for ``target`` (a name or a Target), with its launch geometry."""
     t = get_target(target) if isinstance(target, str) else target
     body, grid = RENDERERS.get(k.family, render_generic)(k, t)
-    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t)
+    act = act_dtype(t, k.meta["K"] if k.family == "contract" else 0)
+    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, act)
     src = head + "\n" + body
     static = _static_lds(k, t)
     return HipKernel(k.name, src, (grid, 1, 1), (t.block, 1, 1), occupancy_lds(t, static), k, t, len(head) + 1)
@@ -446,7 +486,7 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
 
 def _static_lds(k, t):
     if k.family == "contract":
-        act = 2 if (t.vendor == "amd" and t.dot2) else 4
+        act = 2 if act_dtype(t, k.meta["K"]) == "f16" else 4
         return k.meta["K"] * act + 4 * t.waves_per_block
     if k.family == "attention":
         return 4 * t.waves_per_block * (2 + k.meta["D"])
