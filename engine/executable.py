@@ -28,9 +28,10 @@ class Executable:
         self.kernels = self.device.compile_many(self.plan.kernels) if self.device else []
         self._buffers = {}
         for name, (shape, dtype) in self.plan.buffers.items():
-            if name not in self.plan.inputs:
-                self._buffers[name] = np.zeros(shape, NP_DTYPES[dtype])
+            if name not in self.plan.inputs and self.device is not None:
+                self._buffers[name] = self.device.empty(shape, dtype)
         self._bound = None
+        self._bound_refs = None
         self._plan_run = None
         self._slots = None
 
@@ -48,53 +49,78 @@ class Executable:
 
     # ------------------------------------------------------------------ running
     def _bind(self, arrays):
-        """(Re)prepare the launch plan for these input arrays."""
-        from engine.devices.cpu import ScalarSlots
+        """(Re)prepare the launch plan for these input buffers."""
         bufs = dict(self._buffers)
         for name, a in zip(self.plan.inputs, arrays):
-            if name in self.plan.scalars:
-                continue
-            bufs[name] = a
-        self._slots = ScalarSlots(self.plan.scalars)
+            if name not in self.plan.scalars:
+                bufs[name] = a
+        self._slots = self.device.scalar_slots(self.plan.scalars)
         launches = []
         for ck in self.kernels:
             args = {p.name: bufs[p.name] for p in ck.kernel.params if p.kind == "buffer"}
             launches.append(self.device.prepare(ck, args, self._slots))
-        self._plan_run = self.device.plan(launches)
-        self._bound = [a.ctypes.data if isinstance(a, np.ndarray) else None for a in arrays]
+        self._plan_run = self.device.plan(launches, self._slots)
+        self._bound = [id(a) if not isinstance(a, int) else None for a in arrays]
+        self._bound_refs = arrays
 
-    def __call__(self, *leaves):
+    def bind(self, *leaves):
+        """Put the inputs where the kernels read them; returns the device buffers by input name.
+
+        Small host arrays are copied into staging buffers; large host arrays (weights) are used
+        in place on the CPU and uploaded once on a GPU; device arrays are used as they are."""
         if len(leaves) != len(self.plan.inputs):
             raise TypeError(f"expected {len(self.plan.inputs)} array arguments, got {len(leaves)}")
-        if self.device is None:
-            outs = self.program.run(*leaves)
-            return unflatten(self.out_tree, outs)
-        arrays = []
+        dev, arrays = self.device, []
+        donated = set(self.plan.aliases.values())
         for v, name, x in zip(self.program.inputs, self.plan.inputs, leaves):
             if name in self.plan.scalars:
                 arrays.append(int(x))
                 continue
             dt = NP_DTYPES[v.dtype]
+            if dev.is_device_array(x):
+                if tuple(x.shape) != v.shape or x.dtype != dt:
+                    raise ValueError(f"argument {name}: {x.dtype}{list(x.shape)} != traced {dt}{list(v.shape)}")
+                arrays.append(x)
+                continue
             a = np.asarray(x)
             if a.shape != v.shape:
                 raise ValueError(f"argument {name}: shape {list(a.shape)} != traced {list(v.shape)}")
-            if a.nbytes <= _STAGE_BYTES and name not in self.plan.aliases.values():
-                stage = self._buffers.setdefault(name, np.zeros(v.shape, dt))
-                np.copyto(stage, a, casting="same_kind" if a.dtype != dt else "no")
-                a = stage
-            elif a.dtype != dt or not a.flags.c_contiguous:
-                if name in self.plan.aliases.values():
-                    raise ValueError(f"donated argument {name} must be a contiguous {dt} array (it is updated in place)")
+            if a.nbytes <= _STAGE_BYTES and name not in donated:
+                stage = self._buffers.setdefault(name, dev.empty(v.shape, v.dtype))
+                dev.copy_in(stage, a)
+                arrays.append(stage)
+                continue
+            if a.dtype != dt or not a.flags.c_contiguous:
+                if name in donated:
+                    raise ValueError(f"donated argument {name} must be a contiguous {dt} array "
+                                     "(it is updated in place)")
                 a = np.ascontiguousarray(a, dt)
-            arrays.append(a)
-        ptrs = [a.ctypes.data if isinstance(a, np.ndarray) else None for a in arrays]
-        if ptrs != self._bound:
+            arrays.append(dev.resident(a))
+        if [id(a) if not isinstance(a, int) else None for a in arrays] != self._bound:
             self._bind(arrays)
         for name, x in zip(self.plan.inputs, arrays):
             if name in self.plan.scalars:
                 self._slots[name] = x
+        return dict(zip(self.plan.inputs, arrays))
+
+    def launch(self):
+        """Run the kernels once on the bound inputs (asynchronously on a GPU)."""
         self._plan_run()
-        by_name = dict(zip(self.plan.inputs, arrays))
+
+    def buffer(self, name):
+        """The device buffer of an intermediate or output by buffer name."""
+        return self._buffers[name]
+
+    def output_buffers(self):
+        """Device buffers of the outputs, in flattened order (None for literals)."""
+        by_name = dict(zip(self.plan.inputs, self._bound_refs or []))
+        return [None if o[0] == "lit" else by_name.get(o[1], self._buffers.get(o[1])) for o in self.plan.outputs]
+
+    def __call__(self, *leaves):
+        if self.device is None:
+            return unflatten(self.out_tree, self.program.run(*leaves))
+        by_name = self.bind(*leaves)
+        self._plan_run()
         outs = []
         for o in self.plan.outputs:
             if o[0] == "lit":
@@ -102,7 +128,7 @@ class Executable:
             elif o[1] in by_name:                      # a donated input updated in place
                 outs.append(by_name[o[1]])
             else:
-                outs.append(self._buffers[o[1]].copy())
+                outs.append(self.device.to_host(self._buffers[o[1]]))
         return unflatten(self.out_tree, outs)
 
 
@@ -117,6 +143,9 @@ def get_device(backend):
         if backend == "cpu":
             from engine.devices.cpu import CPUDevice
             _DEVICES[backend] = CPUDevice()
+        elif backend == "cuda":
+            from engine.devices.cuda import CUDADevice
+            _DEVICES[backend] = CUDADevice()
         else:
-            raise ValueError(f"backend {backend!r} is not available in this build; use 'cpu' or 'reference'")
+            raise ValueError(f"backend {backend!r} is not available in this build; use 'cpu', 'cuda' or 'reference'")
     return _DEVICES[backend]

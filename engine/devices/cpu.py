@@ -722,9 +722,32 @@ class CPUDevice:
         nt = max(1, compiled.nthreads if nthreads is None else nthreads) if compiled.threadable else 1
         return Launch(compiled, table, keep, nt, self._pool_for(nt))
 
-    def plan(self, launches) -> Plan:
-        """Bundle prepared launches; ``plan()`` runs them in order with a single native call."""
+    def plan(self, launches, slots=None) -> Plan:
+        """Bundle prepared launches; ``plan()`` runs them in order with a single native call.
+        (``slots``: the ScalarSlots they read, already bound by address.)"""
         return Plan(launches, self._pool_for(2))
+
+    # ---- memory: host memory is device memory here
+    def empty(self, shape, dtype):
+        return np.zeros(shape, NP_DTYPES[dtype] if isinstance(dtype, str) else dtype)
+
+    def copy_in(self, dst, a):
+        np.copyto(dst, a, casting="same_kind")
+
+    def to_host(self, a):
+        return a.copy()
+
+    def resident(self, a):
+        return a
+
+    def put(self, a):
+        return a
+
+    def is_device_array(self, x):
+        return False
+
+    def scalar_slots(self, names):
+        return ScalarSlots(names)
 
     @staticmethod
     def _check_buffer(k, p, a):
