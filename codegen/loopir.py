@@ -318,6 +318,55 @@ def canonicalize(k: Kernel) -> Kernel:
             return Array(n(s.name), s.dtype, s.size)
         return Store(n(s.buf), ex(s.index), ex(s.value))
 
+    def meta(v):            # family metadata (GPU templates): rename the names it mentions
+        if isinstance(v, (Const, Sym, Load, Un, Bin, Select, Cast)):
+            return ex(v)
+        if isinstance(v, (Loop, Declare, Assign, Array, Store)):
+            return st(v)
+        if isinstance(v, str):
+            return names.get(v, v)
+        if isinstance(v, dict):
+            return {key: meta(x) for key, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(meta(x) for x in v)
+        return v
+
     params = tuple(Param(names[p.name], p.dtype, p.kind, p.shape, p.role) for p in k.params)
     body = tuple(st(s) for s in k.body)
-    return Kernel("canonical", k.family, params, body, (), k.bytes, k.flops, dict(k.meta))
+    info = {key: meta(v) for key, v in k.meta.items() if key != "eqns"}
+    return Kernel("canonical", k.family, params, body, (), k.bytes, k.flops, info)
+
+
+ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
+
+
+def traffic(k: Kernel) -> int:
+    """Bytes a kernel reads and writes per call, estimated from its loops: each buffer moves the
+    elements its accesses can reach (the product of the static extents of the loops around them),
+    at most its size.  Loops with a runtime extent count as reaching the whole buffer."""
+    params = {p.name: p for p in k.params if p.kind == "buffer"}
+    reach = {}
+
+    def visit_expr(e, extent):
+        for x in walk_exprs(e):
+            if isinstance(x, Load) and x.buf in params and reach.get(x.buf, 0) is not None:
+                reach[x.buf] = None if extent is None else max(reach[x.buf] if x.buf in reach else 0, extent)
+
+    def visit(body, extent):
+        for s in body:
+            if isinstance(s, Loop):
+                n = s.stop.value - s.start.value if isinstance(s.stop, Const) and isinstance(s.start, Const) else None
+                visit(s.body, extent * n if n is not None and extent is not None else None)
+            elif isinstance(s, Store):
+                if s.buf in params and reach.get(s.buf, 0) is not None:
+                    reach[s.buf] = None if extent is None else max(reach.get(s.buf, 0), extent)
+                visit_expr(s.value, extent)
+                visit_expr(s.index, extent)
+            elif isinstance(s, (Declare, Assign)):
+                visit_expr(s.init if isinstance(s, Declare) else s.value, extent)
+
+    def cap(name, n):
+        size = params[name].size
+        return size if n is None else min(size, n)
+    visit(k.body, 1)
+    return sum(cap(name, n) * ITEMSIZE[params[name].dtype] for name, n in reach.items())

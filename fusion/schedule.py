@@ -411,6 +411,7 @@ def _lower_all(lw) -> Plan:
         kernels = merge_loops(kernels)
     for i, k in enumerate(kernels):
         k.name = f"k{i:03d}_{k.name}"
+        k.bytes = L.traffic(k)
         eqns = sorted(set(k.ops), key=lw.g.order.get)             # DSL ops, in program order
         k.meta["eqns"] = eqns
         k.ops = tuple(describe(e) for e in eqns)

@@ -1,0 +1,171 @@
+"""Read the generated GPU kernels of a model's decode step: resources, ISA counts, source.
+
+    python -m codegen.inspect [--model PATH] --target gfx906 [--context N]
+    python -m codegen.inspect --kernel NAME --source|--isa
+
+The table has, per kernel: registers, LDS (static + the launch's occupancy pad), scratch,
+waves per SIMD, code size; counts of ``global_load_dwordx4``, ``flat_load_*``, ``s_waitcnt``
+and ``ds_*`` instructions in the kernel's main loop (the innermost loop that loads 16-byte
+weight vectors, else the whole kernel); and bytes moved and FLOPs per call.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from .hip import render_hip
+from .loopir import canonicalize
+from .targets import get_target
+
+_INSN = re.compile(r"^\s+([a-z_0-9]+)\b(.*?)//\s*([0-9A-Fa-f]+):")
+
+
+def instructions(isa: str):
+    """(address, mnemonic, operands) of every instruction in ``llvm-objdump -d`` output."""
+    out = []
+    for line in isa.splitlines():
+        m = _INSN.match(line)
+        if m:
+            out.append((int(m.group(3), 16), m.group(1), m.group(2).strip()))
+    return out
+
+
+def loops(insns):
+    """Backward branches as (first index, last index) spans; SOPP offsets are signed words."""
+    index = {a: i for i, (a, _, _) in enumerate(insns)}
+    spans = []
+    for i, (addr, op, args) in enumerate(insns):
+        if op.startswith("s_cbranch") or op == "s_branch":
+            try:
+                off = int(args.split()[0])
+            except (ValueError, IndexError):
+                continue
+            off = off - 65536 if off >= 32768 else off
+            target = addr + 4 + 4 * off
+            if off < 0 and target in index:
+                spans.append((index[target], i))
+    return spans
+
+
+def main_loop(isa: str):
+    """Instructions of the innermost loop holding a 16-byte global load (else all of them)."""
+    insns = instructions(isa)
+    cands = [(b - a, a, b) for a, b in loops(insns)
+             if any(op == "global_load_dwordx4" for _, op, _ in insns[a:b + 1])]
+    if not cands:
+        return insns
+    _, a, b = min(cands)
+    return insns[a:b + 1]
+
+
+def counts(insns):
+    ops = [op for _, op, _ in insns]
+    return {"dwordx4": ops.count("global_load_dwordx4"),
+            "global_other": sum(op.startswith("global_load") and op != "global_load_dwordx4" for op in ops),
+            "flat": sum(op.startswith("flat_load") for op in ops),
+            "waitcnt": ops.count("s_waitcnt"),
+            "ds": sum(op.startswith("ds_") for op in ops)}
+
+
+class Inspected:
+    """One kernel compiled for a GPU target: source, code object, resources, ISA counts."""
+
+    def __init__(self, kernel, target):
+        from engine.devices.hip import compile_hip
+        self.kernel, self.target = kernel, target
+        self.hip = render_hip(kernel, target)
+        canon = render_hip(canonicalize(kernel), target)       # layers share one compile
+        self.code = compile_hip(canon.source, kernel.name, target.name)
+        self.symbol = "canonical"
+        self.res = self.code.resources(self.symbol, workgroup_size=self.hip.block[0],
+                                       dynamic_lds_bytes=self.hip.dynamic_lds)
+        self._isa = None
+
+    @property
+    def source(self):
+        return self.hip.source
+
+    def isa(self):
+        if self._isa is None:
+            self._isa = self.code.isa(self.symbol)
+        return self._isa
+
+    def loop_counts(self):
+        return counts(main_loop(self.isa()))
+
+
+def decode_kernels(model=None, context=512):
+    """The fused kernels of one decode step of ``model`` (a GGUF or HF directory)."""
+    import numpy as np
+
+    import dsl
+    from engine.weights import default_model_path, load_model
+    from fusion import build_plan
+    from stdlib import llama
+    cfg, params, _ = load_model(model or default_model_path())
+    cache = [(np.zeros((cfg.n_kv_heads, context, cfg.head_dim), np.float32),) * 2 for _ in range(cfg.n_layers)]
+
+    def step(params, tokens, pos, last, cache):
+        return llama.forward(cfg, params, tokens, pos, last, cache)
+    low = dsl.jit(step, donate_argnums=(4,)).lower(params, np.zeros(1, np.int32), 0, 0, cache)
+    return build_plan(low.program, None, low.in_names, low.donated).kernels
+
+
+def table(items, layers_once=True):
+    """The report as text; kernels identical up to names (the same layer) are listed once."""
+    head = (f"{'kernel':<40} {'family':<11} {'VGPR':>4} {'SGPR':>4} {'LDS':>6} {'scr':>3} {'w/SIMD':>6} "
+            f"{'code':>5} {'x4':>3} {'flat':>4} {'wait':>4} {'ds':>3} {'KB/call':>8} {'MFLOP':>7}  copies")
+    rows, seen = [head, "-" * len(head)], {}
+    for it in items:
+        key = it.code
+        if layers_once and key in seen:
+            seen[key][1] += 1
+            continue
+        r, c, k = it.res, it.loop_counts(), it.kernel
+        lds = f"{r['lds_bytes']}+{it.hip.dynamic_lds}" if it.hip.dynamic_lds else str(r["lds_bytes"])
+        seen[key] = [len(rows), 1]
+        rows.append([f"{k.name[:40]:<40} {k.family:<11} {r['vgprs']:>4} {r['sgprs']:>4} {lds:>6} "
+                     f"{r['scratch_bytes']:>3} {r['waves_per_simd']:>6} {r['code_bytes']:>5} {c['dwordx4']:>3} "
+                     f"{c['flat']:>4} {c['waitcnt']:>4} {c['ds']:>3} {k.bytes / 1e3:>8.1f} {k.flops / 1e6:>7.2f}"])
+    for row, n in seen.values():
+        rows[row] = rows[row][0] + f"  x{n}"
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m codegen.inspect", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default="gfx906", help="gfx906 (default)")
+    p.add_argument("--context", type=int, default=512, help="KV-cache positions (default 512)")
+    p.add_argument("--kernel", help="one kernel by name (or a unique part of it)")
+    p.add_argument("--source", action="store_true", help="print the kernel's HIP source")
+    p.add_argument("--isa", action="store_true", help="print the kernel's disassembly")
+    p.add_argument("--all", action="store_true", help="list every kernel, not each distinct one once")
+    p.add_argument("--no-occupancy-cap", action="store_true", help="drop the 9-waves-per-SIMD cap (A/B switch)")
+    args = p.parse_args(argv)
+    from engine.devices.hip import HipCompileError, HipUnavailable
+    from engine.errors import ModelError
+    try:
+        target = get_target(args.target, **({"max_waves_per_simd": 0} if args.no_occupancy_cap else {}))
+        kernels = decode_kernels(args.model, args.context)
+        if args.kernel:
+            match = [k for k in kernels if k.name == args.kernel] or [k for k in kernels if args.kernel in k.name]
+            if len(match) != 1:
+                names = ", ".join(k.name for k in match[:8]) or "none"
+                raise ValueError(f"--kernel {args.kernel!r} matches {len(match)} kernels ({names})")
+            it = Inspected(match[0], target)
+            print(it.isa() if args.isa else it.source)
+            return 0
+        items = [Inspected(k, target) for k in kernels]
+        print(f"{len(items)} kernels in the decode step, target {target.name} (wave{target.wave}); "
+              f"main-loop instruction counts; identical layers listed once")
+        print(table(items, not args.all))
+        return 0
+    except (HipUnavailable, HipCompileError, ModelError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
