@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted and stdin is a pipe)")
     p.add_argument("--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "reference"], help="where kernels run")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "reference"], help="where kernels run")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="keep the k most likely ids; <= 0: no limit (default 40)")

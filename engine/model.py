@@ -17,6 +17,7 @@ from stdlib import llama
 from stdlib.config import LlamaConfig
 
 from .errors import ModelError
+from .executable import get_device
 
 
 class ContextFull(ModelError):
@@ -30,7 +31,10 @@ class Model:
         if self.context < 1:
             raise ModelError(f"context must be at least 1, got {self.context}")
         shape = (cfg.n_kv_heads, self.context, cfg.head_dim)
-        self.cache = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(cfg.n_layers)]
+        self.device = get_device(backend)
+        put = self.device.put if self.device is not None else (lambda a: a)
+        self.cache = [(put(np.zeros(shape, np.float32)), put(np.zeros(shape, np.float32)))
+                      for _ in range(cfg.n_layers)]
         self.pos = 0
 
         def forward(params, tokens, pos, last, cache):

@@ -10,8 +10,10 @@ names the kernel that caused it.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+from dataclasses import replace
 
 import numpy as np
 
@@ -102,7 +104,7 @@ class ScalarSlots:
         n = self.capacity * 4
         host = int(self.ring) + n * self.ring_i
         self.ring_i = (self.ring_i + 1) % self.ring_n
-        np.ctypeslib.as_array((np.ctypeslib.ctypes.c_int32 * self.capacity).from_address(host))[:] = self.values
+        ctypes.memmove(host, self.values.ctypes.data, n)
         _check(self.device.drv.cuMemcpyHtoDAsync(self.buf.ptr, host, n, stream), "cuMemcpyHtoDAsync")
         self.dirty = False
 
@@ -192,7 +194,7 @@ class CUDADevice:
         major = _check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.dev), "attr")
         minor = _check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.dev), "attr")
         self.arch = f"sm_{major}{minor}"
-        self.target = get_target("sm_90", name=self.arch)
+        self.target = replace(get_target("sm_90"), name=self.arch)
         self.stream = _check(drv.cuStreamCreate(0), "cuStreamCreate")
         self.graphs = (os.environ.get("VEGAFUSE_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.sync_each = os.environ.get("VEGAFUSE_SYNC", "0") == "1"
@@ -205,7 +207,7 @@ class CUDADevice:
 
     # ------------------------------------------------------------------ memory
     def empty(self, shape, dtype):
-        dt = NP_DTYPES.get(dtype, np.dtype(dtype)) if isinstance(dtype, str) else np.dtype(dtype)
+        dt = NP_DTYPES[dtype] if dtype in NP_DTYPES else np.dtype(dtype)
         n = max(1, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
         ptr = _check(self.drv.cuMemAlloc(n), "cuMemAlloc")
         _check(self.drv.cuMemsetD8Async(ptr, 0, n, self.stream), "cuMemsetD8Async")
@@ -263,7 +265,7 @@ class CUDADevice:
     def _nvrtc_compile(self, source, name):
         nv = self.nvrtc
         prog = _check(nv.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []), "nvrtcCreateProgram")
-        opts = [f"--gpu-architecture={self.arch}".encode(), b"--std=c++17", b"--use_fast_math"]
+        opts = [f"--gpu-architecture={self.arch}".encode(), b"--std=c++17"]
         opts += [f"--include-path={d}".encode() for d in self.includes]
         res = nv.nvrtcCompileProgram(prog, len(opts), opts)
         if int(res[0]) != 0:
@@ -282,7 +284,7 @@ class CUDADevice:
         for k in kernels:
             canon = render_hip(canonicalize(k), self.target)
             if canon.source not in self._functions:
-                parts = {"source": canon.source, "arch": self.arch, "compiler": self.compiler, "options": "fast_math"}
+                parts = {"source": canon.source, "arch": self.arch, "compiler": self.compiler, "options": "std=c++17"}
                 cubin, _ = self.cache.get_or_build(parts, lambda: self._nvrtc_compile(canon.source, k.name))
                 module = _check(self.drv.cuModuleLoadData(cubin), "cuModuleLoadData", k.name)
                 fn = _check(self.drv.cuModuleGetFunction(module, b"canonical"), "cuModuleGetFunction", k.name)
