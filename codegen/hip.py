@@ -52,6 +52,20 @@ __device__ __forceinline__ float vf_block_sum(float v, float* red) {{
   for (int w = 0; w < VF_WAVES; ++w) v += red[w];
   return v;
 }}
+// argmax over the block: the larger value wins, ties go to the smaller index
+__device__ __forceinline__ void vf_block_argmax(float* v, int* i, float* red, int* redi) {{
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) {{
+    const float ov = vf_shfl_xor(*v, m);
+    const int oi = vf_shfl_xor_i(*i, m);
+    if (ov > *v || (ov == *v && oi < *i)) {{ *v = ov; *i = oi; }}
+  }}
+  __syncthreads();
+  if (threadIdx.x % VF_WAVE == 0) {{ red[threadIdx.x / VF_WAVE] = *v; redi[threadIdx.x / VF_WAVE] = *i; }}
+  __syncthreads();
+  *v = red[0]; *i = redi[0];
+  for (int w = 1; w < VF_WAVES; ++w)
+    if (red[w] > *v || (red[w] == *v && redi[w] < *i)) {{ *v = red[w]; *i = redi[w]; }}
+}}
 __device__ __forceinline__ float vf_block_max(float v, float* red) {{
   v = vf_wave_max(v);
   __syncthreads();
@@ -72,6 +86,7 @@ typedef float vf_float4 __attribute__((ext_vector_type(4)));
 __device__ __forceinline__ float vf_h2f(vf_half x) {{ return (float)x; }}
 __device__ __forceinline__ vf_half vf_f2h(float x) {{ return (vf_half)x; }}
 __device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
+__device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
 """
 
 _AMD_DOT2 = r"""// the activation lives in LDS as f16 pairs; one v_dot2_f32_f16 per pair
@@ -116,6 +131,7 @@ typedef __half vf_half;
 __device__ __forceinline__ float vf_h2f(vf_half x) {{ return __half2float(x); }}
 __device__ __forceinline__ vf_half vf_f2h(float x) {{ return __float2half(x); }}
 __device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
+__device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
 """
 
 _NVIDIA_F32ACT = r"""typedef float vf_act_t;
@@ -246,12 +262,31 @@ def _is_reduction_loop(s):
         and a.value.a == L.Sym(a.name, "f32") for a in s.body)
 
 
+def _argmax_loop(s):
+    """``for k: idx = v > best ? k : idx; best = max(best, v)``: the argmax that fusion emits."""
+    if not (isinstance(s, L.Loop) and len(s.body) == 2 and all(isinstance(a, L.Assign) for a in s.body)):
+        return None
+    a, b = s.body
+    if isinstance(a.value, L.Select) and isinstance(a.value.cond, L.Bin) and a.value.cond.op == "gt" \
+            and isinstance(b.value, L.Bin) and b.value.op == "max" and a.value.a == L.Sym(s.var, "i32"):
+        return a.name, b.name
+    return None
+
+
 def stmts(body, ind, cooperative=False):
     """C for a statement list.  Per-thread semantics; parallel loops become grid-stride loops.
     ``cooperative``: reduction loops run block-wide (all threads of the workgroup take part)."""
     out, pad = [], "  " * ind
     for s in body:
         if isinstance(s, L.Loop):
+            if cooperative and _argmax_loop(s):
+                idx, best = _argmax_loop(s)
+                out.append(f"{pad}for (int {s.var} = {expr(s.start)} + threadIdx.x; {s.var} < {expr(s.stop)}; "
+                           f"{s.var} += VF_BLOCK) {{")
+                out += stmts(s.body, ind + 1)
+                out.append(f"{pad}}}")
+                out.append(f"{pad}vf_block_argmax(&{best}, &{idx}, vf_red, vf_redi);")
+                continue
             if cooperative and _is_reduction_loop(s):
                 out.append(f"{pad}for (int {s.var} = {expr(s.start)} + threadIdx.x; {s.var} < {expr(s.stop)}; "
                            f"{s.var} += VF_BLOCK) {{")
@@ -328,14 +363,19 @@ def _static_extent(e):
 def render_generic(k: L.Kernel, t: Target):
     extents = [_static_extent(s.stop) or 1 for s in L.walk_stmts(k.body) if isinstance(s, L.Loop) and s.parallel]
     threads = max(extents, default=1)
-    if k.meta.get("single_thread"):
+    single = bool(k.meta.get("single_thread"))
+    how = ("mapping: one workgroup; its reductions run block-wide" if single else
+           "mapping: every thread runs the body; parallel loops are grid-stride loops")
+    if single:
         threads = 1
-    src = _header(k, "mapping: every thread runs the body; parallel loops are grid-stride loops")
+    src = _header(k, how)
     src += f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{\n'
     src += _scalars(k)
+    if single:
+        src += "  __shared__ float vf_red[VF_WAVES];\n  __shared__ int vf_redi[VF_WAVES];\n"
     src += "  const int vf_tid = blockIdx.x * VF_BLOCK + threadIdx.x;\n"
     src += "  const int vf_nthreads = gridDim.x * VF_BLOCK;\n"
-    src += "\n".join(stmts(k.body, 1)) + "\n}\n"
+    src += "\n".join(stmts(k.body, 1, cooperative=single)) + "\n}\n"
     grid = max(1, min(-(-threads // t.block), 65535))
     return src, grid
 
@@ -384,6 +424,7 @@ def render_contract(k: L.Kernel, t: Target):
         kinds = [_weight_dot(d, K, s["k"], t) for d in s["dots"]]
         if all(kd[0] == "vec" for kd in kinds) and len({kd[1] for kd in kinds}) == 1:
             per = kinds[0][1]
+            lines.append(f"{p2}#pragma unroll {t.unroll}")
             lines.append(f"{p2}for (int vf_k = vf_lane * {per}; vf_k < {K}; vf_k += VF_WAVE * {per}) {{")
             lines += [f"{p2}  {kd[2]}" for kd in kinds]
         else:
@@ -403,7 +444,7 @@ def render_contract(k: L.Kernel, t: Target):
     lines.append("}")
     how = (f"mapping: {K}-element activation in LDS; one wave per output row "
            f"({total} rows), lanes stride k with 16-byte loads")
-    grid = max(1, -(-total // (t.waves_per_block * t.rows_per_wave)))
+    grid = max(1, min(-(-total // (t.waves_per_block * t.rows_per_wave)), t.compute_units * t.blocks_per_cu))
     return _header(k, how) + "\n".join(lines) + "\n", grid
 
 

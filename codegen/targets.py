@@ -31,6 +31,9 @@ class Target:
     lds_granule: int = 512       # LDS allocation granularity, bytes
     max_waves_hw: int = 10       # hardware limit of waves per SIMD
     max_static_lds: int = 65536  # bytes of __shared__ a kernel may declare statically
+    compute_units: int = 60      # CUs / SMs: GEMV grids are capped at compute_units * blocks_per_cu
+    blocks_per_cu: int = 8       # workgroups resident per CU that a GEMV grid aims for
+    unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
 
     @property
     def waves_per_block(self):
@@ -40,7 +43,7 @@ class Target:
 TARGETS = {
     "gfx906": Target("gfx906", "amd", wave=64, dot2=True, max_waves_per_simd=9),
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
-                    lds_per_cu=228 * 1024, max_waves_hw=16),
+                    lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132),
 }
 
 

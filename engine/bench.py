@@ -1,11 +1,20 @@
-"""Decode benchmark: ``python -m engine.bench [--model PATH] [--tokens 64] [--prompt TEXT]``.
+"""Decode benchmark.
 
-Prints decode tokens/s for the same model and prompt, measured in one run:
+CPU: ``python -m engine.bench [--model PATH] [--tokens 64] [--prompt TEXT]`` prints decode
+tokens/s for the same model and prompt, measured in one run:
   * vegafuse on the CPU (fused, LLVM-compiled kernels),
   * the vegafuse numpy reference interpreter (the same traced program, op by op),
   * Hugging Face transformers eager on the CPU in float32, when torch and
     transformers are importable (the model is exported from the GGUF first).
 Greedy decoding; timings exclude compilation and the prefill.
+
+GPU: ``python -m engine.bench --backend cuda --model qwen2.5-1.5b --random-weights --dtype f16
+--tokens 128 --context 512`` decodes greedily on the device (argmax in a kernel, no host sync per
+token, CUDA graph replay) after a 32-token prompt and prints tokens/s, ms per token, weight bytes
+per token, achieved GB/s against the device-to-device copy bandwidth measured in the same run, and
+launches per token; beside it, the peer measured in the same run: Hugging Face transformers with a
+static KV cache and ``torch.compile(mode="reduce-overhead", fullgraph=True)``, same shape and dtype.
+``--capacity-check`` decodes 64 tokens with KV caches of 512 and 32768 positions.
 """
 from __future__ import annotations
 
@@ -63,14 +72,181 @@ def bench_hf(model_path, ids, n_tokens, threads):
     return (n_tokens - 1) / (tn - t1), out
 
 
+SHAPES = {
+    "smollm2-135m": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                         rope_theta=1e5, norm_eps=1e-5, tie_embeddings=True),
+    "qwen2.5-1.5b": dict(vocab_size=151936, dim=1536, n_layers=28, n_heads=12, n_kv_heads=2, ffn_dim=8960,
+                         head_dim=128, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
+                         arch="qwen2"),
+    "qwen2.5-7b": dict(vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944,
+                       head_dim=128, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=False, qkv_bias=True,
+                       arch="qwen2"),
+}
+
+
+def random_params(cfg, dev, dtype="f16", seed=0):
+    """Random weights of the real shapes, made on the device (speed depends on bytes, not values)."""
+    D, hd, F = cfg.dim, cfg.head_dim, cfg.ffn_dim
+    seeds = iter(range(seed, seed + 1 << 20))
+    mat = lambda n, k: dev.random((n, k), dtype, 0.02, next(seeds))              # noqa: E731
+    vec = lambda n, shift=0.0: dev.random((n,), "f32", 0.02, next(seeds), shift)  # noqa: E731
+    layers = []
+    for _ in range(cfg.n_layers):
+        p = {"attn_norm": vec(D, 1.0), "ffn_norm": vec(D, 1.0), "wq": mat(cfg.n_heads * hd, D),
+             "wk": mat(cfg.n_kv_heads * hd, D), "wv": mat(cfg.n_kv_heads * hd, D), "wo": mat(D, cfg.n_heads * hd),
+             "w_gate": mat(F, D), "w_up": mat(F, D), "w_down": mat(D, F)}
+        if cfg.qkv_bias:
+            p.update(bq=vec(cfg.n_heads * hd), bk=vec(cfg.n_kv_heads * hd), bv=vec(cfg.n_kv_heads * hd))
+        layers.append(p)
+    params = {"embed": mat(cfg.vocab_size, D), "layers": layers, "norm": vec(D, 1.0)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = mat(cfg.vocab_size, D)
+    return params
+
+
+def weight_bytes(cfg, params):
+    """Bytes of weights one decode step streams (the embedding table only when it is the LM head)."""
+    from dsl.pytree import flatten
+    total = sum(int(a.nbytes) for a in flatten(params)[0])
+    if not cfg.tie_embeddings:
+        total -= int(params["embed"].nbytes) - int(params["embed"].nbytes) // cfg.vocab_size
+    return total
+
+
+def gpu_decode(cfg, params, n_tokens, context, prompt_tokens=32, seed=0):
+    """(tokens/s, executable) of greedy device-side decode after a random prompt."""
+    from .model import Model
+    m = Model(cfg, params, backend="cuda", context=context)
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_tokens).tolist()
+    first = int(np.argmax(np.asarray(m.prefill(prompt))))
+    m.decode_greedy(first, 2)                      # compile, capture the graph
+    m.pos = prompt_tokens
+    t0 = time.perf_counter()
+    m.decode_greedy(first, n_tokens)
+    dt = time.perf_counter() - t0
+    ex = m.greedy_step.compile(m.params, np.zeros(1, np.int32), 0, 0, m.cache)
+    return n_tokens / dt, ex
+
+
+def bench_torch_compile(cfg, n_tokens, context, prompt_tokens=32, dtype="f16"):
+    """Hugging Face transformers, static KV cache, torch.compile(reduce-overhead, fullgraph) on the
+    one-token forward; random weights of the same shape.  Returns decode tokens/s or None."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    except ImportError:
+        return None
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+              num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+              rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+              max_position_embeddings=context)
+    hf = Qwen2Config(**kw) if cfg.qkv_bias else LlamaConfig(head_dim=cfg.head_dim, **kw)
+    tdt = torch.float16 if dtype == "f16" else torch.float32
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf, dtype=tdt).eval()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), device="cuda")
+    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, eos_token_id=None)
+
+    def run(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+    run(n_tokens)
+    run(n_tokens)                                   # compiled and warm
+    t1, tn = run(1), run(n_tokens)
+    del model
+    torch.cuda.empty_cache()
+    return (n_tokens - 1) / (tn - t1)
+
+
+def profile(dev, ex, tps):
+    """Where the time of one decode step goes: kernel time by kind against launch gaps."""
+    import re
+    times = dev.time_launches(ex._plan_run.launches)
+    kinds = {}
+    for launch, us in zip(ex._plan_run.launches, times):
+        k = launch.ck.kernel
+        kind = re.sub(r"\d+", "#", k.name.split("_", 1)[1])
+        n, t, b = kinds.get(kind, (0, 0.0, 0))
+        kinds[kind] = (n + 1, t + us, b + k.bytes)
+    total = sum(times)
+    step = 1e6 / tps
+    print(f"  profile: kernels {total:.0f} µs of a {step:.0f} µs step; launch gaps and copies {step - total:.0f} µs")
+    for kind, (n, t, b) in sorted(kinds.items(), key=lambda x: -x[1][1])[:10]:
+        print(f"    {kind[:48]:<48} x{n:<3} {t:8.1f} µs  {b / t / 1e3 if t else 0:7.0f} GB/s")
+
+
+def main_gpu(args):
+    from .executable import get_device
+    from stdlib.config import LlamaConfig
+    dev = get_device("cuda")
+    if args.no_graphs:
+        dev.graphs = False
+    name = args.model or "smollm2-135m"
+    if args.capacity_check:
+        cfg = LlamaConfig(**SHAPES["smollm2-135m"], max_seq_len=32768)
+        params = random_params(cfg, dev, args.dtype)
+        r = {}
+        for cap in (512, 32768):
+            r[cap], _ = gpu_decode(cfg, params, 63, cap, prompt_tokens=1)
+            print(f"  smollm2-135m, 64 tokens in a cache of {cap:>5} positions: {1e3 / r[cap]:.3f} ms/token")
+        print(f"  capacity 32768 vs 512: {r[512] / r[32768]:.3f}x the time per token")
+        return 0
+    if args.random_weights or name in SHAPES:
+        if name not in SHAPES:
+            raise SystemExit(f"error: unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+        cfg = LlamaConfig(**SHAPES[name], max_seq_len=args.context, name=name)
+        params = random_params(cfg, dev, args.dtype)
+    else:
+        from .weights import load_model
+        cfg, params, _ = load_model(name, args.dtype)
+        params = dev.put(params)
+    bw = dev.copy_bandwidth()
+    tps, ex = gpu_decode(cfg, params, args.tokens, args.context)
+    wb = weight_bytes(cfg, params)
+    print(f"{name}: {cfg.n_layers} layers, dim {cfg.dim}, {args.dtype} weights, batch 1, "
+          f"{args.tokens} tokens after a 32-token prompt, context {args.context}; device copy bandwidth "
+          f"{bw:.0f} GB/s (read + write)", flush=True)
+    print(f"  vegafuse cuda{'' if dev.graphs else ' (no graphs)'}: {tps:8.1f} tok/s  {1e3 / tps:6.3f} ms/token  "
+          f"{wb / 1e9:.3f} GB/token  {wb * tps / 1e9:7.0f} GB/s = {100 * wb * tps / 1e9 / bw:4.1f}% of copy  "
+          f"{len(ex.plan.kernels) + 2} launches/token", flush=True)
+    if args.profile:
+        profile(dev, ex, tps)
+    if not args.no_peer:
+        peer = bench_torch_compile(cfg, args.tokens, args.context, dtype=args.dtype)
+        if peer is None:
+            print("  torch.compile peer: torch/transformers not importable, skipped")
+        else:
+            print(f"  HF static cache + torch.compile(reduce-overhead): {peer:8.1f} tok/s  {1e3 / peer:6.3f} ms/token"
+                  f"  -> vegafuse {tps / peer:.2f}x")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--tokens", type=int, default=64, help="tokens to decode (default 64)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct); "
+                                   f"with --backend cuda also a shape: {', '.join(SHAPES)}")
+    p.add_argument("--random-weights", action="store_true", help="real shapes, random values (cuda)")
+    p.add_argument("--dtype", default="f16", choices=["f16", "f32"])
+    p.add_argument("--context", type=int, default=512, help="KV-cache positions (cuda, default 512)")
+    p.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer (cuda)")
+    p.add_argument("--no-graphs", action="store_true", help="launch kernels one by one (cuda A/B)")
+    p.add_argument("--capacity-check", action="store_true", help="cache 512 vs 32768 at context 64 (cuda)")
+    p.add_argument("--profile", action="store_true", help="time every kernel of the decode step (cuda)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens to decode (default 64 cpu, 128 cuda)")
     p.add_argument("--reference-tokens", type=int, default=8, help="tokens for the slow interpreter (default 8)")
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
     args = p.parse_args(argv)
+    args.tokens = args.tokens or (128 if args.backend == "cuda" else 64)
+    if args.backend == "cuda":
+        return main_gpu(args)
     from .weights import default_model_path, load_model
     path = args.model or default_model_path()
     cfg, params, tok = load_model(path)

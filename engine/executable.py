@@ -103,6 +103,10 @@ class Executable:
                 self._slots[name] = x
         return dict(zip(self.plan.inputs, arrays))
 
+    def set_scalar(self, name, value):
+        """Set a runtime scalar input (by its input name) for the next ``launch``."""
+        self._slots[name] = value
+
     def launch(self):
         """Run the kernels once on the bound inputs (asynchronously on a GPU)."""
         self._plan_run()

@@ -39,7 +39,12 @@ class Model:
 
         def forward(params, tokens, pos, last, cache):
             return llama.forward(cfg, params, tokens, pos, last, cache)
+
+        def greedy(params, tokens, pos, last, cache):
+            nxt, _, cache = llama.greedy_forward(cfg, params, tokens, pos, last, cache)
+            return dsl.reshape(nxt, (1,)), cache
         self.step = dsl.jit(forward, donate_argnums=(4,), backend=backend, fusion=fusion)
+        self.greedy_step = dsl.jit(greedy, donate_argnums=(4,), backend=backend, fusion=fusion)
 
     def _run(self, tokens, last):
         logits, self.cache = self.step(self.params, tokens, self.pos, last, self.cache)
@@ -70,6 +75,28 @@ class Model:
         logits = self._run(np.array([token_id], np.int32), 0)
         self.pos += 1
         return logits
+
+    def decode_greedy(self, token_id, n):
+        """Greedy-decode ``n`` tokens after ``token_id`` with everything on the device: the argmax
+        runs in a kernel, its id is copied device-to-device into the next step's input, the
+        position advances in device memory, and the host waits once at the end.  Returns the ids."""
+        if self.pos + n > self.context:
+            raise ContextFull(f"{n} more tokens do not fit the KV cache ({self.context} positions)")
+        ex = self.greedy_step.compile(self.params, np.zeros(1, np.int32), 0, 0, self.cache)
+        args = [self.params, np.array([token_id], np.int32), self.pos, 0, self.cache]
+        bufs = ex.bind(*dsl.tree_flatten(args)[0])
+        tokens = bufs[ex.plan.inputs[len(dsl.tree_flatten(self.params)[0])]]
+        pos_name = [name for name in ex.plan.inputs if name in ex.plan.scalars][0]
+        nxt = ex.output_buffers()[0]
+        dev = self.device
+        ids = dev.empty((n,), "i32")
+        for i in range(n):
+            ex.set_scalar(pos_name, self.pos)
+            ex.launch()
+            dev.copy(tokens, nxt, 4)
+            dev.copy(ids.ptr + 4 * i if hasattr(ids, "ptr") else ids[i:i + 1], nxt, 4)
+            self.pos += 1
+        return [int(x) for x in dev.to_host(ids)]
 
     def bucket(self, n):
         """Padded prefill length for an n-token prompt: a power of two, at least 8."""

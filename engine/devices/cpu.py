@@ -740,6 +740,19 @@ class CPUDevice:
     def resident(self, a):
         return a
 
+    def copy(self, dst, src, nbytes=None):
+        """Copy ``src`` into ``dst`` (numpy arrays; ``nbytes`` from the start)."""
+        n = nbytes or src.nbytes
+        dst.view(np.uint8).reshape(-1)[:n] = src.view(np.uint8).reshape(-1)[:n]
+
+    def synchronize(self):
+        pass
+
+    def random(self, shape, dtype, scale=0.02, seed=0, shift=0.0):
+        """Uniform values in [shift - scale, shift + scale) (benchmarks with random weights)."""
+        rng = np.random.default_rng(seed)
+        return (shift + rng.uniform(-scale, scale, shape)).astype(NP_DTYPES[dtype])
+
     def put(self, a):
         return a
 

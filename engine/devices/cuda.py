@@ -261,6 +261,63 @@ class CUDADevice:
     def scalar_slots(self, names):
         return ScalarSlots(self, names)
 
+    _FILL = r"""
+extern "C" __global__ void vf_fill(void* out, unsigned long long n, unsigned int seed, float scale, float shift,
+                                   int half) {
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    unsigned int h = (unsigned int)(i * 2654435761ull) ^ seed;     // integer hash -> uniform [0, 1)
+    h ^= h >> 16; h *= 0x7feb352du; h ^= h >> 15; h *= 0x846ca68bu; h ^= h >> 16;
+    const float v = shift + scale * (2.0f * (h >> 8) * (1.0f / 16777216.0f) - 1.0f);
+    if (half) ((__half*)out)[i] = __float2half(v); else ((float*)out)[i] = v;
+  }
+}
+"""
+
+    def random(self, shape, dtype, scale=0.02, seed=0, shift=0.0):
+        """Uniform values in [shift - scale, shift + scale) made on the GPU (benchmark weights)."""
+        if not hasattr(self, "_fill"):
+            cubin = self._nvrtc_compile("#include <cuda_fp16.h>\n" + self._FILL, "vf_fill")
+            module = _check(self.drv.cuModuleLoadData(cubin), "cuModuleLoadData")
+            self._fill = (module, _check(self.drv.cuModuleGetFunction(module, b"vf_fill"), "cuModuleGetFunction"))
+        a = self.empty(shape, dtype)
+        n = int(np.prod(shape, dtype=np.int64))
+        vals = [np.array([a.ptr], np.uint64), np.array([n], np.uint64), np.array([seed & 0xFFFFFFFF], np.uint32),
+                np.array([scale], np.float32), np.array([shift], np.float32),
+                np.array([int(a.dtype == np.float16)], np.int32)]
+        args = np.array([v.ctypes.data for v in vals], np.uint64)
+        _check(self.drv.cuLaunchKernel(self._fill[1], 1024, 1, 1, 256, 1, 1, 0, self.stream, args.ctypes.data, 0),
+               "cuLaunchKernel", "vf_fill")
+        self.synchronize()
+        return a
+
+    def time_launches(self, launches, reps=5):
+        """Average GPU time in µs of each prepared launch, run one at a time between events."""
+        ev = [_check(self.drv.cuEventCreate(0), "cuEventCreate") for _ in range(2)]
+        out = []
+        for launch in launches:
+            launch()
+            _check(self.drv.cuEventRecord(ev[0], self.stream), "cuEventRecord")
+            for _ in range(reps):
+                launch()
+            _check(self.drv.cuEventRecord(ev[1], self.stream), "cuEventRecord")
+            self.synchronize()
+            out.append(1e3 * _check(self.drv.cuEventElapsedTime(ev[0], ev[1]), "cuEventElapsedTime") / reps)
+        return out
+
+    def copy_bandwidth(self, nbytes=1 << 30, reps=10):
+        """Device-to-device copy bandwidth in GB/s, read + write counted (the roofline ceiling)."""
+        a, b = self.empty((nbytes,), np.uint8), self.empty((nbytes,), np.uint8)
+        self.copy(b, a)
+        ev = [_check(self.drv.cuEventCreate(0), "cuEventCreate") for _ in range(2)]
+        _check(self.drv.cuEventRecord(ev[0], self.stream), "cuEventRecord")
+        for _ in range(reps):
+            self.copy(b, a)
+        _check(self.drv.cuEventRecord(ev[1], self.stream), "cuEventRecord")
+        self.synchronize()
+        ms = _check(self.drv.cuEventElapsedTime(ev[0], ev[1]), "cuEventElapsedTime")
+        return 2 * nbytes * reps / (ms * 1e-3) / 1e9
+
     # ------------------------------------------------------------------ compile
     def _nvrtc_compile(self, source, name):
         nv = self.nvrtc
