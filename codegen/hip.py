@@ -32,6 +32,8 @@ ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
 _DEFINES = r"""#define VF_WAVE {wave}
 #define VF_BLOCK {block}
 #define VF_WAVES (VF_BLOCK / VF_WAVE)
+#define VF_ATT_BLOCK {att}
+#define VF_ATT_WAVES (VF_ATT_BLOCK / VF_WAVE)
 """
 
 _COMMON = r"""__device__ __forceinline__ float vf_wave_sum(float v) {{
@@ -191,7 +193,7 @@ def prelude(t: Target, act: str | None = None) -> str:
         head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
     else:
         head = _NVIDIA.format(name=t.name, wave=t.wave) + (_NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT)
-    return _DEFINES.format(wave=t.wave, block=t.block) + head + _COMMON.format()
+    return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block) + head + _COMMON.format()
 
 
 # ------------------------------------------------------------------------------------ expressions
@@ -273,6 +275,10 @@ def _argmax_loop(s):
     return None
 
 
+def _has_reduction(body):
+    return any(_is_reduction_loop(s) or _argmax_loop(s) for s in L.walk_stmts(body))
+
+
 def stmts(body, ind, cooperative=False):
     """C for a statement list.  Per-thread semantics; parallel loops become grid-stride loops.
     ``cooperative``: reduction loops run block-wide (all threads of the workgroup take part)."""
@@ -296,7 +302,11 @@ def stmts(body, ind, cooperative=False):
                     fn = "vf_block_sum" if a.value.op == "add" else "vf_block_max"
                     out.append(f"{pad}{a.name} = {fn}({a.name}, vf_red);")
                 continue
-            if s.parallel:
+            if s.parallel and cooperative:          # rows with reductions -> workgroups, else -> threads
+                unit, step = ("blockIdx.x", "gridDim.x") if _has_reduction(s.body) else ("threadIdx.x", "VF_BLOCK")
+                out.append(f"{pad}for (int {s.var} = {expr(s.start)} + {unit}; {s.var} < {expr(s.stop)}; "
+                           f"{s.var} += {step}) {{")
+            elif s.parallel:
                 out.append(f"{pad}for (int {s.var} = {expr(s.start)} + vf_tid; {s.var} < {expr(s.stop)}; "
                            f"{s.var} += vf_nthreads) {{")
             else:
@@ -363,11 +373,12 @@ def _static_extent(e):
 def render_generic(k: L.Kernel, t: Target):
     extents = [_static_extent(s.stop) or 1 for s in L.walk_stmts(k.body) if isinstance(s, L.Loop) and s.parallel]
     threads = max(extents, default=1)
-    single = bool(k.meta.get("single_thread"))
-    how = ("mapping: one workgroup; its reductions run block-wide" if single else
-           "mapping: every thread runs the body; parallel loops are grid-stride loops")
+    single = bool(k.meta.get("single_thread")) or _has_reduction(k.body)
+    how = ("mapping: a workgroup per row; reductions run block-wide, the row's elements over its threads"
+           if single else "mapping: every thread runs the body; parallel loops are grid-stride loops")
     if single:
-        threads = 1
+        rows = [s for s in k.body if isinstance(s, L.Loop) and s.parallel and _has_reduction(s.body)]
+        threads = (_static_extent(rows[0].stop) or 1) * t.block if rows else 1
     src = _header(k, how)
     src += f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{\n'
     src += _scalars(k)
@@ -454,10 +465,10 @@ def render_attention(k: L.Kernel, t: Target):
     group = m["Hq"] // m["Hkv"]
     qd, kd, vd = m["dtypes"]
     ld = lambda buf, idx, dt: f"vf_h2f({buf}[{idx}])" if dt == "f16" else f"{buf}[{idx}]"  # noqa: E731
-    src = f"""extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{
+    src = f"""extern "C" __global__ void __launch_bounds__(VF_ATT_BLOCK) {k.name}({_signature(k)}) {{
   // one workgroup per (query head, query row); waves split the context, lanes hold head-dim elements
 {_scalars(k)}  constexpr int D = {D}, S = {S}, T = {T}, DPL = (D + VF_WAVE - 1) / VF_WAVE;
-  __shared__ float vf_m[VF_WAVES], vf_l[VF_WAVES], vf_o[VF_WAVES][D];
+  __shared__ float vf_m[VF_ATT_WAVES], vf_l[VF_ATT_WAVES], vf_o[VF_ATT_WAVES][D];
   const int h = blockIdx.x / T, t = blockIdx.x % T, kvh = h / {group};
   const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;
   const int n = min({expr(m['pos'])} + t + 1, S);        // positions 0..pos+t only
@@ -470,7 +481,7 @@ def render_attention(k: L.Kernel, t: Target):
     o[j] = 0.0f;
   }}
   float mx = -VF_INF, l = 0.0f;
-  for (int s = vf_wave; s < n; s += VF_WAVES) {{
+  for (int s = vf_wave; s < n; s += VF_ATT_WAVES) {{
     const size_t row = ((size_t)kvh * S + s) * D;
     float part = 0.0f;
 #pragma unroll
@@ -497,12 +508,12 @@ def render_attention(k: L.Kernel, t: Target):
   }}
   __syncthreads();
   float M = -VF_INF;
-  for (int w = 0; w < VF_WAVES; ++w) M = fmaxf(M, vf_m[w]);
+  for (int w = 0; w < VF_ATT_WAVES; ++w) M = fmaxf(M, vf_m[w]);
   float L = 0.0f;
-  for (int w = 0; w < VF_WAVES; ++w) L += vf_m[w] == -VF_INF ? 0.0f : vf_l[w] * expf(vf_m[w] - M);
-  for (int d = threadIdx.x; d < D; d += VF_BLOCK) {{
+  for (int w = 0; w < VF_ATT_WAVES; ++w) L += vf_m[w] == -VF_INF ? 0.0f : vf_l[w] * expf(vf_m[w] - M);
+  for (int d = threadIdx.x; d < D; d += VF_ATT_BLOCK) {{
     float acc = 0.0f;
-    for (int w = 0; w < VF_WAVES; ++w) acc += vf_m[w] == -VF_INF ? 0.0f : vf_o[w][d] * expf(vf_m[w] - M);
+    for (int w = 0; w < VF_ATT_WAVES; ++w) acc += vf_m[w] == -VF_INF ? 0.0f : vf_o[w][d] * expf(vf_m[w] - M);
     {m['out']}[qrow + d] = acc / L;
   }}
 }}
@@ -518,11 +529,12 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     """HIP source of one kernel for ``target`` (a name or a Target), with its launch geometry."""
     t = get_target(target) if isinstance(target, str) else target
     body, grid = RENDERERS.get(k.family, render_generic)(k, t)
+    block = t.attention_block if k.family == "attention" else t.block
     act = act_dtype(t, k.meta["K"] if k.family == "contract" else 0)
     head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, act)
     src = head + "\n" + body
     static = _static_lds(k, t)
-    return HipKernel(k.name, src, (grid, 1, 1), (t.block, 1, 1), occupancy_lds(t, static), k, t, len(head) + 1)
+    return HipKernel(k.name, src, (grid, 1, 1), (block, 1, 1), occupancy_lds(t, static, block), k, t, len(head) + 1)
 
 
 def _static_lds(k, t):
@@ -530,5 +542,5 @@ def _static_lds(k, t):
         act = 2 if act_dtype(t, k.meta["K"]) == "f16" else 4
         return k.meta["K"] * act + 4 * t.waves_per_block
     if k.family == "attention":
-        return 4 * t.waves_per_block * (2 + k.meta["D"])
+        return 4 * (t.attention_block // t.wave) * (2 + k.meta["D"])
     return 0

@@ -34,6 +34,7 @@ class Target:
     compute_units: int = 60      # CUs / SMs: GEMV grids are capped at compute_units * blocks_per_cu
     blocks_per_cu: int = 8       # workgroups resident per CU that a GEMV grid aims for
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
+    attention_block: int = 1024  # threads of an attention workgroup: its waves split the context
 
     @property
     def waves_per_block(self):
@@ -55,13 +56,14 @@ def get_target(name: str, **overrides) -> Target:
     return replace(TARGETS[name], **overrides) if overrides else TARGETS[name]
 
 
-def occupancy_lds(t: Target, static_lds: int = 0) -> int:
+def occupancy_lds(t: Target, static_lds: int = 0, block: int = 0) -> int:
     """Dynamic LDS bytes to request at launch so that at most ``t.max_waves_per_simd`` waves run per
     SIMD (the occupancy-cliff switch).  Workgroups per CU = floor(lds_per_cu / lds_per_wg); waves per
     SIMD = workgroups per CU * waves per workgroup / SIMDs per CU."""
     if not t.max_waves_per_simd or t.max_waves_per_simd >= t.max_waves_hw:
         return 0
-    max_wgs = max(1, t.max_waves_per_simd * t.simds_per_cu // t.waves_per_block)
+    waves = (block or t.block) // t.wave
+    max_wgs = max(1, t.max_waves_per_simd * t.simds_per_cu // waves)
     need = t.lds_per_cu // (max_wgs + 1) + 1                 # so that max_wgs + 1 workgroups do not fit
     need = -(-need // t.lds_granule) * t.lds_granule
     return max(0, need - static_lds)

@@ -22,7 +22,7 @@ import numpy as np
 from codegen import loopir as L
 from dsl.core import Lit, Var
 
-from .lower import LOWER, Builder, Unfusable, fresh
+from .lower import LOWER, Builder, Unfusable, fresh, unravel
 from .partition import Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues
 
 _ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
@@ -168,10 +168,24 @@ def _op_list(b):
 
 
 def loop_kernel(lw, name, shape, store_fn, family="elementwise"):
-    """for rows: [row scalars]; for j: stores produced by ``store_fn(builder, idx)``."""
+    """for rows: [row scalars]; for j: stores produced by ``store_fn(builder, idx)``.
+
+    Without row scalars the nest is one flat parallel loop over every element (so a GPU gives
+    each element a thread); with them, rows are parallel and each row's reductions run first."""
     rows = shape[:-1] if shape else ()
     rv = [fresh("i") for _ in rows]
     b = Builder(lw, tuple(L.Sym(v, "i32") for v in rv))
+    if shape and len(shape) > 1:
+        flat = Builder(lw)
+        f = fresh("f")
+        try:
+            stores, writes = store_fn(flat, unravel(L.Sym(f, "i32"), shape))
+        except Unfusable:                       # it needs per-row reductions: keep the row nest
+            flat.row_stmts = [None]
+        if not flat.row_stmts:
+            body = (L.Loop(f, L.c(0), L.c(int(np.prod(shape))), tuple(stores), parallel=True),)
+            params = _params(lw, flat, writes)
+            return L.Kernel(name, family, params, body, _op_list(flat), _bytes(params), meta={"single_thread": False})
     if shape:
         j = fresh("j")
         stores, writes = store_fn(b, b.row_idx + (L.Sym(j, "i32"),))

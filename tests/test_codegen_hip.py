@@ -19,7 +19,8 @@ def test_every_family_of_the_decode_step_renders(kernels):
     assert {"contract", "attention", "elementwise"} <= fams
     for k in kernels:
         src = render_hip(k, "gfx906").source
-        assert f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}(' in src
+        bounds = "VF_ATT_BLOCK" if k.family == "attention" else "VF_BLOCK"
+        assert f'extern "C" __global__ void __launch_bounds__({bounds}) {k.name}(' in src
         for op in k.ops:                                   # the header lists every fused op with its shape
             assert op in src
 
