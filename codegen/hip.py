@@ -34,6 +34,7 @@ _DEFINES = r"""#define VF_WAVE {wave}
 #define VF_WAVES (VF_BLOCK / VF_WAVE)
 #define VF_ATT_BLOCK {att}
 #define VF_ATT_WAVES (VF_ATT_BLOCK / VF_WAVE)
+#define VF_UNROLL_K _Pragma("unroll {unroll}")
 """
 
 _COMMON = r"""__device__ __forceinline__ float vf_wave_sum(float v) {{
@@ -89,6 +90,7 @@ __device__ __forceinline__ float vf_h2f(vf_half x) {{ return (float)x; }}
 __device__ __forceinline__ vf_half vf_f2h(float x) {{ return (vf_half)x; }}
 __device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
 __device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
+__device__ __forceinline__ void vf_prefetch(const void* p) {{ }}   // gfx906 has no prefetch instruction
 """
 
 _AMD_DOT2 = r"""// the activation lives in LDS as f16 pairs; one v_dot2_f32_f16 per pair
@@ -134,6 +136,7 @@ __device__ __forceinline__ float vf_h2f(vf_half x) {{ return __half2float(x); }}
 __device__ __forceinline__ vf_half vf_f2h(float x) {{ return __float2half(x); }}
 __device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
 __device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
+__device__ __forceinline__ void vf_prefetch(const void* p) {{ asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }}
 """
 
 _NVIDIA_F32ACT = r"""typedef float vf_act_t;
@@ -193,7 +196,7 @@ def prelude(t: Target, act: str | None = None) -> str:
         head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
     else:
         head = _NVIDIA.format(name=t.name, wave=t.wave) + (_NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT)
-    return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block) + head + _COMMON.format()
+    return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format()
 
 
 # ------------------------------------------------------------------------------------ expressions
@@ -403,15 +406,92 @@ def _weight_dot(d, K, k_var, t):
     return ("scalar", 1, f"{d['acc']} += vf_from_act(vf_act[{k_var}]) * ({expr(d['b'])});")
 
 
+def _prefetch(m, K, segs):
+    """Send each wave's first weight row towards L2 before the prologue, so that the prologue's
+    latency and the weights' overlap.  Only rows whose address needs no row variable."""
+    rowvars = set(m["row_vars"])
+    out, start, first = ["  {  // prefetch: this wave's first output row, while the prologue runs",
+                         "    const int vf_r0 = blockIdx.x * VF_WAVES + vf_wave;"], 0, True
+    for s in segs:
+        dots = [d for d in s["dots"] if d["contig"] is not None
+                and not any(isinstance(x, L.Sym) and x.name in rowvars for x in L.walk_exprs(d["contig"][2]))]
+        if dots:
+            per = 16 // ITEMSIZE[dots[0]["contig"][1]]
+            out.append(f"    {'if' if first else 'else if'} (vf_r0 >= {start} && vf_r0 < {start + s['N']}) {{")
+            out.append(f"      const int {s['n']} = vf_r0 - {start};")
+            out.append(f"      for (int vf_k = vf_lane * {per}; vf_k < {K}; vf_k += VF_WAVE * {per}) {{")
+            for d in dots:
+                out.append(f"        vf_prefetch({d['contig'][0]} + (size_t)({expr(d['contig'][2])}) * {K} + vf_k);")
+            out += ["      }", "    }"]
+            first = False
+        start += s["N"]
+    return out + ["  }"] if not first else []
+
+
+def ksplit(t: Target, k: L.Kernel) -> int:
+    """Waves per GEMV output row: when the rows cannot fill the chip with waves, 2 or 4 waves share
+    a row's k range and combine partial sums in LDS (more loads in flight, shorter chains)."""
+    if k.family != "contract":
+        return 1
+    K, total = k.meta["K"], sum(s["N"] for s in k.meta["segments"])
+    capacity = t.compute_units * t.blocks_per_cu * t.waves_per_block
+    ks = 1
+    while ks < 4 and total * ks * 2 <= capacity and K % (ks * 2 * 8) == 0 and K // (ks * 2) >= 2 * 8 * t.wave:
+        ks *= 2
+    return ks
+
+
+def _segments(segs, K, t, pad, mode):
+    """Per-row code of every segment.  ``mode``: "whole" (the wave does all of k, then the
+    epilogue), "partial" (this wave's slice of k into LDS), "final" (sum the slices, epilogue)."""
+    lines, start = [], 0
+    for j, s in enumerate(segs):
+        lines.append(f"{pad}{'if' if j == 0 else '} else if'} (vf_r < {start + s['N']}) {{")
+        p2 = pad + "  "
+        lines.append(f"{p2}const int {s['n']} = vf_r - {start};")
+        if mode == "final":
+            for i, d in enumerate(s["dots"]):
+                lines.append(f"{p2}float {d['acc']} = vf_part[vf_wave][{i}];")
+                lines.append(f"{p2}for (int q = 1; q < VF_KSPLIT; ++q) {d['acc']} += vf_part[vf_wave + q][{i}];")
+            lines.append(f"{p2}{s['out']}[{expr(s['index'])}] = {expr(s['value'])};   // epilogue")
+            start += s["N"]
+            continue
+        for d in s["dots"]:
+            lines.append(f"{p2}float {d['acc']} = 0.0f;")
+        kinds = [_weight_dot(d, K, s["k"], t) for d in s["dots"]]
+        lo, hi = ("vf_p * (K_ / VF_KSPLIT)", "(vf_p + 1) * (K_ / VF_KSPLIT)") if mode == "partial" else ("0", "K_")
+        if all(kd[0] == "vec" for kd in kinds) and len({kd[1] for kd in kinds}) == 1:
+            per = kinds[0][1]
+            lines.append(f"{p2}VF_UNROLL_K")
+            lines.append(f"{p2}for (int vf_k = {lo} + vf_lane * {per}; vf_k < {hi}; vf_k += VF_WAVE * {per}) {{")
+            lines += [f"{p2}  {kd[2]}" for kd in kinds]
+        else:
+            lines.append(f"{p2}for (int {s['k']} = {lo} + vf_lane; {s['k']} < {hi}; {s['k']} += VF_WAVE) {{")
+            lines += [f"{p2}  {_weight_dot(dict(d, contig=None), K, s['k'], t)[2]}" for d in s["dots"]]
+        lines.append(f"{p2}}}")
+        for d in s["dots"]:
+            lines.append(f"{p2}{d['acc']} = vf_wave_sum({d['acc']});")
+        if mode == "partial":
+            lines += [f"{p2}if (vf_lane == 0) vf_part[vf_wave][{i}] = {d['acc']};" for i, d in enumerate(s["dots"])]
+        else:
+            lines.append(f"{p2}if (vf_lane == 0) {s['out']}[{expr(s['index'])}] = {expr(s['value'])};   // epilogue")
+        start += s["N"]
+    lines.append(f"{pad}}}")
+    return lines
+
+
 def render_contract(k: L.Kernel, t: Target):
     m = k.meta
     K, segs = m["K"], m["segments"]
     total = sum(s["N"] for s in segs)
+    ndots = max(len(s["dots"]) for s in segs)
     lines = [f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{',
-             f"  __shared__ vf_act_t vf_act[{K}];              // the activation, read from LDS in the main loop",
+             f"  constexpr int K_ = {K};",
+             "  __shared__ vf_act_t vf_act[K_];              // the activation, read from LDS in the main loop",
              "  __shared__ float vf_red[VF_WAVES];",
              "  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;"]
     lines += _scalars(k).rstrip("\n").split("\n") if _scalars(k) else []
+    lines += _prefetch(m, K, segs) if t.prefetch else []
     ind = 1
     for v, n in zip(m["row_vars"], m["rows"]):
         lines.append(f"{'  ' * ind}for (int {v} = 0; {v} < {n}; ++{v}) {{")
@@ -419,43 +499,36 @@ def render_contract(k: L.Kernel, t: Target):
     pad = "  " * ind
     lines += stmts(m["row_stmts"], ind, cooperative=True)
     lines += [f"{pad}// prologue: the activation row into LDS",
-              f"{pad}for (int {m['kvar']} = threadIdx.x; {m['kvar']} < {K}; {m['kvar']} += VF_BLOCK)",
+              f"{pad}#pragma unroll 8",
+              f"{pad}for (int {m['kvar']} = threadIdx.x; {m['kvar']} < K_; {m['kvar']} += VF_BLOCK)",
               f"{pad}  vf_act[{m['kvar']}] = vf_to_act({expr(m['prologue'])});",
               f"{pad}__syncthreads();",
+              "#if VF_KSPLIT == 1",
               f"{pad}// each wave owns output rows; lanes split k",
               f"{pad}for (int vf_r = blockIdx.x * VF_WAVES + vf_wave; vf_r < {total}; vf_r += gridDim.x * VF_WAVES) {{"]
-    start = 0
-    for j, s in enumerate(segs):
-        cond = "if" if j == 0 else "} else if"
-        lines.append(f"{pad}  {cond} (vf_r < {start + s['N']}) {{")
-        p2 = pad + "    "
-        lines.append(f"{p2}const int {s['n']} = vf_r - {start};")
-        for d in s["dots"]:
-            lines.append(f"{p2}float {d['acc']} = 0.0f;")
-        kinds = [_weight_dot(d, K, s["k"], t) for d in s["dots"]]
-        if all(kd[0] == "vec" for kd in kinds) and len({kd[1] for kd in kinds}) == 1:
-            per = kinds[0][1]
-            lines.append(f"{p2}#pragma unroll {t.unroll}")
-            lines.append(f"{p2}for (int vf_k = vf_lane * {per}; vf_k < {K}; vf_k += VF_WAVE * {per}) {{")
-            lines += [f"{p2}  {kd[2]}" for kd in kinds]
-        else:
-            lines.append(f"{p2}for (int {s['k']} = vf_lane; {s['k']} < {K}; {s['k']} += VF_WAVE) {{")
-            lines += [f"{p2}  {_weight_dot(dict(d, contig=None), K, s['k'], t)[2]}" for d in s["dots"]]
-        lines.append(f"{p2}}}")
-        for d in s["dots"]:
-            lines.append(f"{p2}{d['acc']} = vf_wave_sum({d['acc']});")
-        lines.append(f"{p2}if (vf_lane == 0) {s['out']}[{expr(s['index'])}] = {expr(s['value'])};   // epilogue")
-        start += s["N"]
-    lines.append(f"{pad}  }}")
-    lines.append(f"{pad}}}")
-    lines.append(f"{pad}__syncthreads();")
+    lines += _segments(segs, K, t, pad + "  ", "whole")
+    lines += [f"{pad}}}",
+              "#else",
+              f"{pad}// VF_KSPLIT waves share each output row: each takes a slice of k, then LDS combines them",
+              f"{pad}__shared__ float vf_part[VF_WAVES][{ndots}];",
+              f"{pad}const int vf_p = vf_wave % VF_KSPLIT;",
+              f"{pad}for (int vf_base = blockIdx.x * (VF_WAVES / VF_KSPLIT); vf_base < {total}; "
+              f"vf_base += gridDim.x * (VF_WAVES / VF_KSPLIT)) {{",
+              f"{pad}  const int vf_r = vf_base + vf_wave / VF_KSPLIT;     // uniform trip count: barriers are safe",
+              f"{pad}  if (vf_r < {total}) {{"]
+    lines += _segments(segs, K, t, pad + "    ", "partial")
+    lines += [f"{pad}  }}", f"{pad}  __syncthreads();",
+              f"{pad}  if (vf_r < {total} && vf_p == 0 && vf_lane == 0) {{"]
+    lines += _segments(segs, K, t, pad + "    ", "final")
+    lines += [f"{pad}  }}", f"{pad}  __syncthreads();", f"{pad}}}", "#endif", f"{pad}__syncthreads();"]
     while ind > 1:
         ind -= 1
         lines.append(f"{'  ' * ind}}}")
     lines.append("}")
-    how = (f"mapping: {K}-element activation in LDS; one wave per output row "
+    how = (f"mapping: {K}-element activation in LDS; VF_KSPLIT waves per output row "
            f"({total} rows), lanes stride k with 16-byte loads")
-    grid = max(1, min(-(-total // (t.waves_per_block * t.rows_per_wave)), t.compute_units * t.blocks_per_cu))
+    grid = max(1, min(-(-total * ksplit(t, k) // (t.waves_per_block * t.rows_per_wave)),
+                      t.compute_units * t.blocks_per_cu))
     return _header(k, how) + "\n".join(lines) + "\n", grid
 
 
@@ -531,7 +604,8 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     body, grid = RENDERERS.get(k.family, render_generic)(k, t)
     block = t.attention_block if k.family == "attention" else t.block
     act = act_dtype(t, k.meta["K"] if k.family == "contract" else 0)
-    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, act)
+    head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, act)
+            + f"#define VF_KSPLIT {ksplit(t, k)}\n")
     src = head + "\n" + body
     static = _static_lds(k, t)
     return HipKernel(k.name, src, (grid, 1, 1), (block, 1, 1), occupancy_lds(t, static, block), k, t, len(head) + 1)

@@ -43,10 +43,22 @@ def test_rmsnorm_and_softmax_rows():
     assert out is not None
 
 
-@pytest.mark.parametrize("n,k", [(18944, 3584), (4096, 8960), (151936, 1536)])
+@pytest.mark.parametrize("n,k", [(18944, 3584), (4096, 8960), (1536, 8960), (151936, 1536)])
 def test_gemv_with_prologue_and_epilogue(n, k):
     x, g, w, r = randn(1, k), randn(k), randn(n, k, dtype=np.float16, scale=0.05), randn(1, n)
     check(lambda x, g, w, r: r + nn.silu(nn.linear(nn.rms_norm(x, g, 1e-5), w)), x, g, w, r, rtol=2e-3, atol=2e-3)
+
+
+def test_qkv_siblings_with_bias_split_over_waves():
+    x, g = randn(1, 3584), randn(3584)
+    ws = [randn(n, 3584, dtype=np.float16, scale=0.05) for n in (1024, 256, 256)]
+    bs = [randn(n) for n in (1024, 256, 256)]
+
+    def qkv(x, g, ws, bs):
+        h = nn.rms_norm(x, g, 1e-5)
+        return [nn.linear(h, w, b) for w, b in zip(ws, bs)]
+    c = check(qkv, x, g, ws, bs, rtol=2e-3, atol=2e-3)
+    assert [k.family for k in c.plan.kernels] == ["contract"]
 
 
 def test_gate_up_siblings_and_matmul_rows():
