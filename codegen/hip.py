@@ -556,22 +556,30 @@ def render_attention(k: L.Kernel, t: Target):
     o[j] = 0.0f;
   }}
   float mx = -VF_INF, l = 0.0f;
-  for (int s = vf_wave; s < n; s += VF_ATT_WAVES) {{
-    const size_t row = ((size_t)kvh * S + s) * D;
-    float part = 0.0f;
+  // two positions per step, their K and V rows loaded before either is used (loads in flight)
+  for (int s = vf_wave; s < n; s += 2 * VF_ATT_WAVES) {{
+    const int s2 = s + VF_ATT_WAVES;
+    const bool two = s2 < n;
+    const size_t row = ((size_t)kvh * S + s) * D, row2 = ((size_t)kvh * S + (two ? s2 : s)) * D;
+    float k1[DPL], v1[DPL], k2[DPL], v2[DPL];
 #pragma unroll
     for (int j = 0; j < DPL; ++j) {{
-      const int d = vf_lane + j * VF_WAVE;
-      if (d < D) part += q[j] * {ld(m['k'], 'row + d', kd)};
+      const int d = vf_lane + j * VF_WAVE < D ? vf_lane + j * VF_WAVE : 0;
+      k1[j] = {ld(m['k'], 'row + d', kd)}; v1[j] = {ld(m['v'], 'row + d', vd)};
+      k2[j] = {ld(m['k'], 'row2 + d', kd)}; v2[j] = {ld(m['v'], 'row2 + d', vd)};
+    }}
+    float part = 0.0f, part2 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DPL; ++j) {{
+      if (vf_lane + j * VF_WAVE < D) {{ part += q[j] * k1[j]; part2 += q[j] * k2[j]; }}
     }}
     const float sc = vf_wave_sum(part);
-    const float mn = fmaxf(mx, sc), corr = expf(mx - mn), p = expf(sc - mn);
-    l = l * corr + p;
+    const float sc2 = two ? vf_wave_sum(part2) : -VF_INF;
+    const float mn = fmaxf(fmaxf(mx, sc), sc2), corr = expf(mx - mn), p = expf(sc - mn);
+    const float p2 = two ? expf(sc2 - mn) : 0.0f;
+    l = l * corr + p + p2;
 #pragma unroll
-    for (int j = 0; j < DPL; ++j) {{
-      const int d = vf_lane + j * VF_WAVE;
-      if (d < D) o[j] = o[j] * corr + p * {ld(m['v'], 'row + d', vd)};
-    }}
+    for (int j = 0; j < DPL; ++j) o[j] = o[j] * corr + p * v1[j] + p2 * v2[j];
     mx = mn;
   }}
   // log-sum-exp combine of the waves' partial results
