@@ -95,8 +95,8 @@ class Inspected:
         return counts(main_loop(self.isa()))
 
 
-def decode_kernels(model=None, context=512):
-    """The fused kernels of one decode step of ``model`` (a GGUF or HF directory)."""
+def decode_plan(model=None, context=512):
+    """The fusion plan of one decode step of ``model`` (a GGUF or HF directory; default SmolLM2)."""
     import numpy as np
 
     import dsl
@@ -109,7 +109,7 @@ def decode_kernels(model=None, context=512):
     def step(params, tokens, pos, last, cache):
         return llama.forward(cfg, params, tokens, pos, last, cache)
     low = dsl.jit(step, donate_argnums=(4,)).lower(params, np.zeros(1, np.int32), 0, 0, cache)
-    return build_plan(low.program, None, low.in_names, low.donated).kernels
+    return build_plan(low.program, None, low.in_names, low.donated)
 
 
 def table(items, layers_once=True):
@@ -148,7 +148,7 @@ def main(argv=None):
     from engine.errors import ModelError
     try:
         target = get_target(args.target, **({"max_waves_per_simd": 0} if args.no_occupancy_cap else {}))
-        kernels = decode_kernels(args.model, args.context)
+        kernels = decode_plan(args.model, args.context).kernels
         if args.kernel:
             match = [k for k in kernels if k.name == args.kernel] or [k for k in kernels if args.kernel in k.name]
             if len(match) != 1:
