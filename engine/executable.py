@@ -44,9 +44,6 @@ class Executable:
             lines.append(f"{k.name:<44} {k.family:<11} {k.bytes / 1e3:9.1f} kB  {ops}")
         return "\n".join(lines)
 
-    def kernels_per_layer(self):
-        return len(self.plan.kernels)
-
     # ------------------------------------------------------------------ running
     def _bind(self, arrays):
         """(Re)prepare the launch plan for these input buffers."""

@@ -184,7 +184,3 @@ def plan_epilogues(g: Graph, m: set, rules) -> dict:
         epi[root] = contracts
     return epi
 
-
-def operand(v):
-    """Shape/dtype-bearing input (Var or Lit)."""
-    return v if isinstance(v, (Var, Lit)) else None
