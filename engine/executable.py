@@ -137,7 +137,8 @@ _DEVICES = {}
 
 
 def get_device(backend):
-    """The process-wide device for ``backend`` ("cpu"; "reference" has none: it interprets)."""
+    """The process-wide device for ``backend`` ("cpu", "cuda", "hip"; "reference" has none: it
+    interprets).  "hip" raises ``HipUnavailable`` where no AMD GPU is visible."""
     if backend == "reference":
         return None
     if backend not in _DEVICES:
@@ -147,6 +148,10 @@ def get_device(backend):
         elif backend == "cuda":
             from engine.devices.cuda import CUDADevice
             _DEVICES[backend] = CUDADevice()
+        elif backend == "hip":
+            from engine.devices.hip import HIPDevice
+            _DEVICES[backend] = HIPDevice()
         else:
-            raise ValueError(f"backend {backend!r} is not available in this build; use 'cpu', 'cuda' or 'reference'")
+            raise ValueError(f"backend {backend!r} is not available in this build; "
+                             f"use 'cpu', 'cuda', 'hip' or 'reference'")
     return _DEVICES[backend]

@@ -1,4 +1,4 @@
-"""HIP on AMD GPUs (main target: gfx906 / MI50): run-time compilation, code-object inspection, launch.
+"""HIP on AMD GPUs (main target: gfx906 / MI50): run-time compilation, code-object inspection, the device.
 
 Usage::
 
@@ -6,13 +6,14 @@ Usage::
     co.resources()    # {'vgprs': 19, 'sgprs': 14, 'lds_bytes': 0, 'scratch_bytes': 0, 'waves_per_simd': 10, ...}
     print(co.isa())   # gfx906 disassembly (llvm-objdump)
 
-    dev = HIPDevice()                            # needs an AMD GPU (untested on hardware, see class)
-    k = dev.load(co)
-    x = dev.upload(np_array); dev.launch(k, grid=(n, 1, 1), block=(256, 1, 1), args=[x, ..., 4096])
+    f = dsl.jit(fn, backend="hip")               # the executable runs on HIPDevice()
+    dev = HIPDevice()                            # needs an AMD GPU: complete but untested on hardware
+    dev = HIPDevice.offline()                    # compile only, no GPU: dev.compile_many(plan.kernels)
 
 Compilation and inspection need no GPU, only the ROCm libraries (see
 :func:`find_hiprtc`) and, for :meth:`CodeObject.isa`, an ``llvm-objdump`` that
-knows AMDGPU.  Nothing here needs the ``hipcc`` driver.
+knows AMDGPU.  Nothing here needs the ``hipcc`` driver.  :class:`HIPDevice` has the
+device interface of the CUDA device (shared code in :mod:`engine.devices.gpu`).
 """
 from __future__ import annotations
 
@@ -26,10 +27,16 @@ import subprocess
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
+from codegen.hip import render_hip
+from codegen.loopir import canonicalize
+from codegen.targets import get_target
 from engine.codecache import CodeCache, default_cache_dir
+from engine.devices.gpu import NP_DTYPES, DeviceArray, GPUDevice, GPUKernel, ScalarSlots  # noqa: F401
 
 INSTALL_HINT = ("install ROCm's HIP runtime and compiler: on Debian/Ubuntu "
                 "`apt-get install hipcc libamdhip64-dev rocm-device-libs` (ROCm 5.2), or ROCm >= 5.3 "
@@ -609,9 +616,9 @@ class CodeObject(bytes):
 def pack_kernargs(kernel_meta: dict, args) -> bytes:
     """The kernel-argument buffer for ``args`` laid out as the metadata's ``.args`` say.
 
-    Pointers (``global_buffer``): a :class:`DeviceBuffer` or an int address, 8 bytes.
-    By-value arguments: a Python int (signed/unsigned to the arg's size), a float (4 bytes:
-    f32, 8: f64) or a numpy scalar of exactly the arg's size.  Hidden arguments
+    Pointers (``global_buffer``): anything with a ``.ptr`` (a :class:`DeviceArray`) or an int
+    address, 8 bytes.  By-value arguments: a Python int (signed/unsigned to the arg's size), a
+    float (4 bytes: f32, 8: f64) or a numpy scalar of exactly the arg's size.  Hidden arguments
     (``hidden_*``) are not packed: the runtime supplies them.
     """
     explicit = [a for a in kernel_meta[".args"] if not a[".value_kind"].startswith("hidden_")]
@@ -621,7 +628,7 @@ def pack_kernargs(kernel_meta: dict, args) -> bytes:
     buf = bytearray(-(-size // 8) * 8)
     for a, v in zip(explicit, args):
         off, n = a[".offset"], a[".size"]
-        if isinstance(v, DeviceBuffer):
+        if hasattr(v, "ptr"):
             v = v.ptr
         if hasattr(v, "dtype") and hasattr(v, "tobytes"):      # numpy scalar / 0-d array
             raw = v.tobytes()
@@ -638,113 +645,233 @@ def pack_kernargs(kernel_meta: dict, args) -> bytes:
 
 
 # ----------------------------------------------------------------------------- device
-class DeviceBuffer:
-    """Device memory from ``hipMalloc``: ``ptr`` (int address), ``nbytes``, and the numpy
-    ``shape``/``dtype`` it was made for.  Freed by :meth:`free` or when collected."""
-
-    def __init__(self, device, ptr: int, nbytes: int, shape=None, dtype=None):
-        self.device, self.ptr, self.nbytes, self.shape, self.dtype = device, ptr, nbytes, shape, dtype
-
-    def free(self):
-        if self.ptr:
-            self.device._hip.hipFree(ctypes.c_void_p(self.ptr))
-            self.ptr = 0
-
-    def __del__(self):
-        try:
-            self.free()
-        except Exception:
-            pass
+def _check(res, what, kernel=None):
+    """The values after the ``hipError_t`` of a hip-python result; :class:`HipError` naming the
+    call and, when given, the kernel if the error is not ``hipSuccess``."""
+    err, *rest = res if isinstance(res, tuple) else (res,)
+    if int(err) != 0:
+        where = f" in kernel {kernel}" if kernel else ""
+        raise HipError(f"{what} failed{where}: {getattr(err, 'name', err)} ({int(err)})")
+    return rest[0] if len(rest) == 1 else (tuple(rest) if rest else None)
 
 
-@dataclass
-class HIPKernel:
-    """A kernel loaded on the device: ``module`` and ``function`` handles, and its metadata."""
-    code: CodeObject
-    module: object
-    function: object
-    meta: dict
+class _Offline:
+    """Stands in for the HIP runtime in a compile-only device: any call says why it cannot run."""
+
+    def __getattr__(self, name):
+        raise HipUnavailable(f"{name}: this HIPDevice was made by HIPDevice.offline() and only compiles; "
+                             f"running kernels needs HIPDevice() on a machine with an AMD GPU")
 
 
-class HIPDevice:
-    """Compile, load and launch HIP kernels on an AMD GPU through hip-python.
+def fill_values(start: int, n: int, seed: int = 0, scale: float = 0.02, shift: float = 0.0) -> np.ndarray:
+    """float32 values ``start .. start + n - 1`` of the benchmark fill: an integer hash of the
+    element index and ``seed`` mapped to ``[shift - scale, shift + scale)``.  The same formula as
+    the CUDA device's ``vf_fill`` kernel, so both backends make the same random weights."""
+    i = np.arange(start, start + n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = (i * np.uint64(2654435761)).astype(np.uint32) ^ np.uint32(seed & 0xFFFFFFFF)
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x7FEB352D)
+        h ^= h >> np.uint32(15)
+        h *= np.uint32(0x846CA68B)
+        h ^= h >> np.uint32(16)
+    u = np.float32(2.0) * (h >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0) - np.float32(1.0)
+    return np.float32(shift) + np.float32(scale) * u
 
-    UNTESTED ON HARDWARE: no AMD GPU was available when this was written; only compilation,
-    metadata and argument packing are covered by tests.  Kept deliberately small: synchronous
-    ``hipMemcpy``, the null stream, arguments packed from the code object's metadata and passed
-    through ``HIP_LAUNCH_PARAM_BUFFER_POINTER``.
 
-    ``arch`` is not queried from the device (``hipDeviceProp_t``'s layout changed across ROCm
-    versions); pass it if the GPU is not gfx906.
+class HIPDevice(GPUDevice):
+    """One AMD GPU (gfx906 / MI50 by default) through hip-python: kernels compiled by hiprtc, loaded
+    with ``hipModuleLoadData`` and launched with ``hipModuleLaunchKernel`` on one stream.
+
+    COMPLETE BUT UNTESTED ON HARDWARE: no AMD GPU was available when this was written.  Tested
+    without a GPU (tests/test_hip_device.py): compiling the fused kernels (:meth:`compile_many` on
+    :meth:`offline`), the argument layout against the code objects' metadata, the error when no GPU
+    is present, and this class's calls into hip-python against a stand-in runtime on host memory.
+
+    The device interface is the CUDA device's (shared in :mod:`engine.devices.gpu`): ``empty``,
+    ``put``, ``copy_in``, ``copy``, ``to_host``, ``resident``, ``synchronize``, ``is_device_array``,
+    ``scalar_slots``, ``compile_many``, ``prepare``, ``plan``, ``random``, ``time_launches``,
+    ``copy_bandwidth``.  Scalars (the decode position) live in device memory and are uploaded
+    from pinned host slots before each plan run.
+
+    ``graphs``: capture a plan's launches once (``hipStreamBeginCapture``) and replay the graph
+    (``hipGraphLaunch``).  Default OFF (``VEGAFUSE_HIP_GRAPHS=1`` turns it on): HIP graphs on
+    gfx906 were reported both slower than plain launches and leaking memory (and elsewhere as a
+    few per cent faster), so replay is a switch to measure, not a default.
+    ``VEGAFUSE_SYNC=1`` synchronizes after every launch so that an error names its kernel.
+
+    ``arch`` is not read from the device (``hipDeviceProp_t``'s layout changed across ROCm
+    versions, and hip-python may be newer than the runtime); pass it if the GPU is not gfx906.
     """
 
     name = "hip"
+    Error = HipError
+    _SYNC = "hipStreamSynchronize"
 
-    def __init__(self, device_id: int = 0, arch: str = "gfx906"):
-        find_hiprtc()
+    def __init__(self, index: int = 0, graphs: bool | None = None, arch: str = "gfx906"):
+        self._setup(arch)
+        find_hiprtc()                                             # HipUnavailable: ROCm missing
         from rocm.bindings import hip
-        self._hip, self.arch, self.device_id = hip, arch, device_id
-        err, count = hip.hipGetDeviceCount()
-        if err != hip.hipError_t.hipSuccess or not 0 <= device_id < count:
-            raise HipUnavailable(f"no HIP device {device_id} (hipGetDeviceCount: {err!r}, {count} devices); "
-                                 f"an AMD GPU and the amdgpu kernel driver are needed to run kernels")
-        self._check(hip.hipSetDevice(device_id), "hipSetDevice")
+        try:
+            err, count = hip.hipGetDeviceCount()
+        except Exception as e:                                    # the runtime itself failed to load
+            raise HipUnavailable(f"the HIP runtime failed to start ({type(e).__name__}: {e}); "
+                                 f"{INSTALL_HINT}") from e
+        if int(err) != 0 or count == 0:
+            raise HipUnavailable(
+                f"no AMD GPU visible to HIP (hipGetDeviceCount: {getattr(err, 'name', err)}, {count} devices): "
+                f"the hip backend runs kernels on an AMD GPU ({arch}) through the amdgpu kernel driver "
+                f"(/dev/kfd, /dev/dri must be accessible); compiling needs no GPU "
+                f"(HIPDevice.offline(), python -m codegen.inspect), and the cpu backend runs anywhere")
+        if not 0 <= index < count:
+            raise HipUnavailable(f"no HIP device {index}: {count} AMD GPU(s) visible")
+        self.hip, self.index = hip, index
+        _check(hip.hipSetDevice(index), "hipSetDevice")
+        self.stream = _check(hip.hipStreamCreate(), "hipStreamCreate")
+        if graphs is not None:
+            self.graphs = graphs
+        self.online = True
 
-    def _check(self, result, what):
-        err = result[0] if isinstance(result, tuple) else result
-        if err != self._hip.hipError_t.hipSuccess:
-            raise HipError(f"{what} failed: {err!r}")
-        return result[1] if isinstance(result, tuple) and len(result) == 2 else result
+    def _setup(self, arch):
+        self.arch = arch
+        base = get_target("gfx906")
+        self.target = base if arch == base.name else replace(base, name=arch)
+        self.sync_each = os.environ.get("VEGAFUSE_SYNC", "0") == "1"
+        self.graphs = os.environ.get("VEGAFUSE_HIP_GRAPHS", "0") == "1"          # default off: see the class
+        self.online, self.stream, self.index = False, None, None
+        self.hip = _Offline()
+        self._functions = {}
+        self._resident = {}
 
-    # ---- code
-    def compile(self, source: str, name: str, options=()) -> CodeObject:
-        return compile_hip(source, name, self.arch, options)
+    @classmethod
+    def offline(cls, arch: str = "gfx906") -> "HIPDevice":
+        """A compile-only device that touches no GPU (tests, inspection): :meth:`compile_many`
+        compiles and checks the code objects but loads nothing (``.function`` is None);
+        :meth:`prepare` builds the argument arrays; anything that needs the GPU raises
+        :class:`HipUnavailable`."""
+        self = cls.__new__(cls)
+        self._setup(arch)
+        return self
 
-    def load(self, code: CodeObject, kernel: str | None = None) -> HIPKernel:
-        """``hipModuleLoadData`` + ``hipModuleGetFunction`` for ``kernel`` (default ``code.name``)."""
-        meta = code.kernel_metadata(kernel)
-        module = self._check(self._hip.hipModuleLoadData(code), "hipModuleLoadData")   # HIPKernel keeps code alive
-        fn = self._check(self._hip.hipModuleGetFunction(module, meta[".name"].encode()), "hipModuleGetFunction")
-        return HIPKernel(code, module, fn, meta)
+    def __repr__(self):
+        where = f"device {self.index}" if self.online else "offline, compile only"
+        return f"<HIPDevice {self.arch} ({where})>"
 
-    # ---- memory
-    def alloc(self, shape, dtype) -> DeviceBuffer:
-        import numpy as np
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        ptr = self._check(self._hip.hipMalloc(max(1, nbytes)), "hipMalloc")
-        return DeviceBuffer(self, int(ptr), nbytes, tuple(shape), dtype)
+    # ------------------------------------------------------------------ runtime primitives (gpu.GPUDevice)
+    def _malloc(self, n):
+        return int(_check(self.hip.hipMalloc(n), "hipMalloc"))
 
-    def upload(self, array) -> DeviceBuffer:
-        import numpy as np
-        a = np.ascontiguousarray(array)
-        buf = self.alloc(a.shape, a.dtype)
-        self._check(self._hip.hipMemcpy(ctypes.c_void_p(buf.ptr), ctypes.c_void_p(a.ctypes.data), a.nbytes,
-                                        self._hip.hipMemcpyKind.hipMemcpyHostToDevice), "hipMemcpy(HtoD)")
-        return buf
+    def _free_ptr(self, ptr):
+        self.hip.hipFree(ptr)
 
-    def download(self, buf: DeviceBuffer, out=None):
-        import numpy as np
-        out = np.empty(buf.shape, buf.dtype) if out is None else out
-        if out.nbytes != buf.nbytes or not out.flags.c_contiguous:
-            raise ValueError("download: out must be C-contiguous with the buffer's size")
-        self._check(self._hip.hipMemcpy(ctypes.c_void_p(out.ctypes.data), ctypes.c_void_p(buf.ptr), buf.nbytes,
-                                        self._hip.hipMemcpyKind.hipMemcpyDeviceToHost), "hipMemcpy(DtoH)")
+    def _memset_async(self, ptr, value, n):
+        _check(self.hip.hipMemsetD8Async(ptr, value, n, self.stream), "hipMemsetD8Async")
+
+    def _htod_async(self, dst, src, n, stream):
+        _check(self.hip.hipMemcpyHtoDAsync(dst, src, n, stream), "hipMemcpyHtoDAsync")
+
+    def _htod(self, dst, src, n):
+        _check(self.hip.hipMemcpyHtoD(dst, src, n), "hipMemcpyHtoD")
+
+    def _dtoh(self, dst, src, n):
+        _check(self.hip.hipMemcpyDtoH(dst, src, n), "hipMemcpyDtoH")
+
+    def _dtod_async(self, dst, src, n):
+        _check(self.hip.hipMemcpyDtoDAsync(dst, src, n, self.stream), "hipMemcpyDtoDAsync")
+
+    def _host_alloc(self, n):
+        return int(_check(self.hip.hipHostMalloc(n, 0), "hipHostMalloc"))
+
+    def _sync(self, what, kernel=None):
+        _check(self.hip.hipStreamSynchronize(self.stream), what, kernel)
+
+    def _event(self):
+        return _check(self.hip.hipEventCreate(), "hipEventCreate")
+
+    def _record(self, ev):
+        _check(self.hip.hipEventRecord(ev, self.stream), "hipEventRecord")
+
+    def _elapsed_ms(self, ev0, ev1):
+        return _check(self.hip.hipEventElapsedTime(ev0, ev1), "hipEventElapsedTime")
+
+    def _launch(self, ck, args):
+        h = ck.hip
+        _check(self.hip.hipModuleLaunchKernel(ck.function, *h.grid, *h.block, h.dynamic_lds, self.stream,
+                                              args.ctypes.data, None), "hipModuleLaunchKernel", ck.kernel.name)
+
+    def _capture(self, launches):
+        hip = self.hip
+        _check(hip.hipStreamBeginCapture(self.stream, hip.hipStreamCaptureMode.hipStreamCaptureModeThreadLocal),
+               "hipStreamBeginCapture")
+        for launch in launches:
+            launch()
+        graph = _check(hip.hipStreamEndCapture(self.stream), "hipStreamEndCapture")
+        exec_ = _check(hip.hipGraphInstantiate(graph, 0), "hipGraphInstantiate")
+        return graph, exec_[0] if isinstance(exec_, tuple) else exec_
+
+    def _graph_launch(self, exec_):
+        _check(self.hip.hipGraphLaunch(exec_, self.stream), "hipGraphLaunch")
+
+    # ------------------------------------------------------------------ data
+    def random(self, shape, dtype, scale=0.02, seed=0, shift=0.0):
+        """Uniform values in [shift - scale, shift + scale) (benchmark weights): the CUDA device's
+        hash fill (:func:`fill_values`), made on the host in chunks and uploaded."""
+        a = self.empty(shape, dtype)
+        n, chunk = int(np.prod(shape, dtype=np.int64)), 1 << 22
+        for start in range(0, n, chunk):
+            part = np.ascontiguousarray(fill_values(start, min(chunk, n - start), seed, scale, shift), a.dtype)
+            self._htod(a.ptr + start * a.dtype.itemsize, part.ctypes.data, part.nbytes)
+        return a
+
+    # ------------------------------------------------------------------ compile
+    def compile_many(self, kernels):
+        """Compile every Loop IR kernel for ``self.arch`` and load it.
+
+        Each kernel is rendered twice: ``render_hip(canonicalize(k))`` is what is compiled (function
+        ``canonical``), so kernels equal up to names (the same op in every layer) share one code
+        object and one loaded function; ``render_hip(k)`` is the readable ``.source``.  Code objects
+        come from :func:`compile_hip` and its disk cache.  Returns :class:`GPUKernel`\\ s whose
+        ``.binary`` is the :class:`CodeObject` (``.resources()``, ``.isa()``).
+
+        Checked against each code object's metadata, with errors that name the kernel: the
+        argument layout (one 8-byte pointer per parameter, as :meth:`prepare` passes them), the
+        workgroup size, and static plus launch LDS within the 64 KiB of a CU.
+        """
+        out = []
+        for k in kernels:
+            canon = render_hip(canonicalize(k), self.target)
+            if canon.source not in self._functions:
+                code = compile_hip(canon.source, k.name, self.arch)
+                self._check_abi(code, canon, k)
+                module = fn = None
+                if self.online:
+                    module = _check(self.hip.hipModuleLoadData(code), f"hipModuleLoadData (a code object for "
+                                    f"{self.arch}; pass HIPDevice(arch=...) for another GPU)", k.name)
+                    fn = _check(self.hip.hipModuleGetFunction(module, b"canonical"), "hipModuleGetFunction", k.name)
+                self._functions[canon.source] = (module, fn, code)
+            _, fn, code = self._functions[canon.source]
+            out.append(GPUKernel(k, render_hip(k, self.target), fn, code))
         return out
 
-    # ---- launch
-    def launch(self, kernel: HIPKernel, grid, block, args, shared_bytes: int = 0):
-        """``hipModuleLaunchKernel`` on the null stream; ``grid`` in workgroups, ``block`` in threads."""
-        grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-        packed = ctypes.create_string_buffer(pack_kernargs(kernel.meta, args))
-        size = ctypes.c_size_t(len(packed.raw))
-        h = self._hip
-        extra = (ctypes.c_void_p * 5)(h.HIP_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(packed),
-                                      h.HIP_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
-                                      h.HIP_LAUNCH_PARAM_END)
-        self._check(h.hipModuleLaunchKernel(kernel.function, *grid, *block, shared_bytes, None, None,
-                                            ctypes.c_void_p(ctypes.addressof(extra))),
-                    f"hipModuleLaunchKernel({kernel.meta['.name']})")
+    def _check_abi(self, code, hk, k):
+        meta = code.kernel_metadata("canonical")
+        explicit = [a for a in meta[".args"] if not a[".value_kind"].startswith("hidden_")]
+        layout = [(a[".offset"], a[".size"], a[".value_kind"]) for a in explicit]
+        want = [(8 * i, 8, "global_buffer") for i in range(len(k.params))]
+        if layout != want:
+            raise HipError(f"kernel {k.name}: the code object's arguments {layout} are not one 8-byte pointer "
+                           f"per parameter ({len(k.params)} parameters) as launches pass them")
+        block = hk.block[0] * hk.block[1] * hk.block[2]
+        if block > meta[".max_flat_workgroup_size"]:
+            raise HipError(f"kernel {k.name}: launched with {block} threads per workgroup but compiled "
+                           f"for at most {meta['.max_flat_workgroup_size']}")
+        lds = meta[".group_segment_fixed_size"] + hk.dynamic_lds
+        if lds > GFX906["lds_per_cu"]:
+            raise HipError(f"kernel {k.name}: {meta['.group_segment_fixed_size']} bytes of static LDS plus "
+                           f"{hk.dynamic_lds} at launch exceed the {GFX906['lds_per_cu']} of a CU")
 
-    def synchronize(self):
-        self._check(self._hip.hipDeviceSynchronize(), "hipDeviceSynchronize")
+    def kernargs(self, launch) -> bytes:
+        """The kernel-argument segment that ``launch`` (from :meth:`prepare`) makes the runtime build,
+        laid out by its code object's metadata (:func:`pack_kernargs`): for inspection and tests."""
+        meta = launch.ck.binary.kernel_metadata("canonical")
+        return pack_kernargs(meta, [int(v) for v in launch.values[:len(launch.ck.kernel.params)]])

@@ -1,0 +1,278 @@
+"""What the GPU devices share (``cuda.py``: NVRTC + CUDA driver; ``hip.py``: hiprtc + HIP runtime).
+
+Device arrays, named i32 scalars in device memory, prepared launches, plans (with optional graph
+capture and replay), and the device interface the executable and the model call (``empty``,
+``put``, ``copy_in``, ``copy``, ``to_host``, ``resident``, ``synchronize``, ``is_device_array``,
+``scalar_slots``, ``prepare``, ``plan``, ``time_launches``, ``copy_bandwidth``) are written once
+here over a handful of driver primitives that each backend supplies:
+
+=====================================  ===========================================================
+``_malloc(n) -> int``                  device memory
+``_free_ptr(ptr)``                     release it (errors ignored: it runs from ``__del__``)
+``_memset_async(ptr, value, n)``       bytes on the stream
+``_htod_async(dst, src, n, stream)``   host -> device on ``stream``; ``src`` a host address
+``_htod(dst, src, n)``                 host -> device, synchronous
+``_dtoh(dst, src, n)``                 device -> host, synchronous
+``_dtod_async(dst, src, n)``           device -> device on the stream
+``_host_alloc(n) -> int``              pinned host memory (the scalar upload ring)
+``_sync(what, kernel=None)``           wait for the stream; a failure names ``what`` and the kernel
+``_event()``, ``_record(ev)``,         timing events on the stream
+``_elapsed_ms(ev0, ev1)``
+``_launch(ck, args)``                  launch ``ck`` on the stream; ``args``: uint64 array of the
+                                       addresses of each parameter's value (``kernelParams``)
+``_capture(launches) -> (graph, exec)`` record the launches into a graph
+``_graph_launch(exec)``                replay it on the stream
+=====================================  ===========================================================
+
+A backend also sets ``Error`` (its exception class), ``stream``, ``graphs`` and ``sync_each``.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+NP_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32),
+             "bool": np.dtype(np.bool_)}
+
+
+class DeviceArray:
+    """A buffer in GPU memory with a numpy shape and dtype.  ``np.asarray(x)`` copies it to the host."""
+
+    def __init__(self, device, ptr, shape, dtype):
+        self.device, self.ptr, self.shape, self.dtype = device, int(ptr), tuple(shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def numpy(self):
+        return self.device.to_host(self)
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype)
+
+    def __repr__(self):
+        return f"DeviceArray({self.dtype}{list(self.shape)} at {self.ptr:#x})"
+
+    def __del__(self):
+        try:
+            self.device._free(self)
+        except Exception:                                         # interpreter shutdown
+            pass
+
+
+class ScalarSlots:
+    """Named i32 scalars in device memory.  ``slots["pos"] = 7`` is uploaded before the next plan
+    runs, from a ring of pinned host slots so that no upload overwrites one still in flight."""
+
+    def __init__(self, device, names=(), capacity=64, ring=4096):
+        self.device, self.capacity = device, capacity
+        self.index = {n: i for i, n in enumerate(names)}
+        self.values = np.zeros(capacity, np.int32)
+        self.buf = device.empty((capacity,), "i32")
+        self.ring, self.ring_n, self.ring_i = device._host_alloc(capacity * 4 * ring), ring, 0
+        self.dirty = True
+
+    def ptr(self, name):
+        if name not in self.index:
+            self.index[name] = len(self.index)
+        return self.buf.ptr + 4 * self.index[name]
+
+    def __setitem__(self, name, value):
+        self.values[self.index[name]] = int(value)
+        self.dirty = True
+
+    def __getitem__(self, name):
+        return int(self.values[self.index[name]])
+
+    def __contains__(self, name):
+        return name in self.index
+
+    def flush(self, stream):
+        if not self.dirty:
+            return
+        n = self.capacity * 4
+        host = int(self.ring) + n * self.ring_i
+        self.ring_i = (self.ring_i + 1) % self.ring_n
+        ctypes.memmove(host, self.values.ctypes.data, n)
+        self.device._htod_async(self.buf.ptr, host, n, stream)
+        self.dirty = False
+
+
+class GPUKernel:
+    """A compiled kernel: ``.source`` is the readable HIP of this kernel (the target's flavour);
+    ``.function`` the loaded function (shared by kernels equal up to names); ``.binary`` what was
+    loaded (a cubin on CUDA, a :class:`~engine.devices.hip.CodeObject` on HIP)."""
+
+    def __init__(self, kernel, hip, function, binary):
+        self.kernel, self.hip, self.function, self.binary = kernel, hip, function, binary
+
+    @property
+    def cubin(self):
+        return self.binary
+
+    @property
+    def source(self):
+        return self.hip.source
+
+    def __repr__(self):
+        return f"<GPUKernel {self.kernel.name} grid={self.hip.grid} block={self.hip.block}>"
+
+
+class Launch:
+    """One prepared launch: ``vals`` holds each parameter's value (a device address), ``args``
+    the address of each value, as ``kernelParams`` wants them."""
+
+    def __init__(self, device, ck, args, keep):
+        self.device, self.ck, self.args, self.keep = device, ck, args, keep
+
+    @property
+    def values(self):
+        return self.keep[0]
+
+    def __call__(self):
+        d = self.device
+        d._launch(self.ck, self.args)
+        if d.sync_each:
+            d._sync("kernel execution", self.ck.kernel.name)
+
+
+class Plan:
+    """A fixed sequence of launches.  With graphs on, the first call captures them into a graph
+    and every call replays it (one driver call per step)."""
+
+    def __init__(self, device, launches, slots, graphs):
+        self.device, self.launches, self.slots = device, list(launches), slots
+        self.graphs = graphs and not device.sync_each
+        self.exec = None
+
+    def __call__(self):
+        d = self.device
+        if self.slots is not None:
+            self.slots.flush(d.stream)
+        if not self.graphs:
+            for launch in self.launches:
+                launch()
+            return
+        if self.exec is None:
+            self.graph, self.exec = d._capture(self.launches)
+        d._graph_launch(self.exec)
+
+
+class GPUDevice:
+    """The device interface over the backend's primitives (see the module docstring)."""
+
+    Error = RuntimeError
+    stream = None
+    graphs = False
+    sync_each = False
+
+    # ------------------------------------------------------------------ memory
+    def empty(self, shape, dtype):
+        dt = NP_DTYPES[dtype] if dtype in NP_DTYPES else np.dtype(dtype)
+        n = max(1, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+        ptr = self._malloc(n)
+        self._memset_async(ptr, 0, n)
+        return DeviceArray(self, ptr, shape, dt)
+
+    def _free(self, a):
+        self._free_ptr(a.ptr)
+
+    def put(self, a):
+        """Copy a numpy array (or a pytree of them) to the GPU."""
+        if isinstance(a, (dict, list, tuple)):
+            from dsl.pytree import tree_map
+            return tree_map(self.put, a)
+        a = np.ascontiguousarray(a)
+        d = self.empty(a.shape, a.dtype)
+        self._htod_async(d.ptr, a.ctypes.data, a.nbytes, self.stream)
+        self.synchronize()
+        return d
+
+    def copy_in(self, dst, a):
+        a = np.ascontiguousarray(a, dst.dtype)
+        self._htod(dst.ptr, a.ctypes.data, a.nbytes)
+
+    def copy(self, dst, src, nbytes=None):
+        """Device-to-device copy on the stream (no host synchronization).  ``dst``/``src``:
+        DeviceArrays or int addresses (then ``nbytes`` is needed)."""
+        self._dtod_async(dst.ptr if hasattr(dst, "ptr") else dst, src.ptr if hasattr(src, "ptr") else src,
+                         nbytes or src.nbytes)
+
+    def to_host(self, d):
+        out = np.empty(d.shape, d.dtype)
+        self.synchronize()
+        self._dtoh(out.ctypes.data, d.ptr, d.nbytes)
+        return out
+
+    def resident(self, a):
+        """The device copy of a host array that does not change (weights), uploaded once."""
+        key = (id(a), a.ctypes.data, a.nbytes, a.dtype.str)
+        hit = self._resident.get(key)
+        if hit is None or hit[0] is not a:
+            hit = (a, self.put(a))
+            self._resident[key] = hit
+        return hit[1]
+
+    def synchronize(self):
+        self._sync(self._SYNC)
+
+    def is_device_array(self, x):
+        return isinstance(x, DeviceArray)
+
+    def scalar_slots(self, names):
+        return ScalarSlots(self, names)
+
+    # ------------------------------------------------------------------ timing
+    def time_launches(self, launches, reps=5):
+        """Average GPU time in µs of each prepared launch, run one at a time between events."""
+        ev = [self._event() for _ in range(2)]
+        out = []
+        for launch in launches:
+            launch()
+            self._record(ev[0])
+            for _ in range(reps):
+                launch()
+            self._record(ev[1])
+            self.synchronize()
+            out.append(1e3 * self._elapsed_ms(ev[0], ev[1]) / reps)
+        return out
+
+    def copy_bandwidth(self, nbytes=1 << 30, reps=10):
+        """Device-to-device copy bandwidth in GB/s, read + write counted (the roofline ceiling)."""
+        a, b = self.empty((nbytes,), np.uint8), self.empty((nbytes,), np.uint8)
+        self.copy(b, a)
+        ev = [self._event() for _ in range(2)]
+        self._record(ev[0])
+        for _ in range(reps):
+            self.copy(b, a)
+        self._record(ev[1])
+        self.synchronize()
+        ms = self._elapsed_ms(ev[0], ev[1])
+        return 2 * nbytes * reps / (ms * 1e-3) / 1e9
+
+    # ------------------------------------------------------------------ launch
+    def kernel_values(self, ck, buffers, scalars=None):
+        """The value of each of ``ck``'s parameters, in order: buffer addresses (checked against
+        the kernel's shapes and dtypes) and, for scalars, their address in ``scalars``."""
+        vals = []
+        for p in ck.kernel.params:
+            if p.kind == "scalar":
+                vals.append(scalars.ptr(p.name))
+            else:
+                b = buffers.get(p.name)
+                if b is None:
+                    raise self.Error(f"kernel {ck.kernel.name}: buffer {p.name!r} missing")
+                want = (tuple(p.shape), NP_DTYPES[p.dtype])
+                if (tuple(b.shape), b.dtype) != want:
+                    raise self.Error(f"kernel {ck.kernel.name}: buffer {p.name!r} is {b.dtype}{list(b.shape)}, "
+                                     f"expected {want[1]}{list(want[0])}")
+                vals.append(b.ptr)
+        return vals
+
+    def prepare(self, ck, buffers, scalars=None):
+        vals = np.array(self.kernel_values(ck, buffers, scalars) or [0], np.uint64)
+        args = np.array([vals.ctypes.data + 8 * i for i in range(len(vals))], np.uint64)
+        return Launch(self, ck, args, (vals, buffers))
+
+    def plan(self, launches, slots=None):
+        return Plan(self, launches, slots, self.graphs)
