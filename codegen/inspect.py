@@ -136,7 +136,7 @@ def table(items, layers_once=True):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m codegen.inspect", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--target", default="gfx906", help="gfx906 (default)")
+    p.add_argument("--target", default="gfx906", help="an AMD target: gfx906 (default)")
     p.add_argument("--context", type=int, default=512, help="KV-cache positions (default 512)")
     p.add_argument("--kernel", help="one kernel by name (or a unique part of it)")
     p.add_argument("--source", action="store_true", help="print the kernel's HIP source")
@@ -148,6 +148,9 @@ def main(argv=None):
     from engine.errors import ModelError
     try:
         target = get_target(args.target, **({"max_waves_per_simd": 0} if args.no_occupancy_cap else {}))
+        if target.vendor != "amd":
+            raise ValueError(f"--target {args.target}: inspect compiles through hiprtc for AMD targets "
+                             "(gfx906); the NVIDIA flavour runs with --backend cuda")
         kernels = decode_plan(args.model, args.context).kernels
         if args.kernel:
             match = [k for k in kernels if k.name == args.kernel] or [k for k in kernels if args.kernel in k.name]
@@ -168,4 +171,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:                   # e.g. piped into head
+        sys.exit(0)

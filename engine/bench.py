@@ -262,7 +262,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.tokens = args.tokens or (128 if args.backend == "cuda" else 64)
     if args.backend == "cuda":
-        return main_gpu(args)
+        try:
+            return main_gpu(args)
+        except RuntimeError as e:
+            if type(e).__name__ != "CudaError":
+                raise
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
     from .weights import default_model_path, load_model
     path = args.model or default_model_path()
     cfg, params, tok = load_model(path)
@@ -289,8 +295,8 @@ def main(argv=None):
         else:
             rows.append(("Hugging Face eager cpu (f32)", tps_hf, args.tokens))
             print(f"  {rows[-1][0]:<40} {tps_hf:8.1f} tokens/s   (ids agree: {hf == ours})")
-    best = max(r[1] for r in rows[1:])
-    print(f"speed-up over the best peer: {tps / best:.2f}x (f16 weights), {tps32 / best:.2f}x (f32 weights)")
+    peer, best = max(rows[1:], key=lambda r: r[1])[0], max(r[1] for r in rows[1:])
+    print(f"speed-up over the fastest peer ({peer}): {tps / best:.2f}x (f16 weights), {tps32 / best:.2f}x (f32 weights)")
     return 0
 
 

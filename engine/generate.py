@@ -58,7 +58,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted and stdin is a pipe)")
     p.add_argument("--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "reference"], help="where kernels run")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip", "reference"],
+                   help="where kernels run (default cpu; hip is untested on hardware)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="keep the k most likely ids; <= 0: no limit (default 40)")
@@ -78,6 +79,11 @@ def main(argv=None):
     except (ModelError, ValueError, DSLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:                  # a GPU backend that cannot start (no driver, no device)
+        if type(e).__name__ not in ("CudaError", "HipUnavailable", "HipError"):
+            raise
+        print(f"error: {str(e).splitlines()[0]}; use --backend cpu", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -88,19 +94,25 @@ def run(args):
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt      # the newline `echo` adds
     if not prompt:
         raise ModelError("the prompt is empty: pass it as an argument, e.g. "
                          "python -m engine.generate \"Once upon a time\"")
     if args.max_tokens < 0:
         raise ModelError(f"--max-tokens must be >= 0, got {args.max_tokens}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
+    if not args.temperature >= 0 or not 0 < args.top_p <= 1:       # also rejects nan
         raise ModelError("need --temperature >= 0 and 0 < --top-p <= 1")
+    if args.context is not None and args.context < 1:
+        raise ModelError(f"--context must be at least 1, got {args.context}")
     path = args.model or default_model_path()
     cfg, params, tok = load_model(path, args.dtype)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     prompt_ids = tok.encode(text)
     if not prompt_ids:
         raise ModelError("the prompt encodes to no tokens: give some text")
+    if args.context is not None and args.context > cfg.max_seq_len:
+        raise ModelError(f"--context {args.context} exceeds the {cfg.max_seq_len} positions the model was "
+                         f"trained for; use --context {cfg.max_seq_len} or less")
     model = Model(cfg, params, backend=args.backend, context=args.context)
     if len(prompt_ids) >= model.context:
         raise ModelError(f"the prompt has {len(prompt_ids)} tokens but the context holds {model.context}; "

@@ -296,8 +296,7 @@ def test_gemv_perf_report(dev, N, K, capsys):
         lines.append(f"vegafuse f16 GEMV {N}x{K} nt={nt}: {t * 1e6:9.1f} us {nbytes / t / 1e9:6.1f} GB/s")
     t = _best(lambda: np.matmul(w32, x, out=out), reps)
     lines.append(f"numpy f32 matvec {N}x{K}:      {t * 1e6:9.1f} us {(w32.nbytes + x.nbytes) / t / 1e9:6.1f} GB/s")
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
+    print("\n" + "\n".join(lines))                # shown with pytest -s
 
 
 # ----------------------------------------------------------------------------- scalars, dynamic extents

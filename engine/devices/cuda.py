@@ -66,7 +66,12 @@ class CUDADevice(GPUDevice):
     def __init__(self, index=0, graphs=None):
         self.drv, self.nvrtc = _cu()
         drv = self.drv
-        _check(drv.cuInit(0), "cuInit")
+        try:
+            _check(drv.cuInit(0), "cuInit")
+        except CudaError:
+            raise
+        except Exception as e:                         # no driver library, no device
+            raise CudaError(f"no usable NVIDIA GPU: {str(e).splitlines()[0]}") from None
         self.dev = _check(drv.cuDeviceGet(index), "cuDeviceGet")
         self.ctx = _check(drv.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
         _check(drv.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
