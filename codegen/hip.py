@@ -273,7 +273,8 @@ def _argmax_loop(s):
         return None
     a, b = s.body
     if isinstance(a.value, L.Select) and isinstance(a.value.cond, L.Bin) and a.value.cond.op == "gt" \
-            and isinstance(b.value, L.Bin) and b.value.op == "max" and a.value.a == L.Sym(s.var, "i32"):
+            and isinstance(b.value, L.Bin) and b.value.op == "max" and b.value.dtype == "f32" \
+            and a.value.a == L.Sym(s.var, "i32"):
         return a.name, b.name
     return None
 

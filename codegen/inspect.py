@@ -144,9 +144,14 @@ def main(argv=None):
     p.add_argument("--all", action="store_true", help="list every kernel, not each distinct one once")
     p.add_argument("--no-occupancy-cap", action="store_true", help="drop the 9-waves-per-SIMD cap (A/B switch)")
     args = p.parse_args(argv)
+    from dsl.core import DSLError
     from engine.devices.hip import HipCompileError, HipUnavailable
     from engine.errors import ModelError
     try:
+        if args.context < 1:
+            raise ValueError(f"--context must be at least 1, got {args.context}")
+        if args.kernel is not None and not args.kernel.strip():
+            raise ValueError("--kernel needs a name (or a unique part of one)")
         target = get_target(args.target, **({"max_waves_per_simd": 0} if args.no_occupancy_cap else {}))
         if target.vendor != "amd":
             raise ValueError(f"--target {args.target}: inspect compiles through hiprtc for AMD targets "
@@ -165,7 +170,7 @@ def main(argv=None):
               f"main-loop instruction counts; identical layers listed once")
         print(table(items, not args.all))
         return 0
-    except (HipUnavailable, HipCompileError, ModelError, ValueError) as e:
+    except (HipUnavailable, HipCompileError, ModelError, ValueError, DSLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

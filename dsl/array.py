@@ -30,6 +30,9 @@ class Tracer:
     def __repr__(self):
         return f"Tracer({self.dtype}{list(self.shape)})"
 
+    def __iter__(self):
+        raise DSLError(f"{user_source()}: cannot iterate over a traced array; index it with static slices")
+
     def __bool__(self):
         raise DSLError(f"{user_source()}: a traced value has no Python truth value; use dsl.where")
 
@@ -134,7 +137,8 @@ def broadcast_to(x, shape):
 
 
 def _binary(name, a, b):
-    a, b = _promote_pair(a, b)
+    if not (isinstance(a, Lit) or isinstance(b, Lit)):
+        a, b = _promote_pair(a, b)
     if a.dtype != b.dtype:
         a, b = _fix_dtypes(a, b)
     shape = broadcast_shapes(a.shape, b.shape)
@@ -148,7 +152,15 @@ def _unary(name, x):
 add = lambda a, b: _binary("add", a, b)
 sub = lambda a, b: _binary("sub", a, b)
 mul = lambda a, b: _binary("mul", a, b)
-div = lambda a, b: _binary("div", a, b)
+def div(a, b):
+    """True division; integer operands give f32, as in numpy and JAX."""
+    a, b = _promote_pair(a, b)
+    if a.dtype in ("i32", "bool") and b.dtype in ("i32", "bool"):
+        a, b = (Lit(float(x.value), "f32") if isinstance(x, Lit) else astype(x, "f32") for x in (a, b))
+    return _binary("div", a, b)
+
+
+
 maximum = lambda a, b: _binary("max", a, b)
 minimum = lambda a, b: _binary("min", a, b)
 logical_and = lambda a, b: _binary("and", a, b)
@@ -191,6 +203,9 @@ def arange(n, dtype="i32"):
 
 def reshape(x, shape):
     shape = list(shape)
+    if any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < -1 for d in shape) \
+            or shape.count(-1) > 1:
+        raise DSLError(f"{user_source()}: bad shape {shape} for reshape (ints >= 0, at most one -1)")
     if -1 in shape:
         known = int(np.prod([d for d in shape if d != -1]))
         shape[shape.index(-1)] = x.size // known if known else 0
@@ -199,19 +214,29 @@ def reshape(x, shape):
 
 
 def transpose(x, perm=None):
-    perm = tuple(reversed(range(x.ndim))) if perm is None else tuple(p % x.ndim for p in perm)
+    perm = tuple(reversed(range(x.ndim))) if perm is None else tuple(normalize_axis(p, x.ndim) for p in perm)
     return x if perm == tuple(range(x.ndim)) else bind(P["transpose"], x, perm=perm)
 
 
 def swapaxes(x, a, b):
+    a, b = normalize_axis(a, x.ndim), normalize_axis(b, x.ndim)
     perm = list(range(x.ndim))
     perm[a], perm[b] = perm[b], perm[a]
     return transpose(x, perm)
 
 
+def normalize_axis(axis, ndim, what="axis"):
+    """``axis`` as an index in [0, ndim); DSLError naming the user's line when it is out of range."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise DSLError(f"{user_source()}: {what} must be an int, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise DSLError(f"{user_source()}: {what} {axis} is out of range for an array of rank {ndim}")
+    return int(axis) % ndim
+
+
 def expand_dims(x, axis):
     shape = list(x.shape)
-    shape.insert(axis % (x.ndim + 1), 1)
+    shape.insert(normalize_axis(axis, x.ndim + 1), 1)
     return reshape(x, shape)
 
 
@@ -221,7 +246,9 @@ def slice_(x, start, limit):
 
 def concatenate(xs, axis=0):
     xs = [asarray(x) for x in xs]
-    return bind(P["concatenate"], *xs, axis=axis % xs[0].ndim)
+    if not xs or xs[0].ndim == 0:
+        raise DSLError(f"{user_source()}: concatenate needs one or more arrays of rank >= 1")
+    return bind(P["concatenate"], *xs, axis=normalize_axis(axis, xs[0].ndim))
 
 
 def getitem(x, idx):
@@ -230,6 +257,14 @@ def getitem(x, idx):
         idx = (idx,)
     if any(isinstance(i, Tracer) for i in idx):
         raise DSLError(f"{user_source()}: indexing with a traced value; use dsl.take or dsl.dynamic_update_slice")
+    for i in idx:
+        if not (i is None or i is Ellipsis or isinstance(i, slice)
+                or (isinstance(i, (int, np.integer)) and not isinstance(i, bool))):
+            raise DSLError(f"{user_source()}: index {i!r} is not supported; use ints, slices, None and ...")
+    if [i is Ellipsis for i in idx].count(True) > 1:
+        raise DSLError(f"{user_source()}: an index can hold one ... only")
+    if len([i for i in idx if i is not None and i is not Ellipsis]) > x.ndim:
+        raise DSLError(f"{user_source()}: too many indices for an array of rank {x.ndim}")
     if Ellipsis in idx:
         k = idx.index(Ellipsis)
         n_real = len([i for i in idx if i is not None and i is not Ellipsis])
@@ -267,8 +302,12 @@ def _axis_to_last(x, axis):
 
 def _reduce(name, x, axis, keepdims):
     x = asarray(x)
-    axes = tuple(range(x.ndim)) if axis is None else (axis,) if isinstance(axis, int) else tuple(axis)
-    axes = sorted(a % x.ndim for a in axes)
+    if x.ndim == 0:
+        raise DSLError(f"{user_source()}: cannot reduce a scalar")
+    axes = tuple(range(x.ndim)) if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    axes = sorted(normalize_axis(a, x.ndim) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise DSLError(f"{user_source()}: repeated axis in {axis!r}")
     keep = [i for i in range(x.ndim) if i not in axes]
     y = transpose(x, keep + axes)
     y = reshape(y, [x.shape[i] for i in keep] + [int(np.prod([x.shape[a] for a in axes]))])
@@ -293,8 +332,8 @@ def argmax(x, axis=-1):
 
 def mean(x, axis=None, keepdims=False):
     x = asarray(x)
-    axes = range(x.ndim) if axis is None else (axis,) if isinstance(axis, int) else axis
-    n = int(np.prod([x.shape[a] for a in axes]))
+    axes = range(x.ndim) if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    n = int(np.prod([x.shape[normalize_axis(a, x.ndim)] for a in axes]))
     return sum(x, axis, keepdims) * (1.0 / n)
 
 
@@ -334,6 +373,8 @@ def take(x, ids):
 def dynamic_update_slice(x, update, starts):
     """``x`` with ``update`` written at runtime offsets ``starts`` (i32 scalars or ints), like
     ``jax.lax.dynamic_update_slice``.  Offsets are clamped so the update fits."""
+    if not isinstance(starts, (list, tuple)):
+        raise DSLError(f"{user_source()}: starts must be a list with one offset per axis, got {starts!r}")
     return bind(P["dynamic_update_slice"], x, update, *[asarray(s, "i32") for s in starts])
 
 

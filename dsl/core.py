@@ -31,8 +31,8 @@ class DSLError(Exception):
 def dtype_of(x) -> str:
     """Our dtype name for a numpy array or dtype (raises DSLError for unsupported dtypes)."""
     dt = np.dtype(getattr(x, "dtype", x))
-    for name, npd in NP_DTYPES.items():
-        if dt == np.dtype(npd):
+    for name in DTYPES:
+        if dt == np.dtype(NP_DTYPES[name]):
             return name
     raise DSLError(f"unsupported dtype {dt}; use one of {', '.join(DTYPES)}")
 
@@ -129,15 +129,41 @@ def primitive(name, kind, rule, impl):
 _DSL_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+_STDLIB_DIR = os.path.join(os.path.dirname(_DSL_DIR), "stdlib")
+MAX_ELEMENTS = 2 ** 31 - 1          # kernels index with 32-bit integers
+
+
+def _where(f):
+    fn = os.path.abspath(f.f_code.co_filename)
+    return fn, f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+
+
 def user_source() -> str:
-    """``file:line`` of the innermost frame outside ``dsl/`` (the user's line)."""
+    """``file:line`` of the innermost frame outside ``dsl/`` (the user's line).  When that line
+    is inside ``stdlib/`` (a building block), the caller outside it is named first:
+    ``model.py:12 (in stdlib/nn.py:39)``."""
     f = sys._getframe(1)
+    inner = None
     while f is not None:
-        fn = os.path.abspath(f.f_code.co_filename)
+        fn, here = _where(f)
         if not fn.startswith(_DSL_DIR + os.sep):
-            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+            if not fn.startswith(_STDLIB_DIR + os.sep):
+                return here if inner is None else f"{here} (in {inner})"
+            inner = inner or here
         f = f.f_back
-    return "<unknown>"
+    return inner or "<unknown>"
+
+
+def check_shape(shape, where):
+    """Reject zero-size arrays and arrays too large for 32-bit indexing (DSLError)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    if any(int(d) <= 0 for d in shape):
+        raise DSLError(f"{where}: zero-size or negative shape {list(shape)} is not supported")
+    if n > MAX_ELEMENTS:
+        raise DSLError(f"{where}: shape {list(shape)} has {n} elements; kernels index with 32 bits, "
+                       f"so at most {MAX_ELEMENTS} are supported")
 
 
 class Trace:
@@ -165,5 +191,6 @@ def bind(prim: Primitive, *inputs, **params):
     except DSLError as e:
         raise DSLError(f"{src}: {prim.name}: {e}") from None
     out = Var(tuple(int(d) for d in shape), dtype)
+    check_shape(out.shape, f"{src}: {prim.name}")
     current_trace().eqns.append(Eqn(prim, atoms, params, out, src))
     return Tracer(out)

@@ -23,8 +23,10 @@ def run_program(prog, args, compute_dtype=None):
         return x.astype(NP_DTYPES[dtype], copy=False)
 
     env = {}
-    for v, a in zip(prog.inputs, args):
+    for i, (v, a) in enumerate(zip(prog.inputs, args)):
         env[v] = coerce(a, v.dtype)
+        if env[v].shape != tuple(v.shape):
+            raise ValueError(f"input {i}: shape {list(env[v].shape)} != declared {list(v.shape)}")
 
     def read(a):
         return coerce(np.asarray(a.value), a.dtype) if isinstance(a, Lit) else env[a]

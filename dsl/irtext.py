@@ -1,7 +1,7 @@
 """Printing a Program as jaxpr-like text, and parsing that text back (``lark``).
 
     { lambda a:f32[1,576] b:i32[] ;
-      let c:f32[1,576] = mul a 2.0:f32
+      let c:f32[1,576] = mul a a
           d:f32[1] = reduce_sum c
       in ( d ) }
 
@@ -11,6 +11,7 @@ Parameters print as ``prim[name=value, ...]``; values are ints, floats
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import string
 
@@ -87,7 +88,7 @@ atom: NAME -> ref
     | literal
 literal: (NUMBER | BOOL) ":" DTYPE
 BOOL.4: "True" | "False"
-VARDEF.3: /[a-zA-Z_][a-zA-Z0-9_]*(?=:)/
+VARDEF.3: /(?!(?:inf|nan|True|False)(?![a-zA-Z0-9_]))[a-zA-Z_][a-zA-Z0-9_]*(?=:)/
 DTYPE.2: /(f32|f16|i32|bool|f64)(?=[\[\s)])/
 NUMBER.2: /-?(inf|nan|\d+(\.\d*)?([eE][-+]?\d+)?)(?![a-zA-Z_])/
 NAME: /[a-zA-Z_][a-zA-Z0-9_]*/
@@ -157,7 +158,11 @@ class _Build(Transformer):
         binders = [x for x in items if isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], Var)]
         eqns = [x for x in items if isinstance(x, tuple) and x and x[0] == "eqn"]
         outs = [x for x in items if not (x in binders or x in eqns)]
-        env = dict(binders)
+        env = {}
+        for name, v in binders:
+            if name in env:
+                raise DSLError(f"IR text: input {name!r} is declared twice")
+            env[name] = v
 
         def resolve(a):
             if isinstance(a, tuple) and a[0] == "ref":
@@ -169,9 +174,18 @@ class _Build(Transformer):
         for _, name, out, prim, params, atoms in eqns:
             if prim not in PRIMITIVES:
                 raise DSLError(f"IR text: unknown primitive {prim!r}")
+            if name in env:
+                raise DSLError(f"IR text: {name!r} is defined twice")
             p = PRIMITIVES[prim]
             ins = [resolve(a) for a in atoms]
-            shape, dtype = p.rule([(a.shape, a.dtype) for a in ins], **params)
+            allowed = {n for n, q in inspect.signature(p.rule).parameters.items() if q.kind == q.KEYWORD_ONLY}
+            if set(params) - allowed:
+                raise DSLError(f"IR text: {name} = {prim}: unknown parameter(s) {sorted(set(params) - allowed)}"
+                               f"; {prim} takes {sorted(allowed) or 'none'}")
+            try:
+                shape, dtype = p.rule([(a.shape, a.dtype) for a in ins], **params)
+            except (DSLError, TypeError, ValueError) as e:
+                raise DSLError(f"IR text: {name} = {prim}: {e}") from None
             if (tuple(shape), dtype) != (out.shape, out.dtype):
                 raise DSLError(f"IR text: {name} declared {_type(out)} but {prim} gives {dtype}{list(shape)}")
             env[name] = out

@@ -18,14 +18,17 @@ import numpy as np
 
 from . import array as _array  # noqa: F401  (registers primitives)
 from .array import Tracer
-from .core import _TRACES, DSLError, Lit, Program, Trace, Var, dtype_of
+from .core import _TRACES, DSLError, Lit, Program, Trace, Var, check_shape, dtype_of
 from .pytree import flatten, unflatten
 
 BACKENDS = ("cpu", "reference", "cuda", "hip")
 
 
 def default_backend():
-    return os.environ.get("VEGAFUSE_BACKEND", "cpu")
+    b = os.environ.get("VEGAFUSE_BACKEND", "") or "cpu"
+    if b not in BACKENDS:
+        raise ValueError(f"VEGAFUSE_BACKEND={b!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    return b
 
 
 def _paths(tree, prefix=""):
@@ -43,11 +46,15 @@ def _aval(x):
     if isinstance(x, bool):
         raise DSLError("bool scalars must be static arguments (static_argnums)")
     if isinstance(x, (int, np.integer)) and not isinstance(x, np.ndarray):
+        if not -2 ** 31 <= int(x) < 2 ** 31:
+            raise DSLError(f"int argument {x} does not fit in i32")
         return (), "i32"
     if isinstance(x, (float, np.floating)) and not isinstance(x, np.ndarray):
         return (), "f32"
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return tuple(int(d) for d in x.shape), dtype_of(x)
+        shape = tuple(int(d) for d in x.shape)
+        check_shape(shape, "argument")
+        return shape, dtype_of(x)
     raise DSLError(f"unsupported argument of type {type(x).__name__}; pass numpy arrays, ints or floats")
 
 
@@ -74,14 +81,19 @@ class jit:  # noqa: N801  (named like jax.jit)
         self.backend = backend or default_backend()
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if fusion is not None and not isinstance(fusion, dict):
+            raise ValueError(f"fusion must be a dict {{rule: bool}}, got {fusion!r}")
         self.fusion = dict(fusion or {})
+        for name, on in self.fusion.items():
+            if not isinstance(on, bool):
+                raise ValueError(f"fusion[{name!r}] must be True or False, got {on!r}")
         self._cache = {}
         self.__name__ = getattr(fn, "__name__", "f")
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def _split(self, args):
         dyn = [a for i, a in enumerate(args) if i not in self.static_argnums]
-        static = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
+        static = tuple((i, type(args[i]).__name__, args[i]) for i in self.static_argnums if i < len(args))
         leaves, tree = flatten(dyn)
         avals = tuple(_aval(x) for x in leaves)
         fusion_env = os.environ.get("VEGAFUSE_FUSION_OFF", "")
@@ -96,9 +108,9 @@ class jit:  # noqa: N801  (named like jax.jit)
         tree, avals, static, _, _ = key
         in_vars = [Var(s, d) for s, d in avals]
         tracers = unflatten(tree, [Tracer(v) for v in in_vars])
-        full, it = [], iter(tracers)
+        full, it, fixed = [], iter(tracers), {i: v for i, _, v in static}
         for i in range(len(args)):
-            full.append(dict(static)[i] if i in dict(static) else next(it))
+            full.append(fixed[i] if i in fixed else next(it))
         trace = Trace()
         _TRACES.append(trace)
         try:

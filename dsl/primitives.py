@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import DSLError, FLOATS, NP_DTYPES, primitive
+from .core import DTYPES, DSLError, FLOATS, NP_DTYPES, primitive
 
 
 def _np(dtype):
@@ -17,6 +17,15 @@ def _np(dtype):
 # ----------------------------------------------------------------------------- elementwise
 def _unary_rule(avals, **_):
     (shape, dtype), = avals
+    if dtype == "bool":
+        raise DSLError("arithmetic on bool values; convert with .astype('i32') or use dsl.where")
+    return shape, dtype
+
+
+def _not_rule(avals, **_):
+    (shape, dtype), = avals
+    if dtype != "bool":
+        raise DSLError(f"needs a bool input, got {dtype}")
     return shape, dtype
 
 
@@ -27,7 +36,7 @@ def _float_unary_rule(avals, **_):
     return shape, dtype
 
 
-def _binary_rule(avals, **_):
+def _same_rule(avals, **_):
     (sa, da), (sb, db) = avals
     if sa != sb:
         raise DSLError(f"shapes {list(sa)} and {list(sb)} differ (broadcast first)")
@@ -36,13 +45,23 @@ def _binary_rule(avals, **_):
     return sa, da
 
 
+def _binary_rule(avals, **_):
+    shape, dtype = _same_rule(avals)
+    if dtype == "bool":
+        raise DSLError("arithmetic on bool values; convert with .astype('i32') or use logical_and/or")
+    return shape, dtype
+
+
 def _compare_rule(avals, **_):
-    shape, _ = _binary_rule(avals)
-    return shape, "bool"
+    return _binary_rule(avals)[0], "bool"
+
+
+def _equal_rule(avals, **_):
+    return _same_rule(avals)[0], "bool"
 
 
 def _bool_rule(avals, **_):
-    shape, dtype = _binary_rule(avals)
+    shape, dtype = _same_rule(avals)
     if dtype != "bool":
         raise DSLError(f"needs bool inputs, got {dtype}")
     return shape, dtype
@@ -66,7 +85,7 @@ UNARY = {
 }
 for _name, _f in UNARY.items():
     primitive(_name, "elementwise", _unary_rule if _name in ("neg", "abs") else _float_unary_rule, _cast_like(_f))
-primitive("not", "elementwise", _unary_rule, np.logical_not)
+primitive("not", "elementwise", _not_rule, np.logical_not)
 
 
 def _idiv(a, b):
@@ -89,7 +108,7 @@ primitive("mod", "elementwise", _binary_rule, _mod)
 COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
            "eq": np.equal, "ne": np.not_equal}
 for _name, _f in COMPARE.items():
-    primitive(_name, "elementwise", _compare_rule, _f)
+    primitive(_name, "elementwise", _equal_rule if _name in ("eq", "ne") else _compare_rule, _f)
 primitive("and", "elementwise", _bool_rule, np.logical_and)
 primitive("or", "elementwise", _bool_rule, np.logical_or)
 
@@ -110,8 +129,8 @@ primitive("select", "elementwise", _select_rule, lambda c, a, b: np.where(c, a, 
 
 def _convert_rule(avals, *, dtype):
     (shape, _), = avals
-    if dtype not in NP_DTYPES:
-        raise DSLError(f"unknown dtype {dtype!r}")
+    if dtype not in DTYPES:
+        raise DSLError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return shape, dtype
 
 
@@ -119,6 +138,8 @@ primitive("convert", "elementwise", _convert_rule, lambda x, *, dtype: x.astype(
 
 
 def _iota_rule(avals, *, shape, dimension, dtype):
+    if dtype not in DTYPES:
+        raise DSLError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if not 0 <= dimension < len(shape):
         raise DSLError(f"dimension {dimension} out of range for shape {list(shape)}")
     return tuple(shape), dtype
@@ -153,7 +174,7 @@ primitive("broadcast_in_dim", "view", _broadcast_rule, _broadcast_impl)
 
 def _reshape_rule(avals, *, shape):
     (s, d), = avals
-    if int(np.prod(s, dtype=np.int64)) != int(np.prod(shape, dtype=np.int64)):
+    if any(int(x) < 0 for x in shape) or int(np.prod(s, dtype=np.int64)) != int(np.prod(shape, dtype=np.int64)):
         raise DSLError(f"cannot reshape {list(s)} to {list(shape)}")
     return tuple(shape), d
 
@@ -206,7 +227,7 @@ def _take_rule(avals, **_):
     return tuple(si) + tuple(sx[1:]), dx
 
 
-primitive("take", "index", _take_rule, lambda x, ids: x[ids])
+primitive("take", "index", _take_rule, lambda x, ids: x[np.clip(ids, 0, x.shape[0] - 1)])   # clamps, like XLA
 
 
 def _dus_rule(avals, **_):
@@ -292,9 +313,11 @@ def _attention_rule(avals, *, scale):
 
 def _attention_impl(q, k, v, pos, *, scale):
     """Causal GQA attention: query t (absolute position pos+t) sees keys 0..pos+t.
-    Query head h reads kv head h // (Hq // Hkv).  Softmax in float64/float32 accumulate."""
+    Query head h reads kv head h // (Hq // Hkv).  Softmax in float64/float32 accumulate.
+    ``pos`` is clamped to [0, S - T], as dynamic_update_slice clamps its offsets."""
     acc = np.float64 if q.dtype == np.float64 else np.float32
     hq, t, _ = q.shape
+    pos = min(max(int(pos), 0), k.shape[1] - t)      # clamped so the queries fit, like the kernels
     group = hq // k.shape[0]
     out = np.zeros(q.shape, acc)
     for h in range(hq):

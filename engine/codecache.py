@@ -19,7 +19,18 @@ a 48-byte header followed by the payload::
     16 32  sha256 of the payload
 
 A read checks all three; a short, truncated or otherwise corrupt entry counts
-as a miss: it is deleted and rebuilt (``stats["corrupt"]`` counts these).
+as a miss: it is deleted and rebuilt (``stats["corrupt"]`` counts these).  So
+does an entry that is not a regular file (a directory, FIFO, device, ...): it
+is opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read, so a
+FIFO never blocks; it is removed if it can be (a directory only if empty).
+
+Failures: the cache never breaks the caller.  An entry that cannot be read
+(permissions, I/O error, the cache root being a regular file, ...) is a miss
+counted in ``stats["read_errors"]``; an entry that cannot be stored (read-only
+or full disk, a directory in the way, ...) is skipped and counted in
+``stats["write_errors"]``; a corrupt entry that cannot be deleted is left for
+the next write to replace.  The last such problem is kept, as text, in
+``CodeCache.last_error``.
 
 Concurrency: writes go to a temp file in the same directory, are fsync'ed and
 then ``os.replace``-d into place, which is atomic on POSIX.  A reader therefore
@@ -32,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -43,7 +55,12 @@ _HEADER = struct.Struct("<8sQ32s")            # magic, payload length, payload s
 def default_cache_dir() -> Path:
     """``$VEGAFUSE_CACHE_DIR`` if set, else ``~/.cache/vegafuse``."""
     env = os.environ.get("VEGAFUSE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vegafuse"
+    if env:
+        return Path(env).expanduser()
+    try:
+        return Path.home() / ".cache" / "vegafuse"
+    except (RuntimeError, KeyError):                # no $HOME and no passwd entry
+        return Path(tempfile.gettempdir()) / f"vegafuse-{os.getuid()}"
 
 
 def cache_key(key_parts: dict) -> str:
@@ -71,14 +88,23 @@ class CodeCache:
     """Code objects on disk under ``root`` (default: :func:`default_cache_dir`).
 
     ``stats``: this instance's counts of ``hits``, ``misses`` (each miss runs
-    ``build`` once), ``corrupt`` (entries found damaged, deleted and rebuilt)
-    and ``write_errors`` (entries that could not be stored; the build result is
-    still returned).
+    ``build`` once), ``corrupt`` (entries found damaged or not a regular file;
+    deleted where possible and rebuilt), ``read_errors`` (entries that could not
+    be read: treated as misses) and ``write_errors`` (entries that could not be
+    stored; the build result is still returned).  ``last_error``: a line on the
+    latest read, delete or write problem, or None.
     """
+
+    # Read no more than this from an entry (a code object is a few MB at most).
+    MAX_ENTRY_BYTES = 1 << 30
 
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
-        self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "write_errors": 0}
+        self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "read_errors": 0, "write_errors": 0}
+        self.last_error: str | None = None
+
+    def _note(self, what: str, path, err: BaseException) -> None:
+        self.last_error = f"{what} {path}: {type(err).__name__}: {err}"
 
     def path(self, key_parts: dict) -> Path:
         """Where the entry for ``key_parts`` lives (whether or not it exists)."""
@@ -86,23 +112,73 @@ class CodeCache:
         return self.root / "objects" / h[:2] / f"{h}.bin"
 
     def get(self, key_parts: dict) -> bytes | None:
-        """The cached payload, or None (absent, or corrupt: then the entry is deleted)."""
+        """The cached payload, or None: absent, unreadable (``stats["read_errors"]``), or
+        corrupt / not a regular file (``stats["corrupt"]``; the entry is then deleted if it
+        can be).  Never raises OSError and never blocks on a FIFO or device."""
         path = self.path(key_parts)
         try:
-            blob = path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return None
-        payload = unpack_entry(blob)
+        except IsADirectoryError:                     # platforms that refuse to open a directory
+            self.stats["corrupt"] += 1
+            self._discard(path, None)
+            return None
+        except OSError as e:
+            self.stats["read_errors"] += 1
+            self._note("read", path, e)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self.stats["corrupt"] += 1
+                self._discard(path, st)
+                return None
+            blob = self._read_all(fd, min(st.st_size, self.MAX_ENTRY_BYTES) + 1)
+        except OSError as e:
+            self.stats["read_errors"] += 1
+            self._note("read", path, e)
+            return None
+        finally:
+            os.close(fd)
+        payload = unpack_entry(blob) if len(blob) <= self.MAX_ENTRY_BYTES else None
         if payload is None:
             self.stats["corrupt"] += 1
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass                                  # another process got there first
+            self._discard(path, st)
         return payload
 
+    @staticmethod
+    def _read_all(fd: int, limit: int) -> bytes:
+        chunks, n = [], 0
+        while n < limit:
+            chunk = os.read(fd, min(limit - n, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+        return b"".join(chunks)
+
+    def _discard(self, path: Path, seen: os.stat_result | None) -> None:
+        """Remove a bad entry, best effort.  ``seen``: the stat of what was read; if the path
+        now names something else (another process stored a fresh entry), it is left alone."""
+        try:
+            now = os.lstat(path)
+            if seen is not None and (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
+                return
+            if stat.S_ISDIR(now.st_mode):
+                os.rmdir(path)                        # only if empty; never a tree
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass                                      # another process got there first
+        except OSError as e:                          # read-only dir, non-empty directory, ...
+            self._note("delete", path, e)
+
     def put(self, key_parts: dict, payload: bytes) -> Path:
-        """Store ``payload`` atomically (temp file in the same directory, fsync, ``os.replace``)."""
+        """Store ``payload`` atomically (temp file in the same directory, fsync, ``os.replace``).
+
+        Raises OSError if it cannot (:meth:`get_or_build` counts and ignores that); no temp
+        file is left behind."""
         path = self.path(key_parts)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -115,7 +191,7 @@ class CodeCache:
         except BaseException:
             try:
                 os.unlink(tmp)
-            except FileNotFoundError:
+            except OSError:
                 pass
             raise
         return path
@@ -123,8 +199,10 @@ class CodeCache:
     def get_or_build(self, key_parts: dict, build) -> tuple[bytes, bool]:
         """``(payload, hit)``: the cached payload, or ``build()`` (-> bytes) stored and returned.
 
-        A failing ``build`` raises through and stores nothing.  A failing store
-        (read-only or full disk) is counted in ``stats["write_errors"]`` and ignored.
+        A failing ``build`` raises through and stores nothing.  A failing read is a miss
+        (``stats["read_errors"]``); a failing store (read-only or full disk, a directory in
+        the way, the cache root not a directory, ...) is counted in ``stats["write_errors"]``
+        and ignored.
         """
         payload = self.get(key_parts)
         if payload is not None:
@@ -134,6 +212,7 @@ class CodeCache:
         payload = bytes(build())
         try:
             self.put(key_parts, payload)
-        except OSError:
+        except OSError as e:
             self.stats["write_errors"] += 1
+            self._note("write", self.path(key_parts), e)
         return payload, False

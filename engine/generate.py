@@ -86,15 +86,22 @@ def main(argv=None):
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:                    # the reader went away (e.g. | head)
+        sys.stderr.close()
+        return 0
 
 
 def run(args):
     from .model import Model
     from .weights import default_model_path, load_model
     prompt = args.prompt
-    if prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read()
-        prompt = prompt[:-1] if prompt.endswith("\n") else prompt      # the newline `echo` adds
+    try:
+        if prompt is None and not sys.stdin.isatty():
+            prompt = sys.stdin.read()
+            prompt = prompt[:-1] if prompt.endswith("\n") else prompt      # the newline `echo` adds
+        (prompt or "").encode("utf-8")
+    except UnicodeError:
+        raise ModelError("the prompt is not valid UTF-8 text; re-encode it as UTF-8") from None
     if not prompt:
         raise ModelError("the prompt is empty: pass it as an argument, e.g. "
                          "python -m engine.generate \"Once upon a time\"")

@@ -26,15 +26,17 @@ def sample(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: 
             or rng missing when sampling.
     """
     logits = np.asarray(logits)
-    if logits.ndim != 1:
-        raise ValueError(f"logits must have shape [V], got {logits.shape}")
-    if temperature < 0 or not 0 < top_p <= 1:
+    if logits.ndim != 1 or logits.size == 0:
+        raise ValueError(f"logits must have shape [V] with V > 0, got {logits.shape}")
+    if not temperature >= 0 or not 0 < top_p <= 1:             # also rejects nan
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    if temperature == 0 or top_k == 1:
-        return int(np.argmax(logits))
+    logits = np.where(np.isnan(logits), -np.inf, logits.astype(np.float64))   # NaN never wins
+    if temperature == 0 or top_k == 1 or not np.isfinite(logits).any() or np.isposinf(logits).any():
+        return int(np.argmax(logits))          # greedy; also when no finite logit is left to weigh
     if rng is None:
         raise ValueError("sampling with temperature > 0 needs an np.random.Generator")
-    z = logits.astype(np.float64) / temperature
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = (logits - logits.max()) / temperature                # <= 0, so no overflow to inf - inf
     if top_k > 0 or top_p < 1:
         order = np.arange(len(z))
         if 0 < top_k < len(z):                         # the k best ids, ties -> lower ids
@@ -51,7 +53,7 @@ def sample(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: 
         keep = int(np.searchsorted(np.cumsum(p), top_p)) + 1   # first prefix with sum >= top_p
         p = p[:keep] / p[:keep].sum()
     cdf = np.cumsum(p)
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    i = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(p) - 1)
     return int(i if order is None else order[i])
 
 

@@ -97,20 +97,23 @@ class Builder:
         k = fresh("k")
         body = self.expr(x, idx + (L.Sym(k, "i32"),))
         acc = fresh("acc")
-        init = REDUCE_INIT[e.prim.name]
-        stmts = [L.Declare(acc, "f32", L.Const(init, "f32"))]
-        val = body if body.dtype == "f32" else L.Cast(body, "f32")
+        # floats accumulate in f32 whatever their storage dtype; integers in i32
+        at = "f32" if x.dtype in ("f16", "f32") else "i32"
+        init = L.Const(REDUCE_INIT[e.prim.name], "f32") if at == "f32" else \
+            L.Const(0 if e.prim.name == "reduce_sum" else -2 ** 31, "i32")
+        val = body if body.dtype == at else L.Cast(body, at)
         if e.prim.name == "argmax":
             best = fresh("best")
-            stmts = [L.Declare(best, "f32", L.Const(init, "f32")), L.Declare(acc, "i32", L.Const(0, "i32"))]
-            better = L.Bin("gt", val, L.Sym(best, "f32"))
+            stmts = [L.Declare(best, at, init), L.Declare(acc, "i32", L.Const(0, "i32"))]
+            better = L.Bin("gt", val, L.Sym(best, at))
             loop_body = (L.Assign(acc, L.Select(better, L.Sym(k, "i32"), L.Sym(acc, "i32"))),
-                         L.Assign(best, L.Bin("max", L.Sym(best, "f32"), val)))
+                         L.Assign(best, L.Bin("max", L.Sym(best, at), val)))
             result = L.Sym(acc, "i32")
         else:
+            stmts = [L.Declare(acc, at, init)]
             op = "add" if e.prim.name == "reduce_sum" else "max"
-            loop_body = (L.Assign(acc, L.Bin(op, L.Sym(acc, "f32"), val)),)
-            result = L.Sym(acc, "f32")
+            loop_body = (L.Assign(acc, L.Bin(op, L.Sym(acc, at), val)),)
+            result = L.Sym(acc, at)
         stmts.append(L.Loop(k, L.c(0), L.c(x.shape[-1]), loop_body))
         self.row_stmts += stmts
         if result.dtype != v.dtype:

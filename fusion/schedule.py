@@ -317,7 +317,7 @@ def attention_kernel(lw, r):
     qn, kn, vn, out = lw.buffer_of(q), lw.buffer_of(kc), lw.buffer_of(vc), lw.buffer_of(r)
     for name, v in ((qn, q), (kn, kc), (vn, vc)):
         b.reads[name] = v
-    p = b.expr(pos, ())
+    p = L.Bin("max", L.c(0), L.Bin("min", b.expr(pos, ()), L.c(s_len - t_len)))   # clamped, like the reference
     h, t, s, dd = fresh("h"), fresh("t"), fresh("s"), fresh("d")
     H, T, S, DD = (L.Sym(x, "i32") for x in (h, t, s, dd))
     m, lsum, o, dot, sc, mn, corr, pr = (fresh(x) for x in ("m", "l", "o", "dot", "sc", "mn", "corr", "p"))

@@ -117,3 +117,86 @@ def test_dtype_promotion_and_weak_python_scalars():
     s, t = f(a, b)
     assert s.dtype == np.float32 and t.dtype == np.float16
     np.testing.assert_allclose(s, a.astype(np.float32) + b, rtol=1e-6)
+
+
+def test_out_of_range_axes_and_bad_indices_are_user_errors():
+    x = randn(3, 4)
+    for f, msg in [(lambda a: a.sum(axis=5), "axis 5 is out of range for an array of rank 2"),
+                   (lambda a: a.max(axis=-3), "out of range"),
+                   (lambda a: dsl.argmax(a, 3), "out of range"),
+                   (lambda a: dsl.expand_dims(a, 10), "out of range"),
+                   (lambda a: dsl.concatenate([a, a], 5), "out of range"),
+                   (lambda a: a.sum(axis=(0, 0)), "repeated axis"),
+                   (lambda a: a[1.5], "index 1.5 is not supported"),
+                   (lambda a: a[True], "not supported"),
+                   (lambda a: a[0, 0, 0], "too many indices"),
+                   (lambda a: a.reshape(-1, -1), "bad shape"),
+                   (lambda a: dsl.concatenate([]), "one or more arrays"),
+                   (lambda a: [r for r in a], "cannot iterate")]:
+        with pytest.raises(DSLError, match=r"test_dsl.py:\d+: .*" + msg):
+            dsl.jit(f)(x)
+
+
+def test_zero_size_and_oversized_arrays_are_rejected():
+    with pytest.raises(DSLError, match="zero-size"):
+        dsl.jit(lambda a: a + 1.0)(np.zeros((0, 4), np.float32))
+    with pytest.raises(DSLError, match="32 bits"):
+        dsl.jit(lambda a: dsl.broadcast_to(a, (1 << 16, 1 << 16)).sum())(randn(1 << 16))
+    with pytest.raises(DSLError, match="does not fit in i32"):
+        dsl.jit(lambda a, n: a * dsl.astype(n, "f32"))(randn(2), 2 ** 40)
+
+
+def test_bool_arithmetic_is_rejected_and_int_division_is_true_division():
+    b = randn(4) > 0
+    with pytest.raises(DSLError, match="arithmetic on bool"):
+        dsl.jit(lambda a: a + a)(b)
+    i = np.array([7, -7, 9, 1], np.int32)
+    out = dsl.jit(lambda a: a / 2)(i)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, i / 2)
+
+
+def test_integer_reductions_are_exact():
+    a = np.array([[16777217, 1, 0, 0]], np.int32)
+    b = np.array([[2147483647, 5]], np.int32)
+    c = np.array([[16777216, 16777217]], np.int32)
+    assert dsl.jit(lambda a: a.sum(axis=1))(a)[0] == 16777218
+    assert dsl.jit(lambda b: b.max(axis=1))(b)[0] == 2147483647
+    assert dsl.jit(lambda c: dsl.argmax(c, 1))(c)[0] == 1
+
+
+def test_static_args_of_different_types_do_not_share_a_trace():
+    f = dsl.jit(lambda x, s: x * (2.0 if s is True else 3.0), static_argnums=1)
+    x = randn(3)
+    np.testing.assert_allclose(f(x, True), 2 * x, rtol=1e-6)
+    np.testing.assert_allclose(f(x, 1), 3 * x, rtol=1e-6)
+
+
+def test_fusion_switches_must_be_booleans_and_backend_env_is_checked(monkeypatch):
+    with pytest.raises(ValueError, match="True or False"):
+        dsl.jit(lambda x: x, fusion={"epilogue": "off"})
+    monkeypatch.setenv("VEGAFUSE_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="VEGAFUSE_BACKEND='nonsense'"):
+        dsl.jit(lambda x: x)
+
+
+def test_parse_ir_checks_names_and_parameters_and_reads_inf_nan():
+    with pytest.raises(DSLError, match="declared twice"):
+        dsl.parse_ir("{ lambda a:f32[2] a:f32[2] ;\n  let b:f32[2] = exp a\n  in ( b ) }")
+    with pytest.raises(DSLError, match="unknown parameter"):
+        dsl.parse_ir("{ lambda a:f32[2] ;\n  let b:f32[] = reduce_sum[axis=0] a\n  in ( b ) }")
+    with pytest.raises(DSLError, match="b = slice"):
+        dsl.parse_ir("{ lambda a:f32[2] ;\n  let b:f32[2] = slice a\n  in ( b ) }")
+    f = dsl.jit(lambda x: dsl.where(x > 0, x, float("-inf")) + float("nan"))
+    text = f.lower(randn(3)).as_text()
+    assert "-inf:f32" in text and "nan:f32" in text
+    assert dsl.parse_ir(text).as_text() == text
+
+
+def test_errors_in_stdlib_blocks_name_the_callers_line():
+    from stdlib import nn
+
+    def bad(x, w):
+        return nn.linear(x, w)          # w has the wrong inner dimension
+    with pytest.raises(DSLError, match=r"test_dsl.py:\d+ \(in .*stdlib/nn.py:\d+\): dot"):
+        dsl.jit(bad)(randn(2, 3), randn(4, 5))

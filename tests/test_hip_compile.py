@@ -220,6 +220,15 @@ def test_concurrent_processes_both_succeed(cache_dir, tmp_path):
     assert not list(path.parent.glob("*.tmp"))
 
 
+def test_cache_dir_that_is_a_file_does_not_break_compilation(tmp_path, monkeypatch):
+    root = tmp_path / "not-a-dir"
+    root.write_bytes(b"")
+    monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(root))
+    co = H.compile_hip(GEMV, "gemv_f16")
+    assert co[:4] == b"\x7fELF" and not co.cache_hit
+    stats = H.code_cache().stats
+    assert stats["read_errors"] == 1 and stats["write_errors"] == 1 and stats["misses"] == 1
+
 def test_codecache_unit(tmp_path):
     cache = codecache.CodeCache(tmp_path)
     key = {"source": "x", "arch": "gfx906", "compiler": "test", "options": ["-O3"]}
@@ -236,6 +245,7 @@ def test_codecache_unit(tmp_path):
     blob[-1] ^= 0xFF                                     # same length, bad checksum
     path.write_bytes(bytes(blob))
     assert cache.get_or_build(key, build) == (b"payload", False)
-    assert len(calls) == 3 and cache.stats == {"hits": 1, "misses": 3, "corrupt": 1, "write_errors": 0}
+    assert len(calls) == 3 and cache.stats == {"hits": 1, "misses": 3, "corrupt": 1, "read_errors": 0,
+                                             "write_errors": 0}
 
 # The device (memory, launches, plans; on a GPU and on a stand-in runtime): tests/test_hip_device.py

@@ -116,3 +116,17 @@ def test_invalid_arguments():
 def test_is_eos():
     assert is_eos(2, (2,)) and is_eos(np.int64(0), (2, 0))
     assert not is_eos(1, (2, 0)) and not is_eos(5, ())
+
+
+def test_degenerate_logits_and_temperatures_never_give_an_invalid_id():
+    rng = np.random.default_rng()
+    logits = rng.standard_normal(50)
+    assert sample(logits, 1e-310, 0, 1.0, rng) == int(np.argmax(logits))
+    for bad in (np.full(8, -np.inf), np.full(8, np.nan), np.array([1.0, np.inf, 2.0, np.inf])):
+        i = sample(bad, 0.7, 0, 1.0, rng)
+        assert 0 <= i < len(bad)
+    x = rng.standard_normal(8)
+    x[3] = np.nan
+    assert sample(x, 0.0) == int(np.nanargmax(x))
+    with pytest.raises(ValueError):
+        sample(x, float("nan"), 0, 1.0, rng)
