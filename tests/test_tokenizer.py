@@ -170,3 +170,91 @@ def test_from_gguf_rejects_sentencepiece():
     with pytest.raises(ModelError, match="not supported"):
         Tokenizer.from_gguf({"tokenizer.ggml.model": _Field("llama"),
                              "tokenizer.ggml.tokens": _Field(["a"])}, source="m.gguf")
+
+
+# --------------------------------------------------------------------------- adversarial inputs
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("template, needles", [
+    ("{% for m in messages %}{{ m.content }}", ["syntax error at line 1", "endfor"]),
+    ("{{ messages[0]['content'] | nosuchfilter }}", ["syntax error", "nosuchfilter"]),
+    ("{{ 1 / 0 }}", ["failed while rendering", "ZeroDivisionError"]),
+    ("{{ messages[3]['content'].upper() }}", ["failed while rendering", "UndefinedError"]),
+    ("{{ ''.__class__.__mro__ }}", ["failed while rendering", "SecurityError"]),
+    ("{{ raise_exception('Roles must\nalternate') }}", ["refused the conversation", "Roles must alternate"]),
+    (42, ["must be a string", "got 42 (int)"]),
+    ({"default": "x"}, ["must be a string", "got {'default': 'x'} (dict)"]),
+    ([{"name": "rag", "template": "x"}], ["without a usable 'default' entry"]),
+])
+def test_chat_template_errors_are_one_line_model_errors(tok, template, needles):
+    from engine.errors import ModelError
+    t = Tokenizer(tok.hf, eos_id=2, chat_template=template,
+                  chat_template_source="/m/tokenizer_config.json (key 'chat_template')")
+    with pytest.raises(ModelError) as e:
+        t.apply_chat_template(MSGS)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("/m/tokenizer_config.json (key 'chat_template'): "), msg
+    assert "fix the template or run without --chat" in msg
+    for n in needles:
+        assert n in msg, msg
+
+
+def test_chat_template_source_from_gguf(fields):
+    fake = {k: _Field(f.contents()) for k, f in fields.items() if k.startswith("tokenizer.")}
+    fake["tokenizer.chat_template"] = _Field("{% if %}")
+    t = Tokenizer.from_gguf(fake, source="m.gguf")
+    from engine.errors import ModelError
+    with pytest.raises(ModelError, match=r"^m\.gguf \(GGUF key tokenizer\.chat_template\): chat template syntax"):
+        t.apply_chat_template(MSGS)
+
+
+def tiny_fields(**override):
+    f = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
+         "tokenizer.ggml.tokens": ["<s>", "a", "b", "ab"], "tokenizer.ggml.token_type": [3, 1, 1, 1],
+         "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 0}
+    f.update(override)
+    return {k: _Field(v) for k, v in f.items() if v is not None}
+
+
+def test_tiny_fields_build_a_working_tokenizer():
+    t = Tokenizer.from_gguf(tiny_fields())
+    assert t.encode("ab<s>b") == [3, 0, 2] and t.eos_id == 0
+
+
+class _BadUtf8Field:
+    def contents(self):
+        return str(b"caf\xff", encoding="utf-8")
+
+
+@pytest.mark.parametrize("override, needles", [
+    ({"tokenizer.ggml.merges": None}, ["tokenizer.ggml.merges is missing", "needs its merges"]),
+    ({"tokenizer.ggml.merges": "a b"}, ["tokenizer.ggml.merges", "array of strings", "a str"]),
+    ({"tokenizer.ggml.merges": [1, 2]}, ["tokenizer.ggml.merges", "not all strings"]),
+    ({"tokenizer.ggml.merges": ["a  b"]}, ["tokenizer.ggml.merges is malformed", "entry 0 'a  b'"]),
+    ({"tokenizer.ggml.merges": ["a b", "a b c"]}, ["entry 1 'a b c'", "one space"]),
+    ({"tokenizer.ggml.merges": ["ab b"]}, ["entry 0 'ab b'", "'abb'", "not in tokenizer.ggml.tokens"]),
+    ({"tokenizer.ggml.tokens": ["<s>", "a", 3, "ab"]}, ["tokenizer.ggml.tokens", "not all strings"]),
+    ({"tokenizer.ggml.tokens": []}, ["tokenizer.ggml.tokens", "empty"]),
+    ({"tokenizer.ggml.token_type": [3, 1, "x", 1]}, ["tokenizer.ggml.token_type", "4 integers"]),
+    ({"tokenizer.ggml.token_type": [3, 1, 1]}, ["tokenizer.ggml.token_type", "got 3 integers"]),
+    ({"tokenizer.ggml.eos_token_id": 4}, ["tokenizer.ggml.eos_token_id", "0..3", "got 4"]),
+    ({"tokenizer.ggml.bos_token_id": "1"}, ["tokenizer.ggml.bos_token_id", "'1'"]),
+    ({"tokenizer.ggml.pre": "deepseek-llm"}, ["tokenizer.ggml.pre='deepseek-llm'", "not supported"]),
+])
+def test_from_gguf_rejects_malformed_metadata(override, needles):
+    from engine.errors import ModelError
+    with pytest.raises(ModelError) as e:
+        Tokenizer.from_gguf(tiny_fields(**override), source="m.gguf")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("m.gguf: "), msg
+    for n in needles:
+        assert n in msg, msg
+
+
+def test_from_gguf_non_utf8_string():
+    from engine.errors import ModelError
+    fields = tiny_fields()
+    fields["tokenizer.chat_template"] = _BadUtf8Field()
+    with pytest.raises(ModelError, match=r"^m\.gguf: GGUF metadata key tokenizer\.chat_template is not valid UTF-8"):
+        Tokenizer.from_gguf(fields, source="m.gguf")

@@ -265,8 +265,11 @@ def tiny_hf_weights(arch="llama", D=16, Hq=4, Hkv=2, hd=4, F=24, V=8, L=2, tied=
     return w
 
 
-def write_tiny_gguf(path, weights, arch="llama", D=16, Hq=4, Hkv=2, F=24, L=2, permute=True):
-    """A small but complete GGUF; Q/K written permuted like llama.cpp's converter."""
+def write_tiny_gguf(path, weights, arch="llama", D=16, Hq=4, Hkv=2, F=24, L=2, permute=True, meta=None):
+    """A small but complete GGUF; Q/K written permuted like llama.cpp's converter.
+
+    ``meta``: metadata overrides, key -> value (a str, a list of str, a float, an int
+    (written as INT32), an (value, GGUFValueType) pair, or None to leave the key out)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(L)
     w.add_context_length(64)
@@ -284,6 +287,15 @@ def write_tiny_gguf(path, weights, arch="llama", D=16, Hq=4, Hkv=2, F=24, L=2, p
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_eot_token_id(0)
+    for key, value in (meta or {}).items():
+        w.kv_data[0].pop(key, None)
+        if value is None:
+            continue
+        if not isinstance(value, tuple):
+            T = gguf.GGUFValueType
+            value = (value, T.STRING if isinstance(value, str) else T.ARRAY if isinstance(value, list)
+                     else T.FLOAT32 if isinstance(value, float) else T.INT32)
+        w.add_key_value(key, *value)
     for name, t in weights.items():
         if permute and (".attn_q." in name or ".attn_k." in name):
             t = permute_qk(t, Hq if ".attn_q." in name else Hkv)
@@ -463,3 +475,296 @@ def test_error_hf_dir_incomplete(tmp_path):
 
 def test_error_bad_dtype(gguf_path):
     one_line_error(gguf_path, "bf8", "f16", dtype="bf8")
+
+
+# --------------------------------------------------------------------------- adversarial inputs
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """A complete tiny Hugging Face directory (2 layers, tied) exported from a tiny GGUF."""
+    base = tmp_path_factory.mktemp("tinyhf")
+    out = base / "hf"
+    export_hf_dir(write_tiny_gguf(base / "t.gguf", tiny_hf_weights()), str(out))
+    return out
+
+
+def hf_copy(tmp_path, src, **config):
+    """A copy of ``src`` with config.json keys replaced (value ``DELETE``: removed)."""
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    if config:
+        c = json.loads((dst / "config.json").read_text())
+        c.update(config)
+        c = {k: v for k, v in c.items() if v is not DELETE}
+        (dst / "config.json").write_text(json.dumps(c))
+    return dst
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize("key, value, needles", [
+    ("tie_word_embeddings", "false", ["true or false", '"false" (a string)']),
+    ("tie_word_embeddings", None, ["true or false", "null"]),
+    ("hidden_size", [64], ["positive integer", "[64] (a list)"]),
+    ("hidden_size", "sixty-four", ["positive integer", '"sixty-four" (a string)']),
+    ("hidden_size", 16.0, ["positive integer", "16.0"]),
+    ("hidden_size", True, ["positive integer", "true"]),
+    ("num_hidden_layers", 0, ["positive integer", "got 0"]),
+    ("num_attention_heads", -4, ["positive integer", "-4"]),
+    ("num_key_value_heads", 0, ["positive integer", "got 0"]),
+    ("intermediate_size", {"a": 1}, ["positive integer", "(an object)"]),
+    ("vocab_size", 2**40, ["positive integer", str(2**40)]),
+    ("max_position_embeddings", "2048", ["positive integer", '"2048"']),
+    ("head_dim", 0, ["positive integer", "got 0"]),
+    ("rope_theta", None, ["finite positive number", "null"]),
+    ("rope_theta", float("nan"), ["finite positive number", "NaN"]),
+    ("rope_theta", "1e4", ["finite positive number", '"1e4"']),
+    ("rms_norm_eps", 0, ["finite positive number", "got 0"]),
+    ("rms_norm_eps", -1e-6, ["finite positive number", "-1e-06"]),
+    ("bos_token_id", 99, ["token id in 0..7", "99"]),
+    ("eos_token_id", [2, "x"], ["token id", '[2, "x"]']),
+    ("hidden_act", "gelu", ["silu"]),
+    ("attention_bias", True, ["not supported"]),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, ["RoPE scaling is not supported"]),
+    ("architectures", "LlamaForCausalLM", ["list of class names"]),
+])
+def test_error_hf_config_value(tmp_path, tiny_hf, key, value, needles):
+    config = {key: value, "model_type": DELETE} if key == "architectures" else {key: value}
+    d = hf_copy(tmp_path, tiny_hf, **config)
+    msg = one_line_error(d, "config.json", f"'{key}'", *needles)
+    assert "fix config.json" in msg
+
+
+def test_error_hf_config_overflowing_number(tmp_path, tiny_hf):
+    d = hf_copy(tmp_path, tiny_hf)
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text.replace('"hidden_size": 16', '"hidden_size": 1e400'))
+    one_line_error(d, "config.json", "'hidden_size'", "positive integer", "Infinity")
+
+
+@pytest.mark.parametrize("config, needles", [
+    ({"num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": DELETE},
+     ["'hidden_size'", "= 16 is not divisible by num_attention_heads = 3"]),
+    ({"num_key_value_heads": 3}, ["'num_attention_heads'", "= 4 is not a multiple of num_key_value_heads = 3"]),
+    ({"head_dim": 3}, ["'head_dim'", "odd head dimension 3"]),
+    ({"hidden_size": 20, "num_attention_heads": 4, "head_dim": DELETE}, ["'hidden_size'", "odd head dimension 5"]),
+])
+def test_error_hf_config_head_geometry(tmp_path, tiny_hf, config, needles):
+    one_line_error(hf_copy(tmp_path, tiny_hf, **config), "config.json", *needles)
+
+
+def test_hf_config_null_head_dim_and_kv_heads_mean_default(tmp_path, tiny_hf):
+    cfg, _, _ = load_model(str(hf_copy(tmp_path, tiny_hf, head_dim=None, num_key_value_heads=2)))
+    assert cfg.head_dim == 4 and cfg.n_kv_heads == 2
+
+
+@pytest.mark.parametrize("fname", ["config.json", "tokenizer_config.json", "generation_config.json"])
+@pytest.mark.parametrize("content, shown", [("[1, 2]", "[1, 2] (a list)"), ("null", "null"),
+                                            ('"hi"', '"hi" (a string)')])
+def test_error_json_file_not_an_object(tmp_path, tiny_hf, fname, content, shown):
+    d = hf_copy(tmp_path, tiny_hf)
+    (d / fname).write_text(content)
+    one_line_error(d, str(d / fname), "JSON object", shown)
+
+
+@pytest.mark.parametrize("fname", ["config.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_error_text_file_not_utf8(tmp_path, tiny_hf, fname):
+    d = hf_copy(tmp_path, tiny_hf)
+    if fname == "chat_template.jinja":     # only read when tokenizer_config.json has none
+        c = json.loads((d / "tokenizer_config.json").read_text())
+        del c["chat_template"]
+        (d / "tokenizer_config.json").write_text(json.dumps(c))
+    (d / fname).write_bytes(b'{"a": "caf\xe9"}')
+    one_line_error(d, str(d / fname), "not UTF-8")
+
+
+def test_error_tokenizer_json_not_utf8(tmp_path, tiny_hf):
+    d = hf_copy(tmp_path, tiny_hf)
+    (d / "tokenizer.json").write_bytes(b'{"version": "1.0", "x": "\xff"}')
+    one_line_error(d, "tokenizer.json", "cannot read")
+
+
+def test_error_hf_special_token_not_in_vocab(tmp_path, tiny_hf):
+    d = hf_copy(tmp_path, tiny_hf)
+    c = json.loads((d / "tokenizer_config.json").read_text())
+    c["eos_token"] = "</s>"
+    (d / "tokenizer_config.json").write_text(json.dumps(c))
+    one_line_error(d, "tokenizer_config.json", "'eos_token'", "'</s>'", "not in tokenizer.json")
+
+
+def rewrite_safetensors(path, tensors: dict):
+    """Write a safetensors file by hand: name -> (dtype string, shape, raw bytes)."""
+    header, blobs, off = {}, [], 0
+    for name, (dt, shape, raw) in tensors.items():
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def st_tensors(path):
+    from safetensors.numpy import load_file
+    return {k: ("F32", v.shape, v.astype("<f4").tobytes()) for k, v in load_file(str(path)).items()}
+
+
+def test_error_hf_more_layers_than_config(tmp_path, tiny_hf):
+    d = hf_copy(tmp_path, tiny_hf, num_hidden_layers=1)
+    one_line_error(d, "model.layers.1.", "belongs to layer 1", "num_hidden_layers = 1", "model.safetensors")
+
+
+def test_error_hf_unexpected_tensor(tmp_path, tiny_hf):
+    d = hf_copy(tmp_path, tiny_hf)
+    t = st_tensors(d / "model.safetensors")
+    t["model.layers.0.self_attn.o_proj.bias"] = ("F32", (16,), bytes(64))
+    rewrite_safetensors(d / "model.safetensors", t)
+    one_line_error(d, "unexpected tensor model.layers.0.self_attn.o_proj.bias", "(16,)")
+
+
+def test_hf_tied_with_identical_lm_head_loads_but_different_one_is_an_error(tmp_path, tiny_hf):
+    d = hf_copy(tmp_path, tiny_hf)
+    t = st_tensors(d / "model.safetensors")
+    t["lm_head.weight"] = t["model.embed_tokens.weight"]
+    rewrite_safetensors(d / "model.safetensors", t)
+    cfg, p, _ = load_model(str(d))
+    assert cfg.tie_embeddings and "lm_head" not in p
+    t["lm_head.weight"] = ("F32", (8, 16), np.ones((8, 16), "<f4").tobytes())
+    rewrite_safetensors(d / "model.safetensors", t)
+    one_line_error(d, "tie_word_embeddings = true", "lm_head.weight", "set tie_word_embeddings to false")
+
+
+def test_error_hf_tensor_in_two_shards(tmp_path, tiny_hf):
+    d = hf_copy(tmp_path, tiny_hf)
+    t = st_tensors(d / "model.safetensors")
+    rewrite_safetensors(d / "model-00002.safetensors",
+                        {"model.norm.weight": t["model.norm.weight"]})
+    one_line_error(d, "model.norm.weight", "stored twice", str(d / "model.safetensors"),
+                   str(d / "model-00002.safetensors"))
+
+
+@pytest.mark.parametrize("dt, nbytes, needles", [
+    ("I32", 4, ["I32", "not floating point"]),
+    ("I8", 1, ["I8", "not floating point"]),
+    ("BOOL", 1, ["BOOL", "not floating point"]),
+    ("U8", 1, ["U8", "not floating point"]),
+    ("F8_E4M3", 1, ["F8_E4M3", "FP8, which is not supported"]),
+    ("F8_E5M2", 1, ["F8_E5M2", "FP8, which is not supported"]),
+])
+def test_error_hf_non_float_dtype(tmp_path, tiny_hf, dt, nbytes, needles):
+    d = hf_copy(tmp_path, tiny_hf)
+    t = st_tensors(d / "model.safetensors")
+    t["model.layers.1.mlp.up_proj.weight"] = (dt, (24, 16), bytes(24 * 16 * nbytes))
+    rewrite_safetensors(d / "model.safetensors", t)
+    one_line_error(d, "model.layers.1.mlp.up_proj.weight", "(24, 16)", "F32, F16 or BF16", *needles)
+
+
+def test_hf_chat_template_errors_name_their_source(tmp_path, tiny_hf):
+    d = hf_copy(tmp_path, tiny_hf)
+    c = json.loads((d / "tokenizer_config.json").read_text())
+    msgs = [{"role": "user", "content": "hi"}]
+    for template, needle in [(42, "must be a string"), ("{% for m in messages %}", "syntax error"),
+                             ([{"name": "tool_use", "template": "x"}], "without a usable 'default'")]:
+        c["chat_template"] = template
+        (d / "tokenizer_config.json").write_text(json.dumps(c))
+        _, _, tok = load_model(str(d))                 # loading works; only --chat needs it
+        with pytest.raises(ModelError) as e:
+            tok.apply_chat_template(msgs)
+        msg = str(e.value)
+        assert "\n" not in msg and str(d / "tokenizer_config.json") in msg and needle in msg, msg
+        assert "without --chat" in msg
+    c["chat_template"] = [{"name": "default", "template": "X{{ messages[0]['content'] }}"}]
+    (d / "tokenizer_config.json").write_text(json.dumps(c))
+    assert load_model(str(d))[2].apply_chat_template(msgs) == "Xhi"
+    del c["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(c))
+    (d / "chat_template.jinja").write_text("{{ 1 / 0 }}")
+    with pytest.raises(ModelError, match="chat_template.jinja.*ZeroDivisionError.*without --chat"):
+        load_model(str(d))[2].apply_chat_template(msgs)
+
+
+T = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize("meta, needles", [
+    ({"llama.attention.head_count": 0}, ["llama.attention.head_count", "positive integer", "got 0"]),
+    ({"llama.attention.head_count": -4}, ["llama.attention.head_count", "positive integer", "-4"]),
+    ({"llama.attention.head_count": 4.0}, ["llama.attention.head_count", "positive integer", "4.0"]),
+    ({"llama.block_count": 0}, ["llama.block_count", "positive integer", "got 0"]),
+    ({"llama.block_count": None}, ["llama.block_count", "is missing"]),
+    ({"llama.attention.head_count_kv": [2, 2]}, ["llama.attention.head_count_kv", "[2, 2] (a list)"]),
+    ({"llama.attention.head_count_kv": 3}, ["llama.attention.head_count", "not a multiple of"]),
+    ({"llama.attention.key_length": 3}, ["llama.attention.key_length", "odd head dimension 3"]),
+    ({"llama.rope.dimension_count": 2}, ["llama.rope.dimension_count", "= 2 differs"]),
+    ({"llama.rope.freq_base": [10000.0]}, ["llama.rope.freq_base", "finite positive number", "(a list)"]),
+    ({"llama.rope.freq_base": float("nan")}, ["llama.rope.freq_base", "finite positive number", "NaN"]),
+    ({"llama.attention.layer_norm_rms_epsilon": -1.0}, ["layer_norm_rms_epsilon", "finite positive"]),
+    ({"llama.context_length": "64"}, ["llama.context_length", "positive integer", '"64" (a string)']),
+    ({"llama.rope.scaling.type": "linear"}, ["llama.rope.scaling.type", "not supported"]),
+    ({"llama.expert_count": 8}, ["llama.expert_count", "mixture-of-experts"]),
+    ({"tokenizer.ggml.eos_token_id": 99}, ["tokenizer.ggml.eos_token_id", "token id in 0..7", "99"]),
+    ({"tokenizer.ggml.bos_token_id": -1}, ["tokenizer.ggml.bos_token_id", "token id"]),
+    ({"llama.vocab_size": 10}, ["tokenizer.ggml.tokens", "has 8 tokens", "llama.vocab_size = 10"]),
+])
+def test_error_gguf_metadata_value(tmp_path, meta, needles):
+    path = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf_weights(), meta=meta)
+    msg = one_line_error(path, "m.gguf", "GGUF metadata key", *needles)
+    assert "re-convert" in msg
+
+
+def test_error_gguf_token_list_shorter_than_embedding(tmp_path):
+    meta = {"tokenizer.ggml.tokens": TOKENS[:7], "tokenizer.ggml.token_type": ([3, 3, 3, 1, 1, 1, 1], T.ARRAY)}
+    path = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf_weights(), meta=meta)
+    one_line_error(path, "m.gguf", "tokenizer.ggml.tokens", "vocabulary of 7", "token_embd.weight", "8 rows")
+
+
+@pytest.mark.parametrize("meta, needles", [
+    ({"tokenizer.ggml.merges": None}, ["tokenizer.ggml.merges", "is missing"]),
+    ({"tokenizer.ggml.merges": ["ab"]}, ["tokenizer.ggml.merges", "malformed", "'ab'", "one space"]),
+    ({"tokenizer.ggml.merges": ["a zz"]}, ["tokenizer.ggml.merges", "'zz'", "not in tokenizer.ggml.tokens"]),
+    ({"tokenizer.ggml.merges": ["b c"]}, ["tokenizer.ggml.merges", "'bc'", "not in tokenizer.ggml.tokens"]),
+    ({"tokenizer.ggml.token_type": ([1, 1], T.ARRAY)}, ["tokenizer.ggml.token_type", "8 integers", "got 2"]),
+    ({"tokenizer.ggml.pre": "falcon"}, ["tokenizer.ggml.pre", "'falcon'", "not supported"]),
+])
+def test_error_gguf_tokenizer(tmp_path, meta, needles):
+    path = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf_weights(), meta=meta)
+    one_line_error(path, "m.gguf", *needles)
+
+
+def test_error_gguf_more_layers_than_block_count(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf_weights(L=3), L=2)
+    one_line_error(path, "m.gguf", "tensor blk.2.", "belongs to layer 2", "llama.block_count = 2",
+                   "fix block_count")
+
+
+def test_error_gguf_unexpected_tensor(tmp_path):
+    w = tiny_hf_weights()
+    w["rope_freqs.weight"] = np.ones(2, np.float32)          # llama3 RoPE scaling factors
+    one_line_error(write_tiny_gguf(tmp_path / "m.gguf", w), "m.gguf", "unexpected tensor rope_freqs.weight",
+                   "(2,)")
+
+
+def test_error_gguf_integer_tensor(tmp_path):
+    w = tiny_hf_weights()
+    w["blk.0.ffn_up.weight"] = np.ones((24, 16), np.int32)
+    one_line_error(write_tiny_gguf(tmp_path / "m.gguf", w), "m.gguf", "blk.0.ffn_up.weight", "I32",
+                   "integer")
+
+
+def test_error_gguf_string_not_utf8(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf_weights(), meta={"tokenizer.chat_template": "caf\u00e9"})
+    data = (tmp_path / "m.gguf").read_bytes()
+    assert data.count("caf\u00e9".encode()) == 1
+    (tmp_path / "m.gguf").write_bytes(data.replace("caf\u00e9".encode(), b"caf\xff\xff"))
+    one_line_error(path, "m.gguf", "tokenizer.chat_template", "not valid UTF-8")
+
+
+def test_cli_reports_config_and_chat_template_errors(tmp_path, tiny_hf):
+    from tests.test_cli import assert_one_line_error, cli
+    d = hf_copy(tmp_path, tiny_hf, tie_word_embeddings="false")
+    assert_one_line_error(cli("--model", str(d), "ab"), "config.json", "tie_word_embeddings")
+    bad = write_tiny_gguf(tmp_path / "chat.gguf", tiny_hf_weights(),
+                          meta={"tokenizer.chat_template": "{% if %}"})
+    assert_one_line_error(cli("--model", bad, "--chat", "ab"), "chat.gguf", "tokenizer.chat_template",
+                          "syntax error", "without --chat")
+    assert cli("--model", bad, "--max-tokens", "2", "ab").returncode == 0     # fine without --chat
