@@ -199,6 +199,8 @@ def parse_ir(text: str) -> Program:
     Raises DSLError for an unknown primitive, an undefined name or a declared
     type that contradicts the primitive's rule, or text that does not parse."""
     from lark.exceptions import LarkError, VisitError
+    if not isinstance(text, str):
+        raise DSLError(f"parse_ir needs IR text (str), got {type(text).__name__}")
     try:
         tree = _parser.parse(text)
         return _Build().transform(tree)

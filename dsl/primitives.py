@@ -207,7 +207,9 @@ primitive("slice", "view", _slice_rule,
 def _concat_rule(avals, *, axis):
     s0, d0 = avals[0]
     for s, d in avals[1:]:
-        if d != d0 or len(s) != len(s0) or any(a != b for i, (a, b) in enumerate(zip(s, s0)) if i != axis):
+        if d != d0:
+            raise DSLError(f"dtypes {[d for _, d in avals]} differ; convert with .astype first")
+        if len(s) != len(s0) or any(a != b for i, (a, b) in enumerate(zip(s, s0)) if i != axis):
             raise DSLError(f"cannot concatenate {[list(s) for s, _ in avals]} on axis {axis}")
     shape = list(s0)
     shape[axis] = sum(s[axis] for s, _ in avals)

@@ -109,6 +109,8 @@ def run(args):
         raise ModelError(f"--max-tokens must be >= 0, got {args.max_tokens}")
     if not args.temperature >= 0 or not 0 < args.top_p <= 1:       # also rejects nan
         raise ModelError("need --temperature >= 0 and 0 < --top-p <= 1")
+    if args.seed is not None and args.seed < 0:
+        raise ModelError(f"--seed must be >= 0, got {args.seed}")
     if args.context is not None and args.context < 1:
         raise ModelError(f"--context must be at least 1, got {args.context}")
     path = args.model or default_model_path()
