@@ -454,19 +454,10 @@ def test_gpu_elementwise_and_gemv():
 
 @gpu
 def test_gpu_smollm2_greedy_ids_match_the_reference():
-    from engine.model import Model
     from engine.weights import default_model_path, load_model
-    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
-    cfg, params, tok = load_model(default_model_path())
-    m = Model(cfg, params, backend="hip", context=64)
-    ids = tok.encode("The capital of France is")
-    assert ids == PROMPT_IDS
-    logits = np.asarray(m.prefill(ids))
-    out = []
-    for _ in range(20):
-        out.append(int(np.argmax(logits)))
-        logits = np.asarray(m.decode(out[-1]))
-    assert out == REFERENCE_IDS
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS, greedy
+    ids, out, m = greedy(*load_model(default_model_path()), backend="hip")
+    assert ids == PROMPT_IDS and out == REFERENCE_IDS
     m.reset()
     m.prefill(ids)
     assert [REFERENCE_IDS[0]] + m.decode_greedy(REFERENCE_IDS[0], 19) == REFERENCE_IDS

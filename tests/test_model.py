@@ -26,14 +26,15 @@ def smol():
     return load_model(default_model_path())
 
 
-def greedy(cfg, params, tok, n=20, context=64):
-    m = Model(cfg, params, context=context)
+def greedy(cfg, params, tok, n=20, context=64, backend="cpu"):
+    """Prompt ids, n greedy ids and the model, decoding token by token on ``backend``."""
+    m = Model(cfg, params, context=context, backend=backend)
     ids = tok.encode(PROMPT)
-    logits = m.prefill(ids)
+    logits = np.asarray(m.prefill(ids))
     out = []
     for _ in range(n):
         out.append(int(np.argmax(logits)))
-        logits = m.decode(out[-1])
+        logits = np.asarray(m.decode(out[-1]))
     return ids, out, m
 
 
