@@ -461,3 +461,14 @@ def test_gpu_smollm2_greedy_ids_match_the_reference():
     m.reset()
     m.prefill(ids)
     assert [REFERENCE_IDS[0]] + m.decode_greedy(REFERENCE_IDS[0], 19) == REFERENCE_IDS
+
+
+def test_compiled_kernels_expose_source_isa_and_resources():
+    from tests.decode_step import decode_plan
+    dev = H.HIPDevice.offline()
+    gemv = [k for k in decode_plan().kernels if k.family == "contract"][0]
+    (ck,) = dev.compile_many([gemv])
+    assert gemv.name in ck.source and "vf_dot8_h" in ck.source
+    assert "global_load_dwordx4" in ck.isa() and "v_dot2_f32_f16" in ck.isa()
+    r = ck.resources()
+    assert r["scratch_bytes"] == 0 and 1 <= r["waves_per_simd"] <= 9

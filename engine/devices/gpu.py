@@ -114,6 +114,20 @@ class GPUKernel:
     def source(self):
         return self.hip.source
 
+    def isa(self) -> str:
+        """Disassembly of the loaded code object (HIP: gfx906 ISA through llvm-objdump)."""
+        if not hasattr(self.binary, "isa"):
+            raise NotImplementedError("disassembly is available for HIP code objects; for a cubin use cuobjdump")
+        return self.binary.isa("canonical")
+
+    def resources(self) -> dict:
+        """VGPRs, SGPRs, LDS, scratch, waves per SIMD, code size of the loaded code object (HIP),
+        for this kernel's workgroup size and launch LDS."""
+        if not hasattr(self.binary, "resources"):
+            raise NotImplementedError("resources are read from HIP code objects only")
+        return self.binary.resources("canonical", workgroup_size=self.hip.block[0],
+                                     dynamic_lds_bytes=self.hip.dynamic_lds)
+
     def __repr__(self):
         return f"<GPUKernel {self.kernel.name} grid={self.hip.grid} block={self.hip.block}>"
 
