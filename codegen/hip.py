@@ -91,6 +91,8 @@ __device__ __forceinline__ vf_half vf_f2h(float x) {{ return (vf_half)x; }}
 __device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
 __device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
 __device__ __forceinline__ void vf_prefetch(const void* p) {{ }}   // gfx906 has no prefetch instruction
+#define VF_GRID_LAUNCH_DEPENDENTS()
+#define VF_GRID_WAIT()
 """
 
 _AMD_DOT2 = r"""// the activation lives in LDS as f16 pairs; one v_dot2_f32_f16 per pair
@@ -136,8 +138,7 @@ __device__ __forceinline__ float vf_h2f(vf_half x) {{ return __half2float(x); }}
 __device__ __forceinline__ vf_half vf_f2h(float x) {{ return __float2half(x); }}
 __device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
 __device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
-__device__ __forceinline__ void vf_prefetch(const void* p) {{ asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }}
-"""
+{pdl}"""
 
 _NVIDIA_F32ACT = r"""typedef float vf_act_t;
 __device__ __forceinline__ vf_act_t vf_to_act(float x) { return x; }
@@ -187,6 +188,17 @@ def act_dtype(t: Target, K: int) -> str:
     return "f16" if t.dot2 or 4 * K > t.max_static_lds - 1024 else "f32"
 
 
+_NV_PDL = r"""// programmatic dependent launch: start early, prefetch weights, wait for the previous kernel's data
+__device__ __forceinline__ void vf_prefetch(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
+#define VF_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define VF_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+"""
+_NV_NO_PDL = r"""__device__ __forceinline__ void vf_prefetch(const void* p) { }
+#define VF_GRID_LAUNCH_DEPENDENTS()
+#define VF_GRID_WAIT()
+"""
+
+
 def prelude(t: Target, act: str | None = None) -> str:
     """Everything target-specific in a kernel's source, from the target table
     (``act``: the GEMV activation dtype in LDS, see ``act_dtype``)."""
@@ -195,7 +207,8 @@ def prelude(t: Target, act: str | None = None) -> str:
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
         head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
     else:
-        head = _NVIDIA.format(name=t.name, wave=t.wave) + (_NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT)
+        head = _NVIDIA.format(name=t.name, wave=t.wave, pdl=_NV_PDL if (t.pdl or t.prefetch) else _NV_NO_PDL)
+        head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format()
 
 
@@ -385,6 +398,7 @@ def render_generic(k: L.Kernel, t: Target):
         threads = (_static_extent(rows[0].stop) or 1) * t.block if rows else 1
     src = _header(k, how)
     src += f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{\n'
+    src += "  VF_GRID_LAUNCH_DEPENDENTS();\n  VF_GRID_WAIT();                // inputs from the previous kernel are ready\n"
     src += _scalars(k)
     if single:
         src += "  __shared__ float vf_red[VF_WAVES];\n  __shared__ int vf_redi[VF_WAVES];\n"
@@ -493,8 +507,10 @@ def render_contract(k: L.Kernel, t: Target):
              "  __shared__ vf_act_t vf_act[K_];              // the activation, read from LDS in the main loop",
              "  __shared__ float vf_red[VF_WAVES];",
              "  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;"]
+    lines += ["  VF_GRID_LAUNCH_DEPENDENTS();"]
+    lines += _prefetch(m, K, segs)
+    lines += ["  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready"]
     lines += _scalars(k).rstrip("\n").split("\n") if _scalars(k) else []
-    lines += _prefetch(m, K, segs) if t.prefetch else []
     ind = 1
     for v, n in zip(m["row_vars"], m["rows"]):
         lines.append(f"{'  ' * ind}for (int {v} = 0; {v} < {n}; ++{v}) {{")
@@ -543,6 +559,8 @@ def render_attention(k: L.Kernel, t: Target):
     ld = lambda buf, idx, dt: f"vf_h2f({buf}[{idx}])" if dt == "f16" else f"{buf}[{idx}]"  # noqa: E731
     src = f"""extern "C" __global__ void __launch_bounds__(VF_ATT_BLOCK) {k.name}({_signature(k)}) {{
   // one workgroup per (query head, query row); waves split the context, lanes hold head-dim elements
+  VF_GRID_LAUNCH_DEPENDENTS();
+  VF_GRID_WAIT();
 {_scalars(k)}  constexpr int D = {D}, S = {S}, T = {T}, DPL = (D + VF_WAVE - 1) / VF_WAVE;
   __shared__ float vf_m[VF_ATT_WAVES], vf_l[VF_ATT_WAVES], vf_o[VF_ATT_WAVES][D];
   const int h = blockIdx.x / T, t = blockIdx.x % T, kvh = h / {group};

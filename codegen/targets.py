@@ -36,7 +36,11 @@ class Target:
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     attention_block: int = 1024  # threads of an attention workgroup: its waves split the context
     prefetch: bool = False       # L2-prefetch each wave's first weight row before the GEMV prologue
-                                 # (measured on an H200: 3414 against 3996 GB/s for gate/up, so off)
+                                 # (measured on an H200 alone: 3414 against 3996 GB/s for gate/up, so off)
+    pdl: bool = False            # programmatic dependent launch (Hopper): a kernel starts while the previous
+                                 # one drains, prefetches its weights, then waits for its inputs.  Measured on
+                                 # an H200 with the trigger at kernel start: 536.6 against 628.5 tok/s
+                                 # (Qwen2.5-1.5B), 174.4 against 233.5 (7B), so off until the trigger moves
 
     @property
     def waves_per_block(self):

@@ -83,6 +83,13 @@ class CUDADevice(GPUDevice):
         self.stream = _check(drv.cuStreamCreate(0), "cuStreamCreate")
         self.graphs = (os.environ.get("VEGAFUSE_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.sync_each = os.environ.get("VEGAFUSE_SYNC", "0") == "1"
+        # programmatic dependent launch on Hopper and newer: off by default (see Target.pdl),
+        # VEGAFUSE_CUDA_PDL=1 turns it on for A/B runs
+        env = os.environ.get("VEGAFUSE_CUDA_PDL", "")
+        self.pdl = major >= 9 and (env == "1" or (env == "" and self.target.pdl))
+        if self.pdl:
+            self.target = replace(self.target, pdl=True)
+
         self.cache = CodeCache()
         self._functions = {}
         self._resident = {}
@@ -132,8 +139,26 @@ class CUDADevice(GPUDevice):
 
     def _launch(self, ck, args):
         h = ck.hip
+        if self.pdl:
+            _check(self.drv.cuLaunchKernelEx(self._config(h), ck.function, args.ctypes.data, 0),
+                   "cuLaunchKernelEx", ck.kernel.name)
+            return
         _check(self.drv.cuLaunchKernel(ck.function, *h.grid, *h.block, h.dynamic_lds, self.stream,
                                        args.ctypes.data, 0), "cuLaunchKernel", ck.kernel.name)
+
+    def _config(self, h):
+        """Launch configuration with programmatic stream serialization (Hopper): the kernel may
+        start before the previous one ends; it waits for its inputs with griddepcontrol.wait."""
+        drv = self.drv
+        c = drv.CUlaunchConfig()
+        c.gridDimX, c.gridDimY, c.gridDimZ = h.grid
+        c.blockDimX, c.blockDimY, c.blockDimZ = h.block
+        c.sharedMemBytes, c.hStream = h.dynamic_lds, self.stream
+        a = drv.CUlaunchAttribute()
+        a.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        a.value.programmaticStreamSerializationAllowed = 1
+        c.attrs, c.numAttrs = [a], 1
+        return c
 
     def _capture(self, launches):
         drv = self.drv
