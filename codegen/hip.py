@@ -23,10 +23,10 @@ import math
 from dataclasses import dataclass
 
 from . import loopir as L
+from .loopir import ITEMSIZE
 from .targets import Target, get_target, occupancy_lds
 
 CTYPE = {"f32": "float", "f16": "vf_half", "i32": "int", "bool": "bool"}
-ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
 
 # ------------------------------------------------------------------------------------ prelude
 _DEFINES = r"""#define VF_WAVE {wave}

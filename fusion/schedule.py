@@ -25,7 +25,6 @@ from dsl.core import Lit, Var
 from .lower import LOWER, Builder, Unfusable, fresh, unravel
 from .partition import Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues
 
-_ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
 
 
 @dataclass
@@ -154,10 +153,6 @@ def _params(lw, b, writes):
     return tuple(params)
 
 
-def _bytes(params):
-    return sum(int(np.prod(p.shape, dtype=np.int64)) * _ITEMSIZE[p.dtype] for p in params if p.kind == "buffer")
-
-
 def describe(e):
     """One DSL op as it appears in kernel headers: ``dot f32[1,576]  (stdlib/nn.py:39)``."""
     return f"{e.prim.name} {e.out.dtype}[{','.join(map(str, e.out.shape))}]  ({e.source or '?'})"
@@ -185,7 +180,7 @@ def loop_kernel(lw, name, shape, store_fn, family="elementwise"):
         if not flat.row_stmts:
             body = (L.Loop(f, L.c(0), L.c(int(np.prod(shape))), tuple(stores), parallel=True),)
             params = _params(lw, flat, writes)
-            return L.Kernel(name, family, params, body, _op_list(flat), _bytes(params), meta={"single_thread": False})
+            return L.Kernel(name, family, params, body, _op_list(flat), 0, meta={"single_thread": False})
     if shape:
         j = fresh("j")
         stores, writes = store_fn(b, b.row_idx + (L.Sym(j, "i32"),))
@@ -195,7 +190,7 @@ def loop_kernel(lw, name, shape, store_fn, family="elementwise"):
         inner = tuple(stores)
     body = _nest(rv, rows, tuple(b.row_stmts) + inner)
     params = _params(lw, b, writes)
-    return L.Kernel(name, family, params, body, _op_list(b), _bytes(params),
+    return L.Kernel(name, family, params, body, _op_list(b), 0,
                     meta={"single_thread": not shape})
 
 
@@ -211,7 +206,7 @@ def root_kernel(lw, r):
         st = L.Store(out, L.linear_index(b.row_idx, r.shape), val)
         body = _nest(rv, r.shape, tuple(b.row_stmts) + (st,))
         params = _params(lw, b, {out: r})
-        return L.Kernel(f"reduce_{out}", "reduce", params, body, _op_list(b), _bytes(params),
+        return L.Kernel(f"reduce_{out}", "reduce", params, body, _op_list(b), 0,
                         meta={"single_thread": not r.shape})
 
     def store(b, idx):
@@ -301,7 +296,7 @@ def contract_kernel(lw, a, roots):
     body = _nest(rv, rows, tuple(b.row_stmts) + tuple(stmts), parallel_outer=False)
     params = _params(lw, b, writes)
     name = "gemv" if int(np.prod(rows, dtype=np.int64)) == 1 else "matmul"
-    return L.Kernel(f"{name}_{'_'.join(writes)}", "contract", params, body, _op_list(b), _bytes(params), flops,
+    return L.Kernel(f"{name}_{'_'.join(writes)}", "contract", params, body, _op_list(b), 0, flops,
                     meta={"K": K, "rows": rows, "row_vars": rv, "row_stmts": tuple(b.row_stmts), "act": act,
                           "kvar": k, "prologue": pro, "segments": segments})
 
@@ -354,7 +349,7 @@ def attention_kernel(lw, r):
     flops = 4 * hq * t_len * d * s_len
     meta = {"q": qn, "k": kn, "v": vn, "out": out, "Hq": hq, "Hkv": hkv, "T": t_len, "S": s_len, "D": d,
             "pos": p, "scale": e.params["scale"], "dtypes": (q.dtype, kc.dtype, vc.dtype)}
-    return L.Kernel(f"attention_{out}", "attention", params, body, _op_list(b), _bytes(params), flops, meta=meta)
+    return L.Kernel(f"attention_{out}", "attention", params, body, _op_list(b), 0, flops, meta=meta)
 
 
 def merge_loops(kernels):
@@ -373,7 +368,7 @@ def merge_loops(kernels):
                 for p in k.params:
                     params.setdefault(p.name, p)
                 merged = L.Kernel(f"{prev.name}__{k.name.split('_', 1)[1]}", "elementwise", tuple(params.values()),
-                                  prev.body + k.body, prev.ops + k.ops, prev.bytes + k.bytes, prev.flops + k.flops)
+                                  prev.body + k.body, prev.ops + k.ops, 0, prev.flops + k.flops)
                 merged.meta["merged"] = prev.meta.get("merged", [prev.name]) + [k.name]
                 out[-1] = merged
                 continue
