@@ -1,0 +1,192 @@
+"""The prelude of every generated GPU kernel: all that differs between targets, written from the
+target table (``codegen/targets.py``).
+
+The kernel text that ``codegen/hip.py`` renders is the same for every target.  Wave width, the
+half-precision types, the 16-byte weight load with its dot product (``v_dot2_f32_f16`` on gfx906),
+the wave-level communication (``vf_shfl_xor``, ``vf_wave_sum``, ...) and the block reductions are
+defined here, so that all communication inside a wave goes through these helpers.
+"""
+from __future__ import annotations
+
+from .targets import Target
+_DEFINES = r"""#define VF_WAVE {wave}
+#define VF_BLOCK {block}
+#define VF_WAVES (VF_BLOCK / VF_WAVE)
+#define VF_ATT_BLOCK {att}
+#define VF_ATT_WAVES (VF_ATT_BLOCK / VF_WAVE)
+#define VF_UNROLL_K _Pragma("unroll {unroll}")
+"""
+
+_COMMON = r"""__device__ __forceinline__ float vf_wave_sum(float v) {{
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
+  return v;
+}}
+__device__ __forceinline__ float vf_wave_max(float v) {{
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v = fmaxf(v, vf_shfl_xor(v, m));
+  return v;
+}}
+// block-wide reductions through LDS (every thread gets the result)
+__device__ __forceinline__ float vf_block_sum(float v, float* red) {{
+  v = vf_wave_sum(v);
+  __syncthreads();
+  if (threadIdx.x % VF_WAVE == 0) red[threadIdx.x / VF_WAVE] = v;
+  __syncthreads();
+  v = 0.0f;
+  for (int w = 0; w < VF_WAVES; ++w) v += red[w];
+  return v;
+}}
+// argmax over the block: the larger value wins, ties go to the smaller index
+__device__ __forceinline__ void vf_block_argmax(float* v, int* i, float* red, int* redi) {{
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) {{
+    const float ov = vf_shfl_xor(*v, m);
+    const int oi = vf_shfl_xor_i(*i, m);
+    if (ov > *v || (ov == *v && oi < *i)) {{ *v = ov; *i = oi; }}
+  }}
+  __syncthreads();
+  if (threadIdx.x % VF_WAVE == 0) {{ red[threadIdx.x / VF_WAVE] = *v; redi[threadIdx.x / VF_WAVE] = *i; }}
+  __syncthreads();
+  *v = red[0]; *i = redi[0];
+  for (int w = 1; w < VF_WAVES; ++w)
+    if (red[w] > *v || (red[w] == *v && redi[w] < *i)) {{ *v = red[w]; *i = redi[w]; }}
+}}
+__device__ __forceinline__ float vf_block_max(float v, float* red) {{
+  v = vf_wave_max(v);
+  __syncthreads();
+  if (threadIdx.x % VF_WAVE == 0) red[threadIdx.x / VF_WAVE] = v;
+  __syncthreads();
+  v = -VF_INF;
+  for (int w = 0; w < VF_WAVES; ++w) v = fmaxf(v, red[w]);
+  return v;
+}}
+"""
+
+_AMD = r"""// target {name}: AMD, wave{wave}, v_dot2_f32_f16 {dot2}
+typedef _Float16 vf_half;
+typedef _Float16 vf_half2 __attribute__((ext_vector_type(2)));
+typedef _Float16 vf_half8 __attribute__((ext_vector_type(8)));
+typedef float vf_float4 __attribute__((ext_vector_type(4)));
+#define VF_INF __builtin_inff()
+__device__ __forceinline__ float vf_h2f(vf_half x) {{ return (float)x; }}
+__device__ __forceinline__ vf_half vf_f2h(float x) {{ return (vf_half)x; }}
+__device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
+__device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
+__device__ __forceinline__ void vf_prefetch(const void* p) {{ }}   // gfx906 has no prefetch instruction
+#define VF_GRID_LAUNCH_DEPENDENTS()
+#define VF_GRID_WAIT()
+"""
+
+_AMD_DOT2 = r"""// the activation lives in LDS as f16 pairs; one v_dot2_f32_f16 per pair
+typedef vf_half vf_act_t;
+__device__ __forceinline__ vf_act_t vf_to_act(float x) { return (vf_half)x; }
+__device__ __forceinline__ float vf_from_act(vf_act_t x) { return (float)x; }
+__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {
+  const vf_half8 wv = *(const vf_half8*)w;          // one 16-byte global load
+  const vf_half8 av = *(const vf_half8*)a;          // one 16-byte LDS read
+  acc = __builtin_amdgcn_fdot2(av.s01, wv.s01, acc, false);
+  acc = __builtin_amdgcn_fdot2(av.s23, wv.s23, acc, false);
+  acc = __builtin_amdgcn_fdot2(av.s45, wv.s45, acc, false);
+  acc = __builtin_amdgcn_fdot2(av.s67, wv.s67, acc, false);
+  return acc;
+}
+__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {
+  const vf_float4 wv = *(const vf_float4*)w;
+  for (int i = 0; i < 4; ++i) acc += (float)a[i] * wv[i];
+  return acc;
+}
+"""
+
+_AMD_F32ACT = r"""typedef float vf_act_t;
+__device__ __forceinline__ vf_act_t vf_to_act(float x) { return x; }
+__device__ __forceinline__ float vf_from_act(vf_act_t x) { return x; }
+__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {
+  const vf_half8 wv = *(const vf_half8*)w;
+  for (int i = 0; i < 8; ++i) acc += a[i] * (float)wv[i];
+  return acc;
+}
+__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {
+  const vf_float4 wv = *(const vf_float4*)w;
+  for (int i = 0; i < 4; ++i) acc += a[i] * wv[i];
+  return acc;
+}
+"""
+
+_NVIDIA = r"""// target {name}: NVIDIA, warp{wave}
+#include <cuda_fp16.h>
+typedef __half vf_half;
+#define VF_INF __int_as_float(0x7f800000)
+__device__ __forceinline__ float vf_h2f(vf_half x) {{ return __half2float(x); }}
+__device__ __forceinline__ vf_half vf_f2h(float x) {{ return __float2half(x); }}
+__device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
+__device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
+{pdl}"""
+
+_NVIDIA_F32ACT = r"""typedef float vf_act_t;
+__device__ __forceinline__ vf_act_t vf_to_act(float x) { return x; }
+__device__ __forceinline__ float vf_from_act(vf_act_t x) { return x; }
+__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {
+  const uint4 raw = *(const uint4*)w;               // one 16-byte global load
+  const __half2* h = (const __half2*)&raw;
+  const float4 a0 = *(const float4*)a, a1 = *(const float4*)(a + 4);
+  float2 f;
+  f = __half22float2(h[0]); acc = fmaf(a0.x, f.x, acc); acc = fmaf(a0.y, f.y, acc);
+  f = __half22float2(h[1]); acc = fmaf(a0.z, f.x, acc); acc = fmaf(a0.w, f.y, acc);
+  f = __half22float2(h[2]); acc = fmaf(a1.x, f.x, acc); acc = fmaf(a1.y, f.y, acc);
+  f = __half22float2(h[3]); acc = fmaf(a1.z, f.x, acc); acc = fmaf(a1.w, f.y, acc);
+  return acc;
+}
+__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {
+  const float4 wv = *(const float4*)w, av = *(const float4*)a;
+  return fmaf(av.x, wv.x, fmaf(av.y, wv.y, fmaf(av.z, wv.z, fmaf(av.w, wv.w, acc))));
+}
+"""
+
+_NVIDIA_F16ACT = r"""// the activation is too long for LDS in f32: it lives there as f16
+typedef __half vf_act_t;
+__device__ __forceinline__ vf_act_t vf_to_act(float x) { return __float2half(x); }
+__device__ __forceinline__ float vf_from_act(vf_act_t x) { return __half2float(x); }
+__device__ __forceinline__ float vf_dot8_h(float acc, const vf_half* __restrict__ w, const vf_act_t* a) {
+  const uint4 wr = *(const uint4*)w, ar = *(const uint4*)a;
+  const __half2* wh = (const __half2*)&wr;
+  const __half2* ah = (const __half2*)&ar;
+  for (int i = 0; i < 4; ++i) {
+    const float2 fw = __half22float2(wh[i]), fa = __half22float2(ah[i]);
+    acc = fmaf(fa.x, fw.x, acc); acc = fmaf(fa.y, fw.y, acc);
+  }
+  return acc;
+}
+__device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ w, const vf_act_t* a) {
+  const float4 wv = *(const float4*)w;
+  return fmaf(__half2float(a[0]), wv.x, fmaf(__half2float(a[1]), wv.y,
+              fmaf(__half2float(a[2]), wv.z, fmaf(__half2float(a[3]), wv.w, acc))));
+}
+"""
+
+
+def act_dtype(t: Target, K: int) -> str:
+    """The dtype of a GEMV's activation in LDS: f16 where the target has fp16 dot products
+    (v_dot2_f32_f16), or where K f32 values would not fit the static LDS limit."""
+    return "f16" if t.dot2 or 4 * K > t.max_static_lds - 1024 else "f32"
+
+
+_NV_PDL = r"""// programmatic dependent launch: start early, prefetch weights, wait for the previous kernel's data
+__device__ __forceinline__ void vf_prefetch(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
+#define VF_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define VF_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+"""
+_NV_NO_PDL = r"""__device__ __forceinline__ void vf_prefetch(const void* p) { }
+#define VF_GRID_LAUNCH_DEPENDENTS()
+#define VF_GRID_WAIT()
+"""
+
+
+def prelude(t: Target, act: str | None = None) -> str:
+    """Everything target-specific in a kernel's source, from the target table
+    (``act``: the GEMV activation dtype in LDS, see ``act_dtype``)."""
+    act = act or act_dtype(t, 0)
+    if t.vendor == "amd":
+        head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
+        head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
+    else:
+        head = _NVIDIA.format(name=t.name, wave=t.wave, pdl=_NV_PDL if (t.pdl or t.prefetch) else _NV_NO_PDL)
+        head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
+    return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format()
