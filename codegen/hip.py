@@ -45,20 +45,6 @@ def _const(e: L.Const) -> str:
     return (s if ("." in s or "e" in s) else s + ".0") + "f" if e.dtype == "f32" else f"vf_f2h({s}f)"
 
 
-UNARY = {
-    "neg": "(-{x})", "exp": "expf({x})", "log": "logf({x})", "sqrt": "sqrtf({x})", "rsqrt": "rsqrtf({x})",
-    "sin": "sinf({x})", "cos": "cosf({x})", "tanh": "tanhf({x})", "logistic": "(1.0f / (1.0f + expf(-({x}))))",
-    "abs": "fabsf({x})", "not": "(!{x})",
-}
-BINARY = {
-    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",
-    "max": "fmaxf({a}, {b})", "min": "fminf({a}, {b})", "idiv": "({a} / {b})", "mod": "({a} % {b})",
-    "lt": "({a} < {b})", "le": "({a} <= {b})", "gt": "({a} > {b})", "ge": "({a} >= {b})",
-    "eq": "({a} == {b})", "ne": "({a} != {b})", "and": "({a} && {b})", "or": "({a} || {b})",
-}
-INT_BINARY = {"max": "max({a}, {b})", "min": "min({a}, {b})"}
-
-
 def expr(e) -> str:
     """C expression for a Loop IR expression.  f16 values are converted to f32 by explicit Casts."""
     if isinstance(e, L.Const):
@@ -68,13 +54,9 @@ def expr(e) -> str:
     if isinstance(e, L.Load):
         return f"{e.buf}[{expr(e.index)}]"
     if isinstance(e, L.Un):
-        x = expr(e.x)
-        if e.dtype == "i32" and e.op in ("neg", "abs"):
-            return "(-{x})".format(x=x) if e.op == "neg" else f"abs({x})"
-        return UNARY[e.op].format(x=x)
+        return L.spelling(e.op, e.x.dtype, "c").format(x=expr(e.x))
     if isinstance(e, L.Bin):
-        table = INT_BINARY if e.a.dtype == "i32" and e.op in INT_BINARY else BINARY
-        return table[e.op].format(a=expr(e.a), b=expr(e.b))
+        return L.spelling(e.op, e.a.dtype, "c").format(a=expr(e.a), b=expr(e.b))
     if isinstance(e, L.Select):
         return f"({expr(e.cond)} ? {expr(e.a)} : {expr(e.b)})"
     if isinstance(e, L.Cast):

@@ -32,6 +32,7 @@ from llvmlite import ir
 
 from .loopir import (Array, Assign, Bin, Cast, Const, Declare, Kernel, Load, Loop, Select, Store, Sym, Un,
                      format_expr, format_kernel)
+from .loopir import spelling as op_spelling
 
 I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()
 VOID = ir.VoidType()
@@ -43,100 +44,7 @@ FMF = ("reassoc", "nsz", "arcp", "contract", "afn")   # `fast` minus nnan/ninf
 MAX_STACK_BYTES = 4 << 20                              # local Arrays live on the (thread's) stack
 
 
-# ----------------------------------------------------------------------------- op tables
-def _fconst(r, ty, v):
-    return ir.Constant(ty, r.float_value(v, ty))
-
-
-def _tanh(r, x):
-    """tanh = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|); odd Taylor polynomial for |x| < 1/16."""
-    b, ty = r.b, x.type
-    ax = r.intr("llvm.fabs", x)
-    e = r.intr("llvm.exp", b.fmul(ax, _fconst(r, ty, -2.0), flags=FMF))
-    one = _fconst(r, ty, 1.0)
-    big = r.intr("llvm.copysign", b.fdiv(b.fsub(one, e, flags=FMF), b.fadd(one, e, flags=FMF), flags=FMF), x)
-    x2 = b.fmul(x, x, flags=FMF)
-    poly = b.fadd(_fconst(r, ty, -1 / 3), b.fmul(x2, _fconst(r, ty, 2 / 15), flags=FMF), flags=FMF)
-    small = b.fadd(x, b.fmul(b.fmul(x, x2, flags=FMF), poly, flags=FMF), flags=FMF)
-    return b.select(b.fcmp_ordered("<", ax, _fconst(r, ty, 1 / 16)), small, big)
-
-
-def _logistic(r, x):
-    one = _fconst(r, x.type, 1.0)
-    e = r.intr("llvm.exp", r.b.fneg(x, flags=FMF))
-    return r.b.fdiv(one, r.b.fadd(one, e, flags=FMF), flags=FMF)
-
-
-UN_TABLE = {
-    "float": {
-        "neg": lambda r, x: r.b.fneg(x, flags=FMF),
-        "exp": lambda r, x: r.intr("llvm.exp", x),
-        "log": lambda r, x: r.intr("llvm.log", x),
-        "sqrt": lambda r, x: r.intr("llvm.sqrt", x),
-        "rsqrt": lambda r, x: r.b.fdiv(_fconst(r, x.type, 1.0), r.intr("llvm.sqrt", x), flags=FMF),
-        "sin": lambda r, x: r.intr("llvm.sin", x),
-        "cos": lambda r, x: r.intr("llvm.cos", x),
-        "tanh": _tanh,
-        "logistic": _logistic,
-        "abs": lambda r, x: r.intr("llvm.fabs", x),
-    },
-    "int": {
-        "neg": lambda r, x: r.b.sub(ir.Constant(I32, 0), x),
-        "abs": lambda r, x: r.intr("llvm.abs", x, ir.Constant(I1, 0)),
-        "not": lambda r, x: r.b.xor(x, ir.Constant(I32, -1)),
-    },
-    "bool": {
-        "not": lambda r, x: r.b.xor(x, ir.Constant(I1, 1)),
-    },
-}
-
-_FCMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-
-
-def _fcmp(op):
-    # ordered comparisons, except `ne` which is true for NaN (like C / numpy)
-    if op == "ne":
-        return lambda r, a, b: r.b.fcmp_unordered("!=", a, b, flags=FMF)
-    return lambda r, a, b: r.b.fcmp_ordered(_FCMP[op], a, b, flags=FMF)
-
-
-def _icmp(op):
-    return lambda r, a, b: r.b.icmp_signed(_FCMP[op], a, b)
-
-
-BIN_TABLE = {
-    "float": {
-        "add": lambda r, a, b: r.b.fadd(a, b, flags=FMF),
-        "sub": lambda r, a, b: r.b.fsub(a, b, flags=FMF),
-        "mul": lambda r, a, b: r.b.fmul(a, b, flags=FMF),
-        "div": lambda r, a, b: r.b.fdiv(a, b, flags=FMF),
-        "mod": lambda r, a, b: r.b.frem(a, b, flags=FMF),
-        "max": lambda r, a, b: r.intr("llvm.maxnum", a, b),
-        "min": lambda r, a, b: r.intr("llvm.minnum", a, b),
-        **{op: _fcmp(op) for op in _FCMP},
-    },
-    "int": {
-        "add": lambda r, a, b: r.b.add(a, b, flags=["nsw"]),
-        "sub": lambda r, a, b: r.b.sub(a, b, flags=["nsw"]),
-        "mul": lambda r, a, b: r.b.mul(a, b, flags=["nsw"]),
-        "idiv": lambda r, a, b: r.b.sdiv(a, b),
-        "mod": lambda r, a, b: r.b.srem(a, b),
-        "max": lambda r, a, b: r.intr("llvm.smax", a, b),
-        "min": lambda r, a, b: r.intr("llvm.smin", a, b),
-        "and": lambda r, a, b: r.b.and_(a, b),
-        "or": lambda r, a, b: r.b.or_(a, b),
-        **{op: _icmp(op) for op in _FCMP},
-    },
-    "bool": {
-        "and": lambda r, a, b: r.b.and_(a, b),
-        "or": lambda r, a, b: r.b.or_(a, b),
-        "eq": lambda r, a, b: r.b.icmp_unsigned("==", a, b),
-        "ne": lambda r, a, b: r.b.icmp_unsigned("!=", a, b),
-        "max": lambda r, a, b: r.b.or_(a, b),
-        "min": lambda r, a, b: r.b.and_(a, b),
-    },
-}
-
+# ----------------------------------------------------------------------------- casts
 # (from, to) -> builder call; looked up by exact dtype first, then by kind.
 CAST_TABLE = {
     ("f16", "f32"): lambda r, x, ty: r.b.fpext(x, ty),
@@ -201,12 +109,6 @@ class _Renderer:
     def expr(self, e, env):
         return self.EXPR[type(e)](self, e, env)
 
-    def const(self, e, env):
-        ty = TYPES[e.dtype]
-        if KIND[e.dtype] == "float":
-            return ir.Constant(ty, self.float_value(e.value, ty))
-        return ir.Constant(ty, int(e.value))
-
     def sym(self, e, env):
         kind, val, dtype = self.lookup(env, e.name, e)
         if kind not in ("val", "var"):
@@ -230,23 +132,53 @@ class _Renderer:
         return self.b.icmp_unsigned("!=", v, ir.Constant(I8, 0)) if dtype == "bool" else v
 
     def un(self, e, env):
-        fn = UN_TABLE[KIND[e.x.dtype]].get(e.op)
-        if fn is None:
-            self.fail(f"unary op {e.op!r} not defined for {e.x.dtype}", e)
-        return fn(self, self.expr(e.x, env))
+        return self.apply(e.op, e.x.dtype, [self.expr(e.x, env)], e)
 
     def bin(self, e, env):
         if e.a.dtype != e.b.dtype:
             self.fail(f"operand dtypes differ ({e.a.dtype} vs {e.b.dtype})", e)
-        fn = BIN_TABLE[KIND[e.a.dtype]].get(e.op)
-        if fn is None:
-            self.fail(f"binary op {e.op!r} not defined for {e.a.dtype}", e)
-        return fn(self, self.expr(e.a, env), self.expr(e.b, env))
+        return self.apply(e.op, e.a.dtype, [self.expr(e.a, env), self.expr(e.b, env)], e)
 
-    def select(self, e, env):
+    def apply(self, op, dtype, args, e):
+        """The scalar op ``op`` on ``args``, as ``dsl/primitives.py`` spells it for LLVM (``OPS``)."""
+        try:
+            spelling = op_spelling(op, dtype, "llvm")
+        except NotImplementedError as err:
+            self.fail(str(err), e)
+        if callable(spelling):
+            return spelling(self, *args)
+        return self.intr(spelling, *args) if spelling.startswith("llvm.") else self.inst(spelling, *args)
+
+    # ---- the builder API that op spellings use
+    def inst(self, spelling, *args):
+        """One IRBuilder instruction: ``"fadd"``, ``"icmp_signed <"``, ``"add nsw"``; float
+        instructions carry the fast-math flags ``FMF``."""
+        name, *rest = spelling.split()
+        pred = [w for w in rest if w != "nsw"]
+        if isinstance(args[0].type, (ir.FloatType, ir.HalfType)):
+            kw = {"flags": FMF}
+        else:
+            kw = {"flags": ["nsw"]} if "nsw" in rest else {}
+        return getattr(self.b, name)(*pred, *args, **kw)
+
+    def const(self, value, like):
+        """A constant of ``like``'s type: an LLVM value, or a dtype name such as ``"bool"``."""
+        ty = TYPES[like] if isinstance(like, str) else like.type
+        if isinstance(ty, (ir.FloatType, ir.HalfType)):
+            return ir.Constant(ty, self.float_value(value, ty))
+        return ir.Constant(ty, int(value))
+
+    def select(self, cond, a, b):
+        return self.b.select(cond, a, b)
+
+    # ---- expressions, continued
+    def const_expr(self, e, env):
+        return self.const(e.value, e.dtype)
+
+    def select_expr(self, e, env):
         if e.cond.dtype != "bool" or e.a.dtype != e.b.dtype:
             self.fail("select needs a bool condition and equal branch dtypes", e)
-        return self.b.select(self.expr(e.cond, env), self.expr(e.a, env), self.expr(e.b, env))
+        return self.select(self.expr(e.cond, env), self.expr(e.a, env), self.expr(e.b, env))
 
     def cast(self, e, env):
         x, src, dst = self.expr(e.x, env), e.x.dtype, e.dtype
@@ -257,7 +189,7 @@ class _Renderer:
                 return CAST_TABLE[key](self, x, TYPES[dst])
         self.fail(f"no cast {src} -> {dst}", e)
 
-    EXPR = {Const: const, Sym: sym, Load: load, Un: un, Bin: bin, Select: select, Cast: cast}
+    EXPR = {Const: const_expr, Sym: sym, Load: load, Un: un, Bin: bin, Select: select_expr, Cast: cast}
 
     # ---- statements
     def stmts(self, body, env):

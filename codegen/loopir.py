@@ -12,8 +12,8 @@ Expressions (immutable, hashable, every node knows its dtype)
     Const(value, dtype)                 literal
     Sym(name, dtype)                    loop variable, local scalar or scalar parameter
     Load(buf, index, dtype)             ``buf[index]``: a buffer parameter or a local Array
-    Un(op, x)                           UN_OPS
-    Bin(op, a, b)                       BIN_OPS (comparisons give ``bool``)
+    Un(op, x)                           a unary op of ``OPS``
+    Bin(op, a, b)                       a binary op of ``OPS`` (comparisons give ``bool``)
     Select(cond, a, b)                  ``cond ? a : b``
     Cast(x, dtype)                      numeric conversion (f16 <-> f32, int -> float, ...)
 
@@ -38,10 +38,50 @@ from typing import Union
 DTYPES = ("f32", "f16", "i32", "bool")
 FLOAT_DTYPES = ("f32", "f16")
 
-UN_OPS = ("neg", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "logistic", "abs", "not")
-BIN_OPS = ("add", "sub", "mul", "div", "max", "min", "idiv", "mod",
-           "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
-CMP_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+KINDS = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
+
+
+def kind_of(dtype: str) -> str:
+    """The dtype kind a scalar op is spelled for: ``float`` (f16, f32), ``int`` (i32) or ``bool``."""
+    return KINDS[dtype]
+
+
+@dataclass(frozen=True)
+class ScalarOp:
+    """One elementwise operation of ``Un``/``Bin``, with its spelling for every renderer.
+
+    ``c`` and ``llvm`` map a dtype kind (``float``, ``int``, ``bool``) to the op's spelling for
+    ``codegen/hip.py`` (a C expression template over ``{x}``, or ``{a}`` and ``{b}``) and for
+    ``codegen/llvm.py`` (an intrinsic such as ``"llvm.exp"``; an IRBuilder instruction with an
+    optional predicate and ``nsw``, such as ``"fadd"``, ``"icmp_signed <"``, ``"add nsw"``; or a
+    function ``(renderer, *values) -> value``).  ``compare``: the result is ``bool``.
+    Ops are defined with their primitive, in ``dsl/primitives.py``.
+    """
+    name: str
+    arity: int
+    c: dict
+    llvm: dict
+    compare: bool = False
+
+
+OPS: dict = {}          # name -> ScalarOp: the one table every renderer keys on
+
+
+def define_op(name, arity, c, llvm, compare=False) -> ScalarOp:
+    """Register the scalar op ``name`` (see ``ScalarOp``); its kinds must match in ``c`` and ``llvm``."""
+    if set(c) != set(llvm) or not set(c) <= set(KINDS.values()):
+        raise ValueError(f"op {name}: spell it for the same dtype kinds in c {sorted(c)} and llvm {sorted(llvm)}")
+    OPS[name] = ScalarOp(name, arity, dict(c), dict(llvm), compare)
+    return OPS[name]
+
+
+def spelling(op: str, dtype: str, renderer: str):
+    """How ``renderer`` ("c" or "llvm") spells ``op`` on ``dtype`` operands; a clear error if it can't."""
+    table = getattr(OPS[op], renderer) if op in OPS else {}
+    if kind_of(dtype) not in table:
+        raise NotImplementedError(f"op {op!r} has no {renderer} spelling for {dtype} operands: "
+                                  f"add one to its definition in dsl/primitives.py")
+    return table[kind_of(dtype)]
 
 
 # ----------------------------------------------------------------------------- expressions
@@ -82,7 +122,7 @@ class Bin:
 
     @property
     def dtype(self):
-        return "bool" if self.op in CMP_OPS else self.a.dtype
+        return "bool" if OPS[self.op].compare else self.a.dtype
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,13 @@
         return dsl.exp(dsl.dot_t(x, w))
 """
 from .core import DSLError, Program  # noqa: F401
+from . import array as _array
 from .array import (  # noqa: F401
-    Tracer, abs, add, arange, argmax, astype, attention, broadcast_to, concatenate, cos, div, dot_t,
-    dynamic_update_slice, exp, expand_dims, iota, log, logical_and, logical_or, matmul, max, maximum, mean,
-    minimum, mul, neg, reshape, rsqrt, sigmoid, sin, sqrt, sub, sum, swapaxes, take, tanh, transpose, where,
+    Tracer, arange, argmax, astype, attention, broadcast_to, concatenate, div, dot_t, dynamic_update_slice,
+    expand_dims, iota, matmul, max, mean, reshape, sum, swapaxes, take, transpose, where,
 )
+for _api in _array.ELEMENTWISE_API:          # dsl.exp, dsl.add, ...: one per elementwise primitive
+    globals()[_api] = getattr(_array, _api)
 from .irtext import parse_ir  # noqa: F401
 from .jit import jit  # noqa: F401
 from .pytree import flatten as tree_flatten, tree_map, unflatten as tree_unflatten  # noqa: F401

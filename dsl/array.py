@@ -149,32 +149,31 @@ def _unary(name, x):
     return bind(P[name], asarray(x))
 
 
-add = lambda a, b: _binary("add", a, b)
-sub = lambda a, b: _binary("sub", a, b)
-mul = lambda a, b: _binary("mul", a, b)
+def _make_api(api, name, arity):
+    """The public function of an elementwise primitive (see ``dsl.primitives.elementwise``)."""
+    if arity == 1:
+        def f(x):
+            return _unary(name, x)
+    else:
+        def f(a, b):
+            return _binary(name, a, b)
+    f.__name__ = f.__qualname__ = api
+    f.__doc__ = (f"``{name}`` elementwise" + (", with numpy broadcasting and dtype promotion" if arity == 2 else "")
+                 + "; see dsl/primitives.py.")
+    return f
+
+
+ELEMENTWISE_API = sorted(primitives.API)
+for _api, (_name, _arity) in primitives.API.items():
+    globals()[_api] = _make_api(_api, _name, _arity)
+
+
 def div(a, b):
     """True division; integer operands give f32, as in numpy and JAX."""
     a, b = _promote_pair(a, b)
     if a.dtype in ("i32", "bool") and b.dtype in ("i32", "bool"):
         a, b = (Lit(float(x.value), "f32") if isinstance(x, Lit) else astype(x, "f32") for x in (a, b))
     return _binary("div", a, b)
-
-
-
-maximum = lambda a, b: _binary("max", a, b)
-minimum = lambda a, b: _binary("min", a, b)
-logical_and = lambda a, b: _binary("and", a, b)
-logical_or = lambda a, b: _binary("or", a, b)
-neg = lambda x: _unary("neg", x)
-exp = lambda x: _unary("exp", x)
-log = lambda x: _unary("log", x)
-sqrt = lambda x: _unary("sqrt", x)
-rsqrt = lambda x: _unary("rsqrt", x)
-sin = lambda x: _unary("sin", x)
-cos = lambda x: _unary("cos", x)
-tanh = lambda x: _unary("tanh", x)
-sigmoid = lambda x: _unary("logistic", x)
-abs = lambda x: _unary("abs", x)  # noqa: A001
 
 
 def astype(x, dtype):

@@ -1,11 +1,14 @@
 """Every primitive: its shape/dtype rule, its numpy reference, its fusion class.
 
-Elementwise primitives map one-to-one onto Loop IR ops of the same name
-(``codegen/loopir.py``), which is all the codegen needs to know about them.
+Elementwise primitives are defined by ``elementwise``: with the rule and the reference they
+give their scalar Loop IR op (``codegen.loopir.OPS``) and how each renderer spells it, so adding
+one touches this file and its test only.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from codegen import loopir as L
 
 from .core import DTYPES, DSLError, FLOATS, NP_DTYPES, primitive
 
@@ -52,6 +55,13 @@ def _binary_rule(avals, **_):
     return shape, dtype
 
 
+def _float_binary_rule(avals, **_):
+    shape, dtype = _same_rule(avals)
+    if dtype not in FLOATS:
+        raise DSLError(f"needs float inputs, got {dtype}; convert with .astype('f32')")
+    return shape, dtype
+
+
 def _compare_rule(avals, **_):
     return _binary_rule(avals)[0], "bool"
 
@@ -78,14 +88,62 @@ def _cast_like(f):
     return g
 
 
-UNARY = {
-    "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
-    "rsqrt": lambda x: 1.0 / np.sqrt(x), "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
-    "logistic": _sigmoid, "abs": np.abs,
-}
-for _name, _f in UNARY.items():
-    primitive(_name, "elementwise", _unary_rule if _name in ("neg", "abs") else _float_unary_rule, _cast_like(_f))
-primitive("not", "elementwise", _not_rule, np.logical_not)
+def elementwise(name, rule, impl, *, api=None, compare=False, **spellings):
+    """Define an elementwise primitive, all of it in one place.
+
+    ``rule``: the shape/dtype rule; ``impl``: the numpy reference; ``api``: the public name that
+    ``dsl`` exports (``dsl.<api>(x)`` or ``dsl.<api>(a, b)``, with numpy broadcasting and dtype
+    promotion), None for internal ops.  ``spellings``: per dtype kind it accepts (``float``,
+    ``int``, ``bool``), a pair ``(c, llvm)`` giving the scalar Loop IR op to each renderer (see
+    ``codegen.loopir.ScalarOp``).  Fusion, the Loop IR and both renderers need nothing else.
+    """
+    arity = 1 if "{x}" in next(iter(spellings.values()))[0] else 2
+    L.define_op(name, arity, {k: c for k, (c, _) in spellings.items()},
+                {k: ll for k, (_, ll) in spellings.items()}, compare)
+    prim = primitive(name, "elementwise", rule, impl)
+    if api:
+        API[api] = (name, arity)
+    return prim
+
+
+API: dict = {}          # public name -> (primitive name, arity); dsl/array.py makes the functions
+
+
+# LLVM spellings composed from several instructions, over codegen/llvm.py's builder API
+def _tanh_llvm(r, x):
+    """tanh = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|); odd Taylor polynomial for |x| < 1/16."""
+    ax = r.intr("llvm.fabs", x)
+    e = r.intr("llvm.exp", r.inst("fmul", ax, r.const(-2.0, x)))
+    one = r.const(1.0, x)
+    big = r.intr("llvm.copysign", r.inst("fdiv", r.inst("fsub", one, e), r.inst("fadd", one, e)), x)
+    x2 = r.inst("fmul", x, x)
+    poly = r.inst("fadd", r.const(-1 / 3, x), r.inst("fmul", x2, r.const(2 / 15, x)))
+    small = r.inst("fadd", x, r.inst("fmul", r.inst("fmul", x, x2), poly))
+    return r.select(r.inst("fcmp_ordered <", ax, r.const(1 / 16, x)), small, big)
+
+
+def _logistic_llvm(r, x):
+    one = r.const(1.0, x)
+    return r.inst("fdiv", one, r.inst("fadd", one, r.intr("llvm.exp", r.inst("fneg", x))))
+
+
+elementwise("neg", _unary_rule, _cast_like(np.negative), api="neg",
+            float=("(-{x})", "fneg"), int=("(-{x})", lambda r, x: r.inst("sub", r.const(0, x), x)))
+elementwise("abs", _unary_rule, _cast_like(np.abs), api="abs",
+            float=("fabsf({x})", "llvm.fabs"), int=("abs({x})", lambda r, x: r.intr("llvm.abs", x, r.const(0, "bool"))))
+elementwise("exp", _float_unary_rule, _cast_like(np.exp), api="exp", float=("expf({x})", "llvm.exp"))
+elementwise("log", _float_unary_rule, _cast_like(np.log), api="log", float=("logf({x})", "llvm.log"))
+elementwise("sqrt", _float_unary_rule, _cast_like(np.sqrt), api="sqrt", float=("sqrtf({x})", "llvm.sqrt"))
+elementwise("rsqrt", _float_unary_rule, _cast_like(lambda x: 1.0 / np.sqrt(x)), api="rsqrt",
+            float=("rsqrtf({x})", lambda r, x: r.inst("fdiv", r.const(1.0, x), r.intr("llvm.sqrt", x))))
+elementwise("sin", _float_unary_rule, _cast_like(np.sin), api="sin", float=("sinf({x})", "llvm.sin"))
+elementwise("cos", _float_unary_rule, _cast_like(np.cos), api="cos", float=("cosf({x})", "llvm.cos"))
+elementwise("tanh", _float_unary_rule, _cast_like(np.tanh), api="tanh", float=("tanhf({x})", _tanh_llvm))
+elementwise("logistic", _float_unary_rule, _cast_like(_sigmoid), api="sigmoid",
+            float=("(1.0f / (1.0f + expf(-({x}))))", _logistic_llvm))
+elementwise("not", _not_rule, np.logical_not, api="logical_not",
+            bool=("(!{x})", lambda r, x: r.inst("xor", x, r.const(1, x))),
+            int=("(~{x})", lambda r, x: r.inst("xor", x, r.const(-1, x))))      # bitwise on i32 (Loop IR only)
 
 
 def _idiv(a, b):
@@ -93,24 +151,32 @@ def _idiv(a, b):
     return (np.trunc(a / b)).astype(a.dtype) if a.dtype.kind == "i" else a / b
 
 
-def _mod(a, b):
-    return np.fmod(a, b)
-
-
-BINARY = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
-    "max": np.maximum, "min": np.minimum,
-}
-for _name, _f in BINARY.items():
-    primitive(_name, "elementwise", _binary_rule, _cast_like(_f))
-primitive("idiv", "elementwise", _binary_rule, _idiv)
-primitive("mod", "elementwise", _binary_rule, _mod)
+elementwise("add", _binary_rule, _cast_like(np.add), api="add", float=("({a} + {b})", "fadd"), int=("({a} + {b})", "add nsw"))
+elementwise("sub", _binary_rule, _cast_like(np.subtract), api="sub",
+            float=("({a} - {b})", "fsub"), int=("({a} - {b})", "sub nsw"))
+elementwise("mul", _binary_rule, _cast_like(np.multiply), api="mul",
+            float=("({a} * {b})", "fmul"), int=("({a} * {b})", "mul nsw"))
+elementwise("div", _float_binary_rule, _cast_like(np.divide), float=("({a} / {b})", "fdiv"))   # dsl.div: ints -> f32
+elementwise("max", _binary_rule, _cast_like(np.maximum), api="maximum",
+            float=("fmaxf({a}, {b})", "llvm.maxnum"), int=("max({a}, {b})", "llvm.smax"))
+elementwise("min", _binary_rule, _cast_like(np.minimum), api="minimum",
+            float=("fminf({a}, {b})", "llvm.minnum"), int=("min({a}, {b})", "llvm.smin"))
+elementwise("idiv", _binary_rule, _idiv, float=("({a} / {b})", "fdiv"), int=("({a} / {b})", "sdiv"))
+elementwise("mod", _binary_rule, np.fmod, float=("fmodf({a}, {b})", "frem"), int=("({a} % {b})", "srem"))
+_C_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
            "eq": np.equal, "ne": np.not_equal}
 for _name, _f in COMPARE.items():
-    primitive(_name, "elementwise", _equal_rule if _name in ("eq", "ne") else _compare_rule, _f)
-primitive("and", "elementwise", _bool_rule, np.logical_and)
-primitive("or", "elementwise", _bool_rule, np.logical_or)
+    _c = "({a} %s {b})" % _C_CMP[_name]
+    # ordered float comparisons, except `ne`, which is true for NaN (as in C and numpy)
+    _fl = f"fcmp_unordered {_C_CMP[_name]}" if _name == "ne" else f"fcmp_ordered {_C_CMP[_name]}"
+    _kinds = dict(float=(_c, _fl), int=(_c, f"icmp_signed {_C_CMP[_name]}"))
+    if _name in ("eq", "ne"):
+        _kinds["bool"] = (_c, f"icmp_unsigned {_C_CMP[_name]}")
+    elementwise(_name, _equal_rule if _name in ("eq", "ne") else _compare_rule, _f, compare=True, **_kinds)
+elementwise("and", _bool_rule, np.logical_and, api="logical_and",
+            bool=("({a} && {b})", "and_"), int=("({a} & {b})", "and_"))               # bitwise on i32 (Loop IR only)
+elementwise("or", _bool_rule, np.logical_or, api="logical_or", bool=("({a} || {b})", "or_"), int=("({a} | {b})", "or_"))
 
 
 def _select_rule(avals, **_):

@@ -209,7 +209,7 @@ def _take(b, e, idx):
     return b.expr(x, (row,) + idx[ids.ndim:])
 
 
-LOWER = {name: _elementwise(name) for name in L.UN_OPS + L.BIN_OPS}
+LOWER = {name: _elementwise(name) for name in L.OPS}      # every op defined in dsl/primitives.py
 LOWER.update(select=_select, convert=_convert, iota=_iota, broadcast_in_dim=_broadcast,
              transpose=_transpose, reshape=_reshape, slice=_slice, concatenate=_concatenate,
              take=_take)
