@@ -141,6 +141,7 @@ elementwise("cos", _float_unary_rule, _cast_like(np.cos), api="cos", float=("cos
 elementwise("tanh", _float_unary_rule, _cast_like(np.tanh), api="tanh", float=("tanhf({x})", _tanh_llvm))
 elementwise("logistic", _float_unary_rule, _cast_like(_sigmoid), api="sigmoid",
             float=("(1.0f / (1.0f + expf(-({x}))))", _logistic_llvm))
+elementwise("floor", _float_unary_rule, _cast_like(np.floor), api="floor", float=("floorf({x})", "llvm.floor"))
 elementwise("not", _not_rule, np.logical_not, api="logical_not",
             bool=("(!{x})", lambda r, x: r.inst("xor", x, r.const(1, x))),
             int=("(~{x})", lambda r, x: r.inst("xor", x, r.const(-1, x))))      # bitwise on i32 (Loop IR only)

@@ -245,3 +245,9 @@ def test_random_programs_fused_match_the_reference(prog):
     shape, n_in, bshape, ops = prog
     args = [randn(*shape) for _ in range(n_in)] + [randn(*bshape)]
     check(build(shape, n_in, bshape, ops), *args, rtol=1e-3, atol=1e-3)
+
+
+def test_floor_of_negative_and_halfway_values():
+    x = np.concatenate([randn(61) * 3, np.array([-2.5, -2.0, -0.5, 0.5, 2.0, 2.5], np.float32)])
+    check(lambda x: dsl.floor(x) * 2.0, x)
+    check(lambda x: dsl.floor(x.astype("f16")), x, rtol=0, atol=0)
