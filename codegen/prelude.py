@@ -5,6 +5,15 @@ The kernel text that ``codegen/hip.py`` renders is the same for every target.  W
 half-precision types, the 16-byte weight load with its dot product (``v_dot2_f32_f16`` on gfx906),
 the wave-level communication (``vf_shfl_xor``, ``vf_wave_sum``, ...) and the block reductions are
 defined here, so that all communication inside a wave goes through these helpers.
+
+NVIDIA targets run at wave 32 (one warp) or, with ``emulated_wave``, at gfx906's wave 64: two warps
+joined through LDS and a named barrier per wave, so that the kernel text rendered for gfx906 runs
+unchanged on an NVIDIA GPU.  The helpers that lanes of one wave talk through:
+
+* ``vf_shfl_xor(v, m)`` / ``vf_shfl_xor_i``: lane l gets lane l ^ m's value (f32 / i32);
+* ``vf_wave_sum(v)`` / ``vf_wave_max(v)``: every lane gets the wave's sum / max;
+* ``vf_wave_sync()``: LDS written by lanes of the wave before it is read safely after it;
+* ``vf_block_sum`` / ``vf_block_max`` / ``vf_block_argmax``: the same over the workgroup, through LDS.
 """
 from __future__ import annotations
 
@@ -70,6 +79,13 @@ __device__ __forceinline__ float vf_h2f(vf_half x) {{ return (float)x; }}
 __device__ __forceinline__ vf_half vf_f2h(float x) {{ return (vf_half)x; }}
 __device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
 __device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
+// vf_wave_sync(): the LDS writes of every lane of this wave before it are seen by every lane after it
+// (a wave runs in lockstep: a wave-scope fence keeps the compiler and the LDS queue in order)
+__device__ __forceinline__ void vf_wave_sync() {{
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}}
 __device__ __forceinline__ void vf_prefetch(const void* p) {{ }}   // gfx906 has no prefetch instruction
 #define VF_GRID_LAUNCH_DEPENDENTS()
 #define VF_GRID_WAIT()
@@ -110,15 +126,46 @@ __device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ 
 }
 """
 
-_NVIDIA = r"""// target {name}: NVIDIA, warp{wave}
+_NVIDIA = r"""// target {name}: NVIDIA, {how}
 #include <cuda_fp16.h>
 typedef __half vf_half;
 #define VF_INF __int_as_float(0x7f800000)
 __device__ __forceinline__ float vf_h2f(vf_half x) {{ return __half2float(x); }}
 __device__ __forceinline__ vf_half vf_f2h(float x) {{ return __float2half(x); }}
-__device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
-__device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor_sync(0xffffffffu, v, m); }}
-{pdl}"""
+{wave}{pdl}"""
+
+_NV_WARP = r"""__device__ __forceinline__ float vf_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ int vf_shfl_xor_i(int v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+// vf_wave_sync(): the LDS writes of every lane of this wave (warp) before it are seen by every lane after it
+__device__ __forceinline__ void vf_wave_sync() { __syncwarp(); }
+"""
+
+# gfx906's 64-lane wave on 32-lane warps: every helper that lets lanes of one wave talk to each other
+_NV_WAVE64 = r"""// A wave is 64 lanes made of two warps: wave w = threadIdx.x / 64 is warps 2w (lanes 0-31) and 2w+1
+// (lanes 32-63).  Inside a warp lanes exchange by shuffles; across the two warps through LDS, ordered by
+// a named barrier that only the wave's 64 threads wait on: id 1 + w (id 0 is __syncthreads, so at most
+// 15 waves per workgroup).  Like a wave on gfx906, all 64 lanes must call every helper below together.
+#define VF_XCHG_SLOTS {slots}   // threads of the largest workgroup: one exchange slot each
+static_assert(VF_BLOCK / VF_WAVE <= 15 && VF_ATT_BLOCK / VF_WAVE <= 15, "at most 15 waves per workgroup");
+// vf_wave_sync(): the LDS writes of every lane of this wave before it are seen by every lane after it
+__device__ __forceinline__ void vf_wave_sync() {{
+  asm volatile("barrier.sync %0, 64;" :: "r"(1 + (int)(threadIdx.x / VF_WAVE)) : "memory");
+}}
+// vf_shfl_xor_bits(v, m): lane l gets lane (l ^ m)'s v, for 0 < m < 64: a warp shuffle when m < 32, else
+// each lane leaves v in its LDS slot, the wave syncs, reads its partner's slot and syncs again (so that
+// the next exchange may overwrite the slot)
+__device__ __forceinline__ int vf_shfl_xor_bits(int v, int m) {{
+  if (m < 32) return __shfl_xor_sync(0xffffffffu, v, m);
+  __shared__ int vf_xchg[VF_XCHG_SLOTS];
+  vf_xchg[threadIdx.x] = v;
+  vf_wave_sync();
+  const int other = vf_xchg[threadIdx.x ^ m];
+  vf_wave_sync();
+  return other;
+}}
+__device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __int_as_float(vf_shfl_xor_bits(__float_as_int(v), m)); }}
+__device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return vf_shfl_xor_bits(v, m); }}
+"""
 
 _NVIDIA_F32ACT = r"""typedef float vf_act_t;
 __device__ __forceinline__ vf_act_t vf_to_act(float x) { return x; }
@@ -179,6 +226,25 @@ _NV_NO_PDL = r"""__device__ __forceinline__ void vf_prefetch(const void* p) { }
 """
 
 
+def _nv_how(t: Target) -> str:
+    return f"wave{t.wave} emulated by {t.wave // 32} warps" if t.emulated_wave else f"warp{t.wave}"
+
+
+def _nv_wave(t: Target) -> str:
+    """The wave helpers of an NVIDIA target: native warp shuffles at wave 32, or the emulated 64-lane wave.
+    Raises ValueError for any other width or for a workgroup of more than 15 emulated waves."""
+    if not t.emulated_wave:
+        if t.wave != 32:
+            raise ValueError(f"target {t.name}: NVIDIA warps have 32 lanes, not {t.wave}; "
+                             "use emulated_wave=True (e.g. target 'sm_90_wave64') for a 64-lane wave")
+        return _NV_WARP
+    waves = max(t.block, t.attention_block) // t.wave
+    if t.wave != 64 or waves > 15:
+        raise ValueError(f"target {t.name}: an emulated wave has 64 lanes and a workgroup at most 15 waves "
+                         f"(got wave {t.wave}, {waves} waves); lower block or attention_block")
+    return _NV_WAVE64.format(slots=max(t.block, t.attention_block))
+
+
 def prelude(t: Target, act: str | None = None) -> str:
     """Everything target-specific in a kernel's source, from the target table
     (``act``: the GEMV activation dtype in LDS, see ``act_dtype``)."""
@@ -187,6 +253,7 @@ def prelude(t: Target, act: str | None = None) -> str:
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
         head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
     else:
-        head = _NVIDIA.format(name=t.name, wave=t.wave, pdl=_NV_PDL if (t.pdl or t.prefetch) else _NV_NO_PDL)
+        head = _NVIDIA.format(name=t.name, how=_nv_how(t), wave=_nv_wave(t),
+                              pdl=_NV_PDL if (t.pdl or t.prefetch) else _NV_NO_PDL)
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format()

@@ -41,6 +41,9 @@ class Target:
                                  # one drains, prefetches its weights, then waits for its inputs.  Measured on
                                  # an H200 with the trigger at kernel start: 536.6 against 628.5 tok/s
                                  # (Qwen2.5-1.5B), 174.4 against 233.5 (7B), so off until the trigger moves
+    emulated_wave: bool = False  # NVIDIA only: a wave of ``wave`` = 64 lanes made of two 32-lane warps, joined
+                                 # through LDS and a named barrier per wave (codegen/prelude.py), so that
+                                 # gfx906's wave-64 kernel text runs on an NVIDIA GPU
 
     @property
     def waves_per_block(self):
@@ -52,10 +55,15 @@ TARGETS = {
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
                     lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132),
 }
+# gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,
+# so a workgroup holds at most 15 waves (attention: 8 of 64 lanes); the wave exchange's LDS comes out of
+# the kernel's static budget (1 int per thread of the largest workgroup)
+TARGETS["sm_90_wave64"] = replace(TARGETS["sm_90"], name="sm_90_wave64", wave=64, emulated_wave=True,
+                                  attention_block=512, max_static_lds=48 * 1024 - 4 * 512)
 
 
 def get_target(name: str, **overrides) -> Target:
-    """The table for ``name`` ("gfx906", "sm_90"); keyword overrides (e.g. ``wave=32``) for tests
+    """The table for ``name`` ("gfx906", "sm_90", "sm_90_wave64"); keyword overrides (e.g. ``wave=32``) for tests
     and A/B switches such as ``max_waves_per_simd=0``."""
     if name not in TARGETS:
         raise ValueError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")

@@ -136,22 +136,33 @@ class Executable:
 _DEVICES = {}
 
 
-def get_device(backend):
+def get_device(backend, wave=None):
     """The process-wide device for ``backend`` ("cpu", "cuda", "hip"; "reference" has none: it
-    interprets).  "hip" raises ``HipUnavailable`` where no AMD GPU is visible."""
+    interprets).  "hip" raises ``HipUnavailable`` where no AMD GPU is visible.
+
+    ``wave`` (cuda only): 32 or 64, the wave width the kernels are rendered at (64: gfx906's wave,
+    emulated by two warps); without it ``VEGAFUSE_CUDA_WAVE`` (default 32) decides.  Each width has
+    its own device, so wave 32 and wave 64 run side by side in one process; ``dsl.jit(...,
+    backend="cuda")`` compiles for the width in effect when it compiles."""
     if backend == "reference":
         return None
-    if backend not in _DEVICES:
+    key = backend
+    if backend == "cuda":
+        from engine.devices.cuda import cuda_wave
+        key = ("cuda", cuda_wave(wave))
+    elif wave is not None:
+        raise ValueError(f"wave= selects the CUDA device's wave width; backend {backend!r} has its own")
+    if key not in _DEVICES:
         if backend == "cpu":
             from engine.devices.cpu import CPUDevice
-            _DEVICES[backend] = CPUDevice()
+            _DEVICES[key] = CPUDevice()
         elif backend == "cuda":
             from engine.devices.cuda import CUDADevice
-            _DEVICES[backend] = CUDADevice()
+            _DEVICES[key] = CUDADevice(wave=key[1])
         elif backend == "hip":
             from engine.devices.hip import HIPDevice
-            _DEVICES[backend] = HIPDevice()
+            _DEVICES[key] = HIPDevice()
         else:
             raise ValueError(f"backend {backend!r} is not available in this build; "
                              f"use 'cpu', 'cuda', 'hip' or 'reference'")
-    return _DEVICES[backend]
+    return _DEVICES[key]

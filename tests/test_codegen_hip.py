@@ -78,3 +78,27 @@ def test_const_and_cast_rendering():
     assert expr(L.Cast(L.Sym("x", "f32"), "f16")) == "vf_f2h((float)(x))"
     assert expr(L.Bin("max", L.Sym("i", "i32"), L.c(0))) == "max(i, 0)"
     assert np.isclose(float(expr(L.Const(0.125, "f32"))[:-1]), 0.125)
+
+
+def test_emulated_wave64_runs_the_gfx906_kernel_text(kernels):
+    """The NVIDIA wave-64 flavour (two warps per wave) renders gfx906's kernel text byte for byte;
+    only the prelude differs, and there the cross-warp exchange uses a named barrier per wave."""
+    t = get_target("sm_90_wave64")
+    assert t.wave == 64 and t.emulated_wave and t.attention_block // t.wave <= 15
+    for k in kernels:
+        amd, nv = render_hip(k, "gfx906"), render_hip(k, t)
+        assert amd.body == nv.body, k.name
+        assert nv.block[0] // 64 <= 15                       # named barrier ids 1..15
+    pre = prelude(t)
+    assert "#define VF_WAVE 64" in pre and "#define VF_ATT_BLOCK 512" in pre
+    assert 'barrier.sync %0, 64;' in pre and "__shfl_xor_sync" in pre
+    for helper in ("vf_shfl_xor(", "vf_shfl_xor_i(", "vf_wave_sync(", "vf_wave_sum(", "vf_block_argmax("):
+        assert helper in pre and helper in prelude(TARGETS["gfx906"]) and helper in prelude(TARGETS["sm_90"])
+    assert "barrier.sync" not in prelude(TARGETS["sm_90"]) + prelude(TARGETS["gfx906"])
+
+
+def test_nvidia_wave_width_is_checked():
+    with pytest.raises(ValueError, match="emulated_wave=True"):
+        prelude(get_target("sm_90", wave=64))
+    with pytest.raises(ValueError, match="at most 15 waves"):
+        prelude(get_target("sm_90_wave64", attention_block=1024))

@@ -1,20 +1,36 @@
 """The generated HIP source (NVIDIA flavour) run on a CUDA GPU through NVRTC: every kernel family
 against the float64 reference at sizes that fill the chip, and SmolLM2's greedy ids.
-Skipped where no CUDA device is present (CI)."""
+
+Every test runs twice: at wave 32 (the warp) and at wave 64, where each 64-lane wave of gfx906's
+kernel text is emulated by two warps (``VEGAFUSE_CUDA_WAVE=64``, target ``sm_90_wave64``); at wave 64
+every compiled kernel's text is checked to be the gfx906 kernel's, so what runs here is what gfx906
+compiles.  Skipped where no CUDA device is present (CI)."""
 import numpy as np
 import pytest
 
 try:
     from engine.executable import get_device
-    DEV = get_device("cuda")
+    DEV = get_device("cuda", wave=32)
 except Exception as e:                                   # no driver, no GPU, no cuda-python
     pytest.skip(f"CUDA tests skipped: {e}", allow_module_level=True)
 
 import dsl  # noqa: E402
+from codegen.hip import render_hip  # noqa: E402
+from codegen.prelude import prelude  # noqa: E402
 from stdlib import nn  # noqa: E402
 from tests.test_kernels import reference_attention  # noqa: E402
 
 rng = np.random.default_rng()
+
+
+@pytest.fixture(autouse=True, params=[32, 64], ids=["wave32", "wave64"])
+def wave(request, monkeypatch):
+    """Every test at both wave widths: ``dsl.jit(..., backend="cuda")`` compiles for the device that
+    ``VEGAFUSE_CUDA_WAVE`` selects."""
+    monkeypatch.setenv("VEGAFUSE_CUDA_WAVE", str(request.param))
+    dev = get_device("cuda")
+    assert dev.target.wave == request.param and dev.target.emulated_wave == (request.param == 64)
+    return request.param
 
 
 def randn(*shape, dtype=np.float32, scale=1.0):
@@ -28,7 +44,68 @@ def check(f, *args, rtol=1e-3, atol=1e-3, donate=()):
     got = [np.asarray(g) for g in dsl.tree_flatten(jf(*args))[0]]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.astype(np.float64), w, rtol=rtol, atol=atol)
-    return jf.compile(*args)
+    c = jf.compile(*args)
+    if c.device.target.emulated_wave:                    # what ran is gfx906's kernel text
+        for ck in c.kernels:
+            assert ck.hip.body == render_hip(ck.kernel, "gfx906").body, ck.kernel.name
+    return c
+
+
+def test_wave_helpers_exchange_the_right_lanes(wave):
+    """The prelude's wave helpers alone, one workgroup: vf_shfl_xor for every mask (at wave 64 the
+    masks >= 32 cross between the two warps of a wave), the wave and block reductions, the argmax
+    with a tie (the smaller index wins) and vf_wave_sync's LDS ordering."""
+    dev = get_device("cuda")
+    t = dev.target
+    B, W = t.block, t.wave
+    body = r"""
+extern "C" __global__ void __launch_bounds__(VF_BLOCK) vf_probe(const float* __restrict__ x, float* __restrict__ out) {
+  __shared__ float vf_red[VF_WAVES];
+  __shared__ int vf_redi[VF_WAVES];
+  __shared__ float vf_buf[VF_BLOCK];
+  const int t = threadIdx.x, lane = t % VF_WAVE;
+  const float v = x[t];
+  out[t] = (float)vf_shfl_xor_i(t, VF_WAVE - 1);
+  for (int m = 1; m < VF_WAVE; ++m) out[m * VF_BLOCK + t] = vf_shfl_xor(v, m);
+  out[VF_WAVE * VF_BLOCK + t] = vf_wave_sum(v);
+  out[(VF_WAVE + 1) * VF_BLOCK + t] = vf_wave_max(v);
+  out[(VF_WAVE + 2) * VF_BLOCK + t] = vf_block_sum(v, vf_red);
+  out[(VF_WAVE + 3) * VF_BLOCK + t] = vf_block_max(v, vf_red);
+  float bv = v;
+  int bi = t;
+  vf_block_argmax(&bv, &bi, vf_red, vf_redi);
+  out[(VF_WAVE + 4) * VF_BLOCK + t] = (float)bi;
+  for (int r = 0; r < 8; ++r) {               // a lane reads what the next lane of its wave wrote
+    vf_buf[t] = v + r;
+    vf_wave_sync();
+    out[(VF_WAVE + 5 + r) * VF_BLOCK + t] = vf_buf[t - lane + (lane + 1) % VF_WAVE];
+    vf_wave_sync();
+  }
+}
+"""
+    cubin = dev._nvrtc_compile(prelude(t) + body, "vf_probe")
+    drv = dev.drv
+    module = drv.cuModuleLoadData(cubin)[1]
+    fn = drv.cuModuleGetFunction(module, b"vf_probe")[1]
+    x = rng.standard_normal(B).astype(np.float32)
+    x[B - 3] = x[5] = x.max() + 1.0                      # a tie: index 5 wins
+    dx, dout = dev.put(x), dev.empty((W + 13, B), "f32")
+    vals = [np.array([dx.ptr], np.uint64), np.array([dout.ptr], np.uint64)]
+    args = np.array([v.ctypes.data for v in vals], np.uint64)
+    assert int(drv.cuLaunchKernel(fn, 1, 1, 1, B, 1, 1, 0, dev.stream, args.ctypes.data, 0)[0]) == 0
+    out = dev.to_host(dout)
+    tid = np.arange(B)
+    np.testing.assert_array_equal(out[0], tid ^ (W - 1))
+    for m in range(1, W):
+        np.testing.assert_array_equal(out[m], x[tid ^ m], err_msg=f"vf_shfl_xor(v, {m})")
+    waves = x.reshape(-1, W).astype(np.float64)
+    np.testing.assert_allclose(out[W], np.repeat(waves.sum(1), W), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[W + 1], np.repeat(x.reshape(-1, W).max(1), W))
+    np.testing.assert_allclose(out[W + 2], x.astype(np.float64).sum(), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(out[W + 3], x.max())
+    np.testing.assert_array_equal(out[W + 4], 5)
+    for r in range(8):
+        np.testing.assert_array_equal(out[W + 5 + r], x[tid - tid % W + (tid % W + 1) % W] + np.float32(r))
 
 
 def test_elementwise_large():

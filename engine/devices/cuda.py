@@ -57,13 +57,30 @@ def _cuda_include_dirs():
     return [d for d in dirs if os.path.exists(os.path.join(d, "cuda_fp16.h"))]
 
 
+def cuda_wave(wave=None) -> int:
+    """The wave width a CUDA device renders kernels at: ``wave`` if given, else ``VEGAFUSE_CUDA_WAVE``
+    (default 32).  Raises ValueError for anything but 32 or 64."""
+    raw = (os.environ.get("VEGAFUSE_CUDA_WAVE", "") or "32") if wave is None else str(wave)
+    if raw not in ("32", "64"):
+        raise ValueError(f"CUDA wave width {raw!r}: use 32 (native warps) or 64 (gfx906's wave, emulated); "
+                         "set VEGAFUSE_CUDA_WAVE or pass wave=")
+    return int(raw)
+
+
 class CUDADevice(GPUDevice):
     """One NVIDIA GPU.  ``graphs``: capture the decode step in a CUDA graph (default on;
-    ``VEGAFUSE_CUDA_GRAPHS=0`` turns it off)."""
+    ``VEGAFUSE_CUDA_GRAPHS=0`` turns it off).
+
+    ``wave``: 32 (default) renders at the warp's width; 64 runs gfx906's wave-64 kernel text, each
+    64-lane wave emulated by two warps joined through LDS and a named barrier (target ``sm_90_wave64``,
+    see ``codegen/prelude.py``).  Without ``wave`` it comes from ``VEGAFUSE_CUDA_WAVE`` (32 or 64),
+    read when the device is made; ``engine.executable.get_device("cuda", wave=64)`` keeps a wave-64
+    device beside the default one, so that one process can run both."""
 
     name = "cuda"
 
-    def __init__(self, index=0, graphs=None):
+    def __init__(self, index=0, graphs=None, wave=None):
+        self.wave = cuda_wave(wave)
         self.drv, self.nvrtc = _cu()
         drv = self.drv
         try:
@@ -79,7 +96,10 @@ class CUDADevice(GPUDevice):
         major = _check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.dev), "attr")
         minor = _check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.dev), "attr")
         self.arch = f"sm_{major}{minor}"
-        self.target = replace(get_target("sm_90"), name=self.arch)
+        if self.wave == 64:
+            self.target = replace(get_target("sm_90_wave64"), name=f"{self.arch}_wave64")
+        else:
+            self.target = replace(get_target("sm_90"), name=self.arch)
         self.stream = _check(drv.cuStreamCreate(0), "cuStreamCreate")
         self.graphs = (os.environ.get("VEGAFUSE_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.sync_each = os.environ.get("VEGAFUSE_SYNC", "0") == "1"
