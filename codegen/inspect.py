@@ -14,8 +14,6 @@ import argparse
 import re
 import sys
 
-from .hip import render_hip
-from .loopir import canonicalize
 from .targets import get_target
 
 _INSN = re.compile(r"^\s+([a-z_0-9]+)\b(.*?)//\s*([0-9A-Fa-f]+):")
@@ -68,16 +66,30 @@ def counts(insns):
             "ds": sum(op.startswith("ds_") for op in ops)}
 
 
+_COMPILERS = {}
+
+
+def compiler_for(target):
+    """The hiprtc compiler of ``target`` (one per target: it remembers what it built)."""
+    from engine.devices.rocm import HiprtcCompiler
+    if target not in _COMPILERS:
+        _COMPILERS[target] = HiprtcCompiler(target)
+    return _COMPILERS[target]
+
+
 class Inspected:
-    """One kernel compiled for a GPU target: source, code object, resources, ISA counts."""
+    """One kernel compiled for an AMD target, as every device builds (``engine.build``: layers
+    share one compile, through the disk cache): source, code object, resources, ISA counts."""
 
     def __init__(self, kernel, target):
-        from engine.devices.hip import compile_hip
+        from engine.build import build, render
+        compiler = compiler_for(target)
+        (source,) = render([kernel], compiler)
+        (binary,) = build([source], compiler)
         self.kernel, self.target = kernel, target
-        self.hip = render_hip(kernel, target)
-        canon = render_hip(canonicalize(kernel), target)       # layers share one compile
-        self.code = compile_hip(canon.source, kernel.name, target.name)
-        self.symbol = "canonical"
+        self.hip = source.readable
+        self.code = compiler.code_object(binary)
+        self.symbol = binary.entry
         self.res = self.code.resources(self.symbol, workgroup_size=self.hip.block[0],
                                        dynamic_lds_bytes=self.hip.dynamic_lds)
         self._isa = None
@@ -96,12 +108,13 @@ class Inspected:
 
 
 def decode_plan(model=None, context=512):
-    """The fusion plan of one decode step of ``model`` (a GGUF or HF directory; default SmolLM2)."""
+    """The fusion plan of one decode step of ``model`` (a GGUF or HF directory; default SmolLM2):
+    the pipeline's passes up to rendering (``engine.pipeline.lower_program``)."""
     import numpy as np
 
     import dsl
+    from engine.pipeline import lower_program
     from engine.weights import default_model_path, load_model
-    from fusion import build_plan
     from stdlib import llama
     cfg, params, _ = load_model(model or default_model_path())
     cache = [(np.zeros((cfg.n_kv_heads, context, cfg.head_dim), np.float32),) * 2 for _ in range(cfg.n_layers)]
@@ -109,7 +122,7 @@ def decode_plan(model=None, context=512):
     def step(params, tokens, pos, last, cache):
         return llama.forward(cfg, params, tokens, pos, last, cache)
     low = dsl.jit(step, donate_argnums=(4,)).lower(params, np.zeros(1, np.int32), 0, 0, cache)
-    return build_plan(low.program, None, low.in_names, low.donated)
+    return lower_program(low)
 
 
 def table(items, layers_once=True):
@@ -145,7 +158,7 @@ def main(argv=None):
     p.add_argument("--no-occupancy-cap", action="store_true", help="drop the 9-waves-per-SIMD cap (A/B switch)")
     args = p.parse_args(argv)
     from dsl.core import DSLError
-    from engine.devices.hip import HipCompileError, HipUnavailable
+    from engine.devices.rocm import HipCompileError, HipUnavailable
     from engine.errors import ModelError
     try:
         if args.context < 1:

@@ -7,9 +7,13 @@ launch parameters (workgroup size, occupancy cap).  A test renders every
 kernel for two tables and checks that the sources differ only there.
 
 gfx906 facts (AMD Instinct MI50, Vega 20): wave64, 4 SIMDs and 64 KiB LDS per
-CU, at most 10 waves per SIMD; ``v_dot2_f32_f16``; bandwidth fell 2.3x at 10
-waves per SIMD against 9 in a measured GEMV (shared/reference/000), hence the
-occupancy cap.  Sources: AMD "Vega ISA" reference and ROCm hardware tables.
+CU, at most 10 waves per SIMD, 256 VGPRs per lane and 800 SGPRs per SIMD;
+``v_dot2_f32_f16``; bandwidth fell 2.3x at 10 waves per SIMD against 9 in a
+measured GEMV (shared/reference/000), hence the occupancy cap.  Sources: AMD
+"Vega ISA" reference, ROCm hardware tables, LLVM's ``AMDGPUBaseInfo.cpp``.
+These facts live only in the table; :func:`occupancy` (waves per SIMD from a
+kernel's registers and LDS) and :func:`occupancy_lds` (the cap's launch pad)
+compute from it.
 """
 from __future__ import annotations
 
@@ -30,6 +34,11 @@ class Target:
     lds_per_cu: int = 65536      # bytes
     lds_granule: int = 512       # LDS allocation granularity, bytes
     max_waves_hw: int = 10       # hardware limit of waves per SIMD
+    vgprs_per_simd: int = 0      # register model for occupancy() (0: none): VGPRs per lane in a SIMD
+    vgpr_granule: int = 0        #   VGPR allocation granule
+    sgprs_per_simd: int = 0      #   SGPRs per SIMD
+    sgpr_granule: int = 0        #   SGPR allocation granule
+    max_barriers: int = 0        #   workgroups of more than one wave resident per CU
     max_static_lds: int = 65536  # bytes of __shared__ a kernel may declare statically
     compute_units: int = 60      # CUs / SMs: GEMV grids are capped at compute_units * blocks_per_cu
     blocks_per_cu: int = 8       # workgroups resident per CU that a GEMV grid aims for
@@ -51,7 +60,15 @@ class Target:
 
 
 TARGETS = {
-    "gfx906": Target("gfx906", "amd", wave=64, dot2=True, max_waves_per_simd=9),
+    "gfx906": Target("gfx906", "amd", wave=64, dot2=True, max_waves_per_simd=9,
+                     simds_per_cu=4,          # GCN CU: 4 SIMD16 units, each runs 64-lane waves
+                     max_waves_hw=10,         # LLVM getMaxWavesPerEU (gfx9 before gfx90a)
+                     lds_per_cu=65536, lds_granule=512,   # LDS is allocated in 128-dword blocks (gfx7+)
+                     vgprs_per_simd=256,      # 64 KiB VGPR file per SIMD
+                     vgpr_granule=4,          # LLVM getVGPRAllocGranule (wave64, gfx9)
+                     sgprs_per_simd=800,      # LLVM getTotalNumSGPRs (gfx8+)
+                     sgpr_granule=16,         # LLVM getSGPRAllocGranule (gfx8-gfx9)
+                     max_barriers=16),        # LLVM getMaxWorkGroupsPerCU
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
                     lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132),
 }
@@ -81,3 +98,56 @@ def occupancy_lds(t: Target, static_lds: int = 0, block: int = 0) -> int:
     need = t.lds_per_cu // (max_wgs + 1) + 1                 # so that max_wgs + 1 workgroups do not fit
     need = -(-need // t.lds_granule) * t.lds_granule
     return max(0, need - static_lds)
+
+
+def occupancy(t: Target, vgprs: int, sgprs: int, lds_bytes: int = 0, workgroup_size: int = 256) -> dict:
+    """Resident waves of a kernel on target ``t`` (an AMD table with a register model), from its
+    register and LDS use.
+
+    ``vgprs``: VGPRs per lane (metadata ``.vgpr_count``); ``sgprs``: SGPRs per wave including
+    VCC/FLAT_SCRATCH/XNACK (``.sgpr_count``); ``lds_bytes``: LDS per workgroup (static
+    ``.group_segment_fixed_size`` plus any dynamic shared memory); ``workgroup_size``: threads.
+
+    Per-SIMD register bounds (gfx906 numbers in brackets):
+
+    * VGPR: ``min(max_waves_hw, floor(vgprs_per_simd / round_up(vgprs, vgpr_granule)))``
+      [``min(10, floor(256 / round_up(vgprs, 4)))``]
+    * SGPR: ``min(max_waves_hw, floor(sgprs_per_simd / round_up(sgprs, sgpr_granule)))``
+      [``min(10, floor(800 / round_up(sgprs, 16)))``].  LLVM before 2026 used a step table
+      (<=80: 10, <=88: 9, <=100: 8, else 7) that differs at 81..88 and 97..100 SGPRs.
+
+    Then whole workgroups per CU (a workgroup is resident entirely or not at all), with
+    ``w = ceil(workgroup_size / wave)`` waves per workgroup:
+
+    * registers: ``floor(bound * simds_per_cu / w)`` for each register bound;
+    * LDS: ``floor(lds_per_cu / round_up(lds_bytes, lds_granule))`` (none if no LDS; at least 1);
+    * wave slots: ``floor(max_waves_hw * simds_per_cu / w)``; barriers: at most ``max_barriers``
+      workgroups of more than one wave.
+
+    Returns ``waves_per_simd = ceil(workgroups * w / simds_per_cu)`` (waves on the busiest SIMD),
+    ``waves_per_cu``, ``workgroups_per_cu`` and ``limiter`` (``"vgpr"``, ``"sgpr"``, ``"lds"``,
+    ``"workgroup"`` (slots or barriers), or ``"none"`` when ``max_waves_hw`` waves per SIMD fit).
+    Raises ValueError for a table without a register model.
+    """
+    if not (t.vgprs_per_simd and t.sgprs_per_simd):
+        raise ValueError(f"target {t.name} has no register model for occupancy (vgprs_per_simd, sgprs_per_simd)")
+
+    def round_up(n, granule):
+        return max(granule, -(-n // granule) * granule)
+
+    w = max(1, -(-workgroup_size // t.wave))
+    slots = t.max_waves_hw * t.simds_per_cu                                       # wave slots per CU
+    occ_v = min(t.max_waves_hw, t.vgprs_per_simd // round_up(vgprs, t.vgpr_granule))
+    occ_s = min(t.max_waves_hw, t.sgprs_per_simd // round_up(sgprs, t.sgpr_granule))
+    bounds = {                                                                     # workgroups per CU
+        "vgpr": occ_v * t.simds_per_cu // w,
+        "sgpr": occ_s * t.simds_per_cu // w,
+        "lds": max(1, t.lds_per_cu // round_up(lds_bytes, t.lds_granule)) if lds_bytes else slots,
+        "workgroup": min(slots // w, slots if w == 1 else t.max_barriers),
+    }
+    wgs = max(1, min(bounds.values()))
+    short = {"vgpr": occ_v < t.max_waves_hw, "sgpr": occ_s < t.max_waves_hw,
+             "lds": bounds["lds"] * w < slots, "workgroup": bounds["workgroup"] * w < slots}
+    limiter = next((k for k in bounds if short[k] and bounds[k] == wgs), "none")   # binding and scarce
+    return {"waves_per_simd": -(-wgs * w // t.simds_per_cu), "waves_per_cu": wgs * w,
+            "workgroups_per_cu": wgs, "limiter": limiter}

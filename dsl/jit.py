@@ -68,9 +68,9 @@ class Lowered:
         return self.program.as_text()
 
     def compile(self):
-        from engine.executable import Executable
-        return Executable(self.program, self.out_tree, backend=self.jitted.backend,
-                          fusion=self.jitted.fusion, input_names=self.in_names, donated=self.donated)
+        """The executable for this traced program (the rest of ``engine.pipeline``)."""
+        from engine.pipeline import compile_program
+        return compile_program(self.jitted, traced=self)
 
 
 class jit:  # noqa: N801  (named like jax.jit)

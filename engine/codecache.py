@@ -36,7 +36,8 @@ Concurrency: writes go to a temp file in the same directory, are fsync'ed and
 then ``os.replace``-d into place, which is atomic on POSIX.  A reader therefore
 sees either no entry or a whole one.  Two processes that miss the same key at
 the same time both build and both write; the later rename wins and, as builds
-are deterministic, both files are the same.  No locks are taken.
+are deterministic, both files are the same.  No file locks are taken; threads
+may share an instance (only ``stats`` is guarded, by a lock).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ import os
 import stat
 import struct
 import tempfile
+import threading
 from pathlib import Path
 
 MAGIC = b"VFCODE1\n"
@@ -102,6 +104,11 @@ class CodeCache:
         self.root = Path(root) if root is not None else default_cache_dir()
         self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "read_errors": 0, "write_errors": 0}
         self.last_error: str | None = None
+        self._lock = threading.Lock()                 # builds may run on several threads
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.stats[what] += 1
 
     def _note(self, what: str, path, err: BaseException) -> None:
         self.last_error = f"{what} {path}: {type(err).__name__}: {err}"
@@ -121,29 +128,29 @@ class CodeCache:
         except FileNotFoundError:
             return None
         except IsADirectoryError:                     # platforms that refuse to open a directory
-            self.stats["corrupt"] += 1
+            self._count("corrupt")
             self._discard(path, None)
             return None
         except OSError as e:
-            self.stats["read_errors"] += 1
+            self._count("read_errors")
             self._note("read", path, e)
             return None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                self.stats["corrupt"] += 1
+                self._count("corrupt")
                 self._discard(path, st)
                 return None
             blob = self._read_all(fd, min(st.st_size, self.MAX_ENTRY_BYTES) + 1)
         except OSError as e:
-            self.stats["read_errors"] += 1
+            self._count("read_errors")
             self._note("read", path, e)
             return None
         finally:
             os.close(fd)
         payload = unpack_entry(blob) if len(blob) <= self.MAX_ENTRY_BYTES else None
         if payload is None:
-            self.stats["corrupt"] += 1
+            self._count("corrupt")
             self._discard(path, st)
         return payload
 
@@ -206,13 +213,13 @@ class CodeCache:
         """
         payload = self.get(key_parts)
         if payload is not None:
-            self.stats["hits"] += 1
+            self._count("hits")
             return payload, True
-        self.stats["misses"] += 1
+        self._count("misses")
         payload = bytes(build())
         try:
             self.put(key_parts, payload)
         except OSError as e:
-            self.stats["write_errors"] += 1
+            self._count("write_errors")
             self._note("write", self.path(key_parts), e)
         return payload, False

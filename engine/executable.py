@@ -1,7 +1,8 @@
 """An executable: the fused kernels of one traced program, compiled for a device, with its buffers.
 
-Built by ``dsl.jit`` (``f.compile(*args)``).  Calling it binds the inputs, runs
-the kernels in order and returns the outputs in the traced pytree structure.
+Made by the last pass of ``engine.pipeline.compile_program`` (what ``f.compile(*args)``
+runs).  Calling it binds the inputs, runs the kernels in order and returns the outputs in the
+traced pytree structure.
 
 Buffers: intermediates are allocated once and reused by every call.  Small
 inputs (token ids, positions) are copied into staging buffers, so the prepared
@@ -15,17 +16,19 @@ import numpy as np
 
 from dsl.core import NP_DTYPES
 from dsl.pytree import unflatten
-from fusion import build_plan, enabled_rules
 
 _STAGE_BYTES = 1 << 16
 
 
 class Executable:
-    def __init__(self, program, out_tree, backend="cpu", fusion=None, input_names=None, donated=()):
+    """``program`` (a ``dsl.Program``) with outputs in ``out_tree``, planned as ``plan``
+    (``fusion.Plan``: kernels, buffers, inputs, outputs), and ``kernels`` loaded on ``device``
+    (its compiled kernels, in launch order; ``device`` None: the reference interpreter runs
+    the program).  Intermediate buffers are allocated here, once."""
+
+    def __init__(self, program, out_tree, plan, device, kernels, backend="cpu"):
         self.program, self.out_tree, self.backend = program, out_tree, backend
-        self.plan = build_plan(program, enabled_rules(fusion), input_names, donated)
-        self.device = get_device(backend)
-        self.kernels = self.device.compile_many(self.plan.kernels) if self.device else []
+        self.plan, self.device, self.kernels = plan, device, kernels
         self._buffers = {}
         for name, (shape, dtype) in self.plan.buffers.items():
             if name not in self.plan.inputs and self.device is not None:

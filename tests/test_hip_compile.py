@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from codegen import codeobject
+from codegen.targets import get_target, occupancy
 from engine import codecache
-from engine.devices import hip as H
+from engine.build import code_cache
+from engine.devices import rocm as R
 
 try:
-    LIBS = H.find_hiprtc()
-except H.HipUnavailable as e:
+    LIBS = R.find_hiprtc()
+except R.HipUnavailable as e:
     pytest.skip(str(e), allow_module_level=True)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,18 +54,19 @@ gemv_f16(const _Float16* __restrict__ w, const _Float16* __restrict__ x, float* 
 # compiler by a function that fails, so only a cache hit can succeed; "slow" adds 0.5 s to it.
 CHILD = r"""
 import hashlib, json, sys, time
-from engine.devices import hip as H
+from engine.build import code_cache
+from engine.devices import rocm as R
 src = open(sys.argv[1]).read()
 if sys.argv[3] == "nobuild":
     def forbidden(*a):
         raise AssertionError("compiled although the cache should have hit")
-    H._hiprtc_compile = forbidden
+    R._hiprtc_compile = forbidden
 if sys.argv[3] == "slow":                      # widen the window in which both processes build
-    real = H._hiprtc_compile
-    H._hiprtc_compile = lambda *a: (time.sleep(0.5), real(*a))[1]
+    real = R._hiprtc_compile
+    R._hiprtc_compile = lambda *a: (time.sleep(0.5), real(*a))[1]
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
-co = H.compile_hip(src, "gemv_f16")
-print(json.dumps({"hit": co.cache_hit, "stats": H.code_cache().stats,
+co = R.compile_hip(src, "gemv_f16")
+print(json.dumps({"hit": co.cache_hit, "stats": code_cache().stats,
                   "sha": hashlib.sha256(co.code).hexdigest(), "vgprs": co.resources()["vgprs"]}))
 """
 
@@ -93,8 +97,8 @@ def entries(root: Path) -> list:
 
 def need_objdump():
     try:
-        return H.find_llvm_tool("llvm-objdump")
-    except H.HipUnavailable as e:
+        return codeobject.find_llvm_tool("llvm-objdump")
+    except R.HipUnavailable as e:
         pytest.skip(str(e))
 
 
@@ -110,15 +114,15 @@ def test_discovery_loads_libs_and_restores_rocm_path():
 
 
 def test_missing_rocm_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(H, "_LIBS", None)
+    monkeypatch.setattr(R, "_LIBS", None)
     monkeypatch.setenv("ROCM_PATH", str(tmp_path))
-    with pytest.raises(H.HipUnavailable, match="apt-get install hipcc libamdhip64-dev rocm-device-libs"):
-        H.find_hiprtc()
+    with pytest.raises(R.HipUnavailable, match="apt-get install hipcc libamdhip64-dev rocm-device-libs"):
+        R.find_hiprtc()
 
 
 # ----------------------------------------------------------------------------- code object
 def test_gemv_resources(cache_dir):
-    co = H.compile_hip(GEMV, "gemv_f16")
+    co = R.compile_hip(GEMV, "gemv_f16")
     assert isinstance(co, bytes) and co[:4] == b"\x7fELF" and not co.cache_hit
     assert co.kernel_symbols() == ["gemv_f16"]
     r = co.resources()
@@ -126,12 +130,12 @@ def test_gemv_resources(cache_dir):
     assert 4 <= r["vgprs"] <= 64 and 4 <= r["sgprs"] <= 102
     assert r["lds_bytes"] == 0 and r["wavefront_size"] == 64 and r["max_workgroup_size"] == 256
     assert r["kernarg_bytes"] == 32 and 0 < r["code_bytes"] < 4096
-    assert r["waves_per_simd"] == H.gfx906_occupancy(r["vgprs"], r["sgprs"], 0, 256)["waves_per_simd"]
+    assert r["waves_per_simd"] == occupancy(get_target("gfx906"), r["vgprs"], r["sgprs"], 0, 256)["waves_per_simd"]
 
 
 def test_gemv_isa(cache_dir):
     need_objdump()
-    isa = H.compile_hip(GEMV, "gemv_f16").isa()
+    isa = R.compile_hip(GEMV, "gemv_f16").isa()
     assert "<gemv_f16>:" in isa
     assert "global_load_dwordx4" in isa
     assert "v_dot2_f32_f16" in isa
@@ -139,19 +143,19 @@ def test_gemv_isa(cache_dir):
 
 
 def test_pack_kernargs_follows_metadata(cache_dir):
-    meta = H.compile_hip(GEMV, "gemv_f16").kernel_metadata()
-    buf = H.pack_kernargs(meta, [0x1000, 0x2000, 0x3000, 18944, -1])
+    meta = R.compile_hip(GEMV, "gemv_f16").kernel_metadata()
+    buf = codeobject.pack_kernargs(meta, [0x1000, 0x2000, 0x3000, 18944, -1])
     assert len(buf) == 32
     assert buf[:8] == (0x1000).to_bytes(8, "little") and buf[16:24] == (0x3000).to_bytes(8, "little")
     assert buf[24:28] == (18944).to_bytes(4, "little") and buf[28:32] == b"\xff\xff\xff\xff"
     with pytest.raises(ValueError, match="5 arguments"):
-        H.pack_kernargs(meta, [0, 0])
+        codeobject.pack_kernargs(meta, [0, 0])
 
 
 def test_compile_error_names_kernel_and_line(cache_dir):
     src = GEMV.replace("acc += __shfl_xor(acc, o);", "acc += __shfl_xor(acc, o) + undefined_thing;")
-    with pytest.raises(H.HipCompileError) as ei:
-        H.compile_hip(src, "gemv_f16")
+    with pytest.raises(R.HipCompileError) as ei:
+        R.compile_hip(src, "gemv_f16")
     msg = str(ei.value)
     assert "gemv_f16" in msg
     assert "undefined_thing" in msg
@@ -175,19 +179,19 @@ def test_compile_error_names_kernel_and_line(cache_dir):
     (20, 14, 65536, 64, 1, "lds"),       # one 1-wave group per CU
 ])
 def test_gfx906_occupancy(vgprs, sgprs, lds, wg, waves, limiter):
-    occ = H.gfx906_occupancy(vgprs, sgprs, lds, wg)
+    occ = occupancy(get_target("gfx906"), vgprs, sgprs, lds, wg)
     assert (occ["waves_per_simd"], occ["limiter"]) == (waves, limiter)
 
 
 def test_msgpack_subset():
     blob = bytes([0x83, 0xA1, 0x61, 0x01, 0xA1, 0x62, 0x92, 0xC3, 0xD0, 0xFE, 0xA1, 0x63,
                   0xCD, 0x01, 0x00])
-    assert H.msgpack_loads(blob) == {"a": 1, "b": [True, -2], "c": 256}
+    assert codeobject.msgpack_loads(blob) == {"a": 1, "b": [True, -2], "c": 256}
 
 
 # ----------------------------------------------------------------------------- disk cache
 def test_second_process_hits_cache(cache_dir, tmp_path):
-    co = H.compile_hip(GEMV, "gemv_f16")
+    co = R.compile_hip(GEMV, "gemv_f16")
     assert not co.cache_hit and co.compile_seconds > 0
     report = finish(child(tmp_path, "", mode="nobuild"))
     assert report["hit"] and report["stats"]["hits"] == 1 and report["stats"]["misses"] == 0
@@ -195,17 +199,17 @@ def test_second_process_hits_cache(cache_dir, tmp_path):
 
 
 def test_truncated_entry_is_rebuilt(cache_dir):
-    good = H.compile_hip(GEMV, "gemv_f16").code
+    good = R.compile_hip(GEMV, "gemv_f16").code
     (path,) = entries(cache_dir)
     blob = path.read_bytes()
     path.write_bytes(blob[: len(blob) // 2])
-    before = dict(H.code_cache().stats)
-    again = H.compile_hip(GEMV, "gemv_f16")
-    stats = H.code_cache().stats
+    before = dict(code_cache().stats)
+    again = R.compile_hip(GEMV, "gemv_f16")
+    stats = code_cache().stats
     assert not again.cache_hit and again.code == good
     assert stats["corrupt"] == before["corrupt"] + 1 and stats["misses"] == before["misses"] + 1
     assert path.read_bytes() == blob                       # rewritten whole
-    assert H.compile_hip(GEMV, "gemv_f16").cache_hit
+    assert R.compile_hip(GEMV, "gemv_f16").cache_hit
 
 
 def test_concurrent_processes_both_succeed(cache_dir, tmp_path):
@@ -224,9 +228,9 @@ def test_cache_dir_that_is_a_file_does_not_break_compilation(tmp_path, monkeypat
     root = tmp_path / "not-a-dir"
     root.write_bytes(b"")
     monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(root))
-    co = H.compile_hip(GEMV, "gemv_f16")
+    co = R.compile_hip(GEMV, "gemv_f16")
     assert co[:4] == b"\x7fELF" and not co.cache_hit
-    stats = H.code_cache().stats
+    stats = code_cache().stats
     assert stats["read_errors"] == 1 and stats["write_errors"] == 1 and stats["misses"] == 1
 
 def test_codecache_unit(tmp_path):

@@ -28,20 +28,20 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import hashlib
 import ctypes.util
 import functools
 import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import llvmlite.binding as llvm
-from llvmlite import ir
 
-from codegen.llvm import render_into, render_llvm, symbol_name
-from codegen.loopir import Kernel, canonicalize, Load, Loop, Store, walk_exprs, walk_stmts
+from codegen.llvm import render_llvm
+from codegen.loopir import Kernel, Load, Loop, Store, walk_exprs, walk_stmts
+from engine.build import Compiler, build, render
 
 NP_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32),
              "bool": np.dtype(np.bool_)}
@@ -484,31 +484,27 @@ def _pool(nworkers, spin_us) -> _Pool:
 
 # ----------------------------------------------------------------------------- compiled kernels
 class CompiledKernel:
-    """A kernel JIT-compiled for the host.  Call it with ``(buffers, scalars)``."""
+    """A kernel JIT-compiled for the host.  Call it with ``(buffers, scalars)``.
 
-    def __init__(self, device, kernel, symbol, address, module_ir, source=None):
-        self.device, self.kernel, self.symbol, self.address = device, kernel, symbol, address
+    ``symbol``: its function in the JIT (shared by kernels equal up to names); ``binary``: the
+    :class:`engine.build.Binary` it was loaded from."""
+
+    def __init__(self, device, source, binary, address):
+        self.device, self.kernel, self.binary = device, source.kernel, binary
+        self.symbol, self.address = binary.entry, address
         self.fn = KERNEL_FN(address)
-        self._module_ir = module_ir             # optimized IR of the module this kernel lives in
-        self._source = source
-        self.threadable = threadable(kernel)
-        self.nthreads = device.default_nthreads(kernel, self.threadable)
+        self._rendered = source
+        self.threadable = threadable(self.kernel)
+        self.nthreads = device.default_nthreads(self.kernel, self.threadable)
 
     @property
     def source(self) -> str:
-        """The LLVM IR as rendered (before optimization)."""
-        if self._source is None:
-            self._source = render_llvm(self.kernel, self.symbol)
-        return self._source
-
-    @property
-    def optimized_ir(self) -> str:
-        """The optimized LLVM IR of the module holding this kernel (shared by a ``compile_many`` batch)."""
-        return self._module_ir
+        """The LLVM IR of this kernel, with its own names, as rendered (before optimization)."""
+        return self._rendered.readable
 
     def asm(self) -> str:
-        """Host assembly of this kernel's exported function (inlined body included)."""
-        return self.device.assembly(self)
+        """Host assembly of this kernel's function (inlined body included)."""
+        return self.device.compiler.disassemble(self.binary)
 
     def __call__(self, buffers: dict, scalars: dict | None = None, nthreads: int | None = None):
         self.device.prepare(self, buffers, scalars, nthreads)()
@@ -561,6 +557,73 @@ class Plan:
             i = pool.run_plan_fn(ctl, plan, i + 1, n, nw)
 
 
+# ----------------------------------------------------------------------------- compiler
+class LLVMCompiler(Compiler):
+    """LLVM IR to host object code with llvmlite: O3 with loop and SLP vectorization for the host
+    CPU, vector math through libmvec.  Compiles on ``jobs`` threads (llvmlite releases the GIL;
+    each compile has its own LLVM context and target machine).
+
+    Each object exports one kernel function, named ``vf_<hash of the source>`` so that objects
+    from the disk cache never clash in one JIT.  The cache identity: llvmlite's and LLVM's
+    versions, the host triple, CPU and features, the libmvec widths, and a hash of this file
+    (the optimization pipeline is written here)."""
+
+    def __init__(self, jobs: int = 1):
+        super().__init__()
+        global _VEC_ISA
+        _init_llvm()
+        if _VEC_ISA is None:
+            _VEC_ISA = _libmvec_widths()                # loaded now: cached objects may call it
+        self.jobs = jobs
+        import llvmlite
+        here = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:16]
+        self.identity = {"kind": "llvm-object", "compiler": f"llvmlite {llvmlite.__version__}, LLVM "
+                         + ".".join(map(str, llvm.llvm_version_info)), "arch": llvm.get_process_triple(),
+                         "cpu": llvm.get_host_cpu_name(), "features": llvm.get_host_cpu_features().flatten(),
+                         "libmvec": sorted(_VEC_ISA.items()), "pipeline": here}
+
+    def render(self, kernel: Kernel) -> str:
+        return render_llvm(kernel)
+
+    def entry(self, source: str) -> str:
+        return "vf_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+
+    def optimize(self, text: str, symbol: str):
+        """IR text -> (optimized module, its target machine), the exported function renamed
+        ``symbol``.  Thread-safe: own LLVM context and target machine."""
+        ctx = llvm.create_context()
+        mod = llvm.parse_assembly(text, context=ctx)
+        exported = [f for f in mod.functions if not f.is_declaration and f.linkage == llvm.Linkage.external]
+        if len(exported) != 1:
+            raise ValueError(f"expected one exported function in the module, found {len(exported)}")
+        exported[0].name = symbol
+        tm = _host_target_machine(jit=True)
+        mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
+        mod.verify()
+        pto = llvm.create_pipeline_tuning_options(speed_level=3)
+        pto.loop_vectorization = pto.slp_vectorization = pto.loop_unrolling = True
+        pb = llvm.create_pass_builder(tm, pto)
+        pb.getModulePassManager().run(mod, pb)
+        text = str(mod)
+        vectorized = _vector_math(text)
+        if vectorized != text:
+            mod = llvm.parse_assembly(vectorized, context=ctx)
+            mod.verify()
+        return mod, tm
+
+    def compile(self, source: str, name: str) -> bytes:
+        mod, tm = self.optimize(source, self.entry(source))
+        return tm.emit_object(mod)
+
+    def disassemble(self, binary) -> str:
+        """Host assembly of ``binary``'s kernel function (optimized again from its source)."""
+        mod, _ = self.optimize(binary.source, binary.entry)
+        text = _host_target_machine(jit=False).emit_assembly(mod)
+        sym = re.escape(binary.entry)
+        m = re.search(rf'^"?{sym}"?:.*?(?=^\.Lfunc_end|\Z)', text, re.S | re.M)
+        return m.group(0) if m else text
+
+
 # ----------------------------------------------------------------------------- device
 class CPUDevice:
     """JIT compiler + launcher for the host CPU.
@@ -579,93 +642,36 @@ class CPUDevice:
         self.spin_us = float(os.environ.get("VEGAFUSE_SPIN_US", 2000) if spin_us is None else spin_us)
         self.triple = llvm.get_process_triple()
         self.cpu_name = llvm.get_host_cpu_name()
-        self._asm_tm = None
+        self.compiler = LLVMCompiler(jobs=self.nthreads)
         self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _host_target_machine(jit=True))
-        self._symbols = set()
-        self._cache = {}                  # (params, body) -> (symbol, address, optimized module IR)
+        self._addresses = {}              # symbol -> address of a function loaded into the JIT
         self._pool = None
 
     # ---- compilation
     def default_nthreads(self, kernel, can_thread):
         return self.nthreads if can_thread and kernel.bytes > self.parallel_bytes else 1
 
-    def _symbol(self, kernel):
-        base = symbol_name(kernel.name)
-        sym, n = base, 1
-        while sym in self._symbols:
-            n += 1
-            sym = f"{base}_{n}"
-        self._symbols.add(sym)
-        return sym
-
-    def _compile_object(self, text):
-        """IR text -> (optimized IR text, object code).  Thread-safe: own LLVM context and target machine."""
-        ctx = llvm.create_context()
-        mod = llvm.parse_assembly(text, context=ctx)
-        tm = _host_target_machine(jit=True)
-        mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
-        mod.verify()
-        pto = llvm.create_pipeline_tuning_options(speed_level=3)
-        pto.loop_vectorization = pto.slp_vectorization = pto.loop_unrolling = True
-        pb = llvm.create_pass_builder(tm, pto)
-        pb.getModulePassManager().run(mod, pb)
-        text = str(mod)
-        vectorized = _vector_math(text)
-        if vectorized != text:
-            text, mod = vectorized, llvm.parse_assembly(vectorized, context=ctx)
-            mod.verify()
-        return text, tm.emit_object(mod)
-
     def compile(self, kernel: Kernel) -> CompiledKernel:
         """Render, optimize (O3, host CPU) and JIT one kernel."""
         return self.compile_many([kernel])[0]
 
-    def compile_many(self, kernels, group_size: int = 16) -> list:
-        """Compile kernels in one go.  Kernels equal up to names (``loopir.canonicalize``: the same
-        layer thirty times; here or in an earlier compile on this device) share one function; the others are rendered into
-        modules of ~``group_size`` functions that are optimized and code-generated concurrently
-        on ``nthreads`` threads (llvmlite calls release the GIL)."""
-        kernels = list(kernels)
-        todo = {}                                     # canonical (params, body) -> first kernel
-        keys = []
-        for k in kernels:
-            c = canonicalize(k)
-            key = (c.params, c.body)
-            keys.append(key)
-            if key not in self._cache:
-                todo.setdefault(key, k)
-        if todo:
-            todo_keys, todo = list(todo), list(todo.values())
-            syms = [self._symbol(k) for k in todo]
-            ngroups = min(self.nthreads, -(-len(todo) // group_size))
-            groups = [list(range(g, len(todo), ngroups)) for g in range(ngroups)]
-            texts = []
-            for group in groups:
-                module = ir.Module(name="vegafuse")
-                for i in group:
-                    render_into(module, todo[i], syms[i])
-                texts.append(str(module))
-            if len(texts) > 1:
-                with ThreadPoolExecutor(len(texts)) as ex:
-                    results = list(ex.map(self._compile_object, texts))
-            else:
-                results = [self._compile_object(texts[0])]
-            for _, obj in results:
-                self._engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
-            self._engine.finalize_object()
-            for group, (opt_text, _) in zip(groups, results):
-                for i in group:
-                    self._cache[todo_keys[i]] = (syms[i], self._engine.get_function_address(syms[i]), opt_text)
-        return [CompiledKernel(self, k, *self._cache[key]) for k, key in zip(kernels, keys)]
+    def compile_many(self, kernels) -> list:
+        """Render, build (:mod:`engine.build`: kernels equal up to names, the same layer thirty
+        times, compile once; distinct ones on ``nthreads`` threads; through the disk cache) and
+        load every kernel."""
+        sources = render(kernels, self.compiler)
+        return self.load(sources, build(sources, self.compiler))
 
-    def assembly(self, compiled: CompiledKernel) -> str:
-        if self._asm_tm is None:
-            self._asm_tm = _host_target_machine(jit=False)
-        mod = llvm.parse_assembly(compiled.optimized_ir)
-        text = self._asm_tm.emit_assembly(mod)
-        sym = re.escape(compiled.symbol)
-        m = re.search(rf'^"?{sym}"?:.*?(?=^\.Lfunc_end|\Z)', text, re.S | re.M)
-        return m.group(0) if m else text
+    def load(self, sources, binaries) -> list:
+        """:class:`CompiledKernel`\\ s for built kernels; each object is added to the JIT once."""
+        new = {b.entry: b for b in binaries if b.entry not in self._addresses}
+        for b in new.values():
+            self._engine.add_object_file(llvm.ObjectFileRef.from_data(b.code))
+        if new:
+            self._engine.finalize_object()
+            for sym in new:
+                self._addresses[sym] = self._engine.get_function_address(sym)
+        return [CompiledKernel(self, s, b, self._addresses[b.entry]) for s, b in zip(sources, binaries)]
 
     # ---- launching
     def _pool_for(self, nthreads):

@@ -1,7 +1,8 @@
 """CUDA device: the HIP source of every kernel, NVIDIA flavour, compiled by NVRTC and launched
 through the CUDA driver (``cuda-python``: ``cuda.bindings.nvrtc`` and ``cuda.bindings.driver``).
 
-Same interface as the CPU device (``compile_many``, ``prepare``, ``plan``) plus device memory:
+Same interface as the CPU device (``compiler``, ``load``, ``compile_many``, ``prepare``, ``plan``)
+plus device memory:
 ``empty``, ``put`` (numpy -> DeviceArray), ``to_host``, ``copy_in``.  What it shares with the
 HIP device (memory, scalar slots, launches, plans) is in ``engine/devices/gpu.py``.  Scalars (the decode
 position) live in device memory, so a captured CUDA graph replays with their current values.
@@ -18,9 +19,8 @@ from dataclasses import replace
 import numpy as np
 
 from codegen.hip import render_hip
-from codegen.loopir import canonicalize
 from codegen.targets import get_target
-from engine.codecache import CodeCache
+from engine.build import Compiler
 from engine.devices.gpu import NP_DTYPES, DeviceArray, GPUDevice, GPUKernel, Launch, Plan, ScalarSlots  # noqa: F401
 
 
@@ -110,12 +110,9 @@ class CUDADevice(GPUDevice):
         if self.pdl:
             self.target = replace(self.target, pdl=True)
 
-        self.cache = CodeCache()
         self._functions = {}
         self._resident = {}
-        self.includes = _cuda_include_dirs()
-        ver = _check(self.nvrtc.nvrtcVersion(), "nvrtcVersion")
-        self.compiler = f"nvrtc {ver[0]}.{ver[1]}" if isinstance(ver, tuple) else f"nvrtc {ver}"
+        self._compiler = None
 
     # ------------------------------------------------------------------ driver primitives (gpu.GPUDevice)
     Error = CudaError
@@ -223,11 +220,46 @@ extern "C" __global__ void vf_fill(void* out, unsigned long long n, unsigned int
         return a
 
     # ------------------------------------------------------------------ compile
+    @property
+    def compiler(self) -> "NVRTCCompiler":
+        """NVRTC for ``self.target`` (what :mod:`engine.build` compiles with); made again when the
+        target changes."""
+        if self._compiler is None or self._compiler.target != self.target:
+            self._compiler = NVRTCCompiler(self.nvrtc, self.target)
+        return self._compiler
+
     def _nvrtc_compile(self, source, name):
+        return self.compiler.compile(source, name)
+
+    def _load(self, source, binary):
+        """Load a built cubin: ``(module, function, cubin)``."""
+        name = source.kernel.name
+        module = _check(self.drv.cuModuleLoadData(binary.code), "cuModuleLoadData", name)
+        fn = _check(self.drv.cuModuleGetFunction(module, binary.entry.encode()), "cuModuleGetFunction", name)
+        return module, fn, binary.code
+
+
+class NVRTCCompiler(Compiler):
+    """HIP C++ (NVIDIA flavour, from ``target``'s prelude) to cubins with NVRTC, for the target's
+    ``sm_XX`` arch.  The cache identity is NVRTC's version, the arch and the options."""
+
+    def __init__(self, nvrtc, target):
+        super().__init__()
+        self.nvrtc, self.target, self.arch = nvrtc, target, target.name
+        self.includes = _cuda_include_dirs()
+        self.options = [f"--gpu-architecture={self.arch}", "--std=c++17"]
+        ver = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+        version = f"nvrtc {ver[0]}.{ver[1]}" if isinstance(ver, tuple) else f"nvrtc {ver}"
+        self.identity = {"kind": "nvrtc-cubin", "arch": self.arch, "compiler": version, "options": self.options}
+
+    def render(self, kernel):
+        return render_hip(kernel, self.target)
+
+    def compile(self, source, name):
+        """NVRTC ``source`` to a cubin; :class:`CudaError` with the first error and its line."""
         nv = self.nvrtc
         prog = _check(nv.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []), "nvrtcCreateProgram")
-        opts = [f"--gpu-architecture={self.arch}".encode(), b"--std=c++17"]
-        opts += [f"--include-path={d}".encode() for d in self.includes]
+        opts = [o.encode() for o in self.options] + [f"--include-path={d}".encode() for d in self.includes]
         res = nv.nvrtcCompileProgram(prog, len(opts), opts)
         if int(res[0]) != 0:
             size = _check(nv.nvrtcGetProgramLogSize(prog), "log")
@@ -238,21 +270,6 @@ extern "C" __global__ void vf_fill(void* out, unsigned long long n, unsigned int
         cubin = b" " * size
         _check(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
         return cubin
-
-    def compile_many(self, kernels):
-        """Compile every kernel (kernels equal up to names share one binary and one module)."""
-        out = []
-        for k in kernels:
-            canon = render_hip(canonicalize(k), self.target)
-            if canon.source not in self._functions:
-                parts = {"source": canon.source, "arch": self.arch, "compiler": self.compiler, "options": "std=c++17"}
-                cubin, _ = self.cache.get_or_build(parts, lambda: self._nvrtc_compile(canon.source, k.name))
-                module = _check(self.drv.cuModuleLoadData(cubin), "cuModuleLoadData", k.name)
-                fn = _check(self.drv.cuModuleGetFunction(module, b"canonical"), "cuModuleGetFunction", k.name)
-                self._functions[canon.source] = (module, fn, cubin)
-            _, fn, cubin = self._functions[canon.source]
-            out.append(GPUKernel(k, render_hip(k, self.target), fn, cubin))
-        return out
 
 
 def _explain(log, source, name):

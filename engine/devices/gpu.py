@@ -22,15 +22,19 @@ here over a handful of driver primitives that each backend supplies:
                                        addresses of each parameter's value (``kernelParams``)
 ``_capture(launches) -> (graph, exec)`` record the launches into a graph
 ``_graph_launch(exec)``                replay it on the stream
+``_load(source, binary)``              load a built kernel: ``(module, function, binary)``
 =====================================  ===========================================================
 
-A backend also sets ``Error`` (its exception class), ``stream``, ``graphs`` and ``sync_each``.
+A backend also sets ``Error`` (its exception class), ``stream``, ``graphs``, ``sync_each`` and
+``compiler`` (an :class:`engine.build.Compiler`: NVRTC, hiprtc).
 """
 from __future__ import annotations
 
 import ctypes
 
 import numpy as np
+
+from engine.build import build, render
 
 NP_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32),
              "bool": np.dtype(np.bool_)}
@@ -101,7 +105,7 @@ class ScalarSlots:
 class GPUKernel:
     """A compiled kernel: ``.source`` is the readable HIP of this kernel (the target's flavour);
     ``.function`` the loaded function (shared by kernels equal up to names); ``.binary`` what was
-    loaded (a cubin on CUDA, a :class:`~engine.devices.hip.CodeObject` on HIP)."""
+    loaded (a cubin on CUDA, a :class:`~codegen.codeobject.CodeObject` on HIP)."""
 
     def __init__(self, kernel, hip, function, binary):
         self.kernel, self.hip, self.function, self.binary = kernel, hip, function, binary
@@ -263,6 +267,23 @@ class GPUDevice:
         self.synchronize()
         ms = self._elapsed_ms(ev[0], ev[1])
         return 2 * nbytes * reps / (ms * 1e-3) / 1e9
+
+    # ------------------------------------------------------------------ compile
+    def compile_many(self, kernels):
+        """Render, build (:mod:`engine.build`: one compile per kernel distinct up to names, through
+        the disk cache) and load every Loop IR kernel; :class:`GPUKernel`\\ s in order."""
+        sources = render(kernels, self.compiler)
+        return self.load(sources, build(sources, self.compiler))
+
+    def load(self, sources, binaries):
+        """:class:`GPUKernel`\\ s for built kernels; each binary is loaded once per device."""
+        out = []
+        for s, b in zip(sources, binaries):
+            if b.source not in self._functions:
+                self._functions[b.source] = self._load(s, b)
+            _, fn, code = self._functions[b.source]
+            out.append(GPUKernel(s.kernel, s.readable, fn, code))
+        return out
 
     # ------------------------------------------------------------------ launch
     def kernel_values(self, ck, buffers, scalars=None):

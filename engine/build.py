@@ -1,0 +1,156 @@
+"""Render and build: Loop IR kernels to compiled code, once per distinct kernel, through the disk cache.
+
+    sources  = render(kernels, compiler)    # each kernel's readable source, and its canonical source
+    binaries = build(sources, compiler)     # [Binary]: one compile per distinct canonical source
+
+Written once for every device.  A kernel is compiled in its canonical form
+(``codegen.loopir.canonicalize``: parameters ``p0, p1, ...``, locals ``v0, ...``, named
+``canonical``), so kernels that differ only in names (the same layer thirty times) share one
+compile and one binary.  The canonical source, with the compiler's identity, keys the on-disk
+cache (``engine/codecache.py``: atomic writes, checked reads, corrupt entries rebuilt), so a
+second process compiles nothing.  Within a process each compiler keeps what it built.
+
+A device supplies a :class:`Compiler`: how it renders a kernel (LLVM IR for the CPU, HIP C++
+for the GPUs), ``compile(source, name) -> bytes`` (llvmlite, hiprtc, NVRTC) and its
+``identity``, the cache-key parts other than the source (compiler version, target, options).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from codegen.loopir import Kernel, canonicalize
+from engine.codecache import CodeCache, cache_key, default_cache_dir
+
+
+class Compiler:
+    """What a device supplies to :func:`render` and :func:`build` (subclass and fill in).
+
+    ``identity``: dict of cache-key parts besides the source (e.g. ``{"compiler": "hiprtc ...",
+    "arch": "gfx906", "options": [...]}``); ``jobs``: how many compiles may run at once (more
+    than 1 only where the compiler releases the GIL and is thread-safe).
+    """
+
+    identity: dict = {}
+    jobs: int = 1
+
+    def __init__(self):
+        self.built = {}                     # cache-key hash -> Binary: what this compiler built here
+
+    def render(self, kernel: Kernel):
+        """The kernel's source: a ``str``, or an object whose ``.source`` is the text (a
+        ``HipKernel`` also carries its launch geometry)."""
+        raise NotImplementedError
+
+    def compile(self, source: str, name: str) -> bytes:
+        """Compile ``source``; ``name`` (the first kernel that needs it) is for diagnostics.
+        Raises the device's compile error, naming the kernel and the failing line."""
+        raise NotImplementedError
+
+    def entry(self, source: str) -> str:
+        """Symbol of the kernel function in the compiled code."""
+        return "canonical"
+
+    def disassemble(self, binary: "Binary") -> str | None:
+        """The machine code as text, where the target has a disassembler; else None."""
+        return None
+
+
+def text_of(rendered) -> str:
+    """The source text of a render result (a ``str``, or an object with ``.source``)."""
+    return rendered if isinstance(rendered, str) else rendered.source
+
+
+class Source:
+    """One kernel rendered: ``canonical`` (what is compiled; shared by kernels equal up to
+    names), ``text`` (its source text) and ``readable``, the kernel with its own names (rendered
+    when first read)."""
+
+    def __init__(self, kernel: Kernel, canonical, compiler: Compiler):
+        self.kernel, self.canonical, self.compiler = kernel, canonical, compiler
+        self.text = text_of(canonical)
+        self._readable = None
+
+    @property
+    def readable(self):
+        if self._readable is None:
+            self._readable = self.compiler.render(self.kernel)
+        return self._readable
+
+    def __repr__(self):
+        return f"<Source {self.kernel.name}: {len(self.text)} chars>"
+
+
+@dataclass(eq=False)
+class Binary:
+    """Compiled code of one canonical source.  ``name``: the first kernel that needed it;
+    ``entry``: the kernel function's symbol; ``cache_hit``: read from the disk cache;
+    ``seconds``: compile wall time (0 on a hit)."""
+    code: bytes
+    source: str
+    name: str
+    entry: str
+    cache_hit: bool
+    seconds: float = 0.0
+
+    def __repr__(self):
+        return f"<Binary {self.name} {len(self.code)} bytes{' (cached)' if self.cache_hit else ''}>"
+
+
+_cache: CodeCache | None = None
+
+
+def code_cache() -> CodeCache:
+    """The process-wide :class:`CodeCache` (made again if ``VEGAFUSE_CACHE_DIR`` changed)."""
+    global _cache
+    if _cache is None or _cache.root != default_cache_dir():
+        _cache = CodeCache()
+    return _cache
+
+
+def render(kernels, compiler: Compiler) -> list[Source]:
+    """Render each kernel's canonical form (once per distinct one) for ``compiler``."""
+    seen, out = {}, []
+    for k in kernels:
+        c = canonicalize(k)
+        key = repr(c)                       # every field: equal canonical kernels render equally
+        if key not in seen:
+            seen[key] = compiler.render(c)
+        out.append(Source(k, seen[key], compiler))
+    return out
+
+
+def compile_source(compiler: Compiler, source: str, name: str, cache: CodeCache | None = None) -> Binary:
+    """Compile one source through the disk cache (the path every build takes)."""
+    cache = cache or code_cache()
+    key = {**compiler.identity, "source": source}
+    t0 = time.perf_counter()
+    code, hit = cache.get_or_build(key, lambda: compiler.compile(source, name))
+    return Binary(code, source, name, compiler.entry(source), hit, 0.0 if hit else time.perf_counter() - t0)
+
+
+def build(sources, compiler: Compiler, cache: CodeCache | None = None) -> list[Binary]:
+    """One :class:`Binary` per source; each distinct canonical source is compiled once (looked up
+    in ``compiler.built``, then in the disk cache).  Misses compile on ``compiler.jobs`` threads.
+    A compile error raises the compiler's exception, naming the kernel."""
+    cache = cache or code_cache()
+    ident = cache_key(compiler.identity)
+    keys, todo = [], {}
+    for s in sources:
+        h = hashlib.sha256(f"{ident}:{s.text}".encode()).hexdigest()
+        keys.append(h)
+        if h not in compiler.built and h not in todo:
+            todo[h] = s
+    if todo:
+        def one(s):
+            return compile_source(compiler, s.text, s.kernel.name, cache)
+        items = list(todo.values())
+        if compiler.jobs > 1 and len(items) > 1:
+            with ThreadPoolExecutor(min(compiler.jobs, len(items))) as ex:
+                done = list(ex.map(one, items))
+        else:
+            done = [one(s) for s in items]
+        compiler.built.update(zip(todo, done))
+    return [compiler.built[h] for h in keys]

@@ -1,0 +1,147 @@
+"""The compiler, as one function: a jitted function and its arguments in, an executable out.
+
+    f = dsl.jit(fn, backend="cpu")
+    ex = compile_program(f, args)          # what f.compile(*args) does
+    ex(*leaves)
+
+The passes, in order (each a short function over one IR):
+
+    trace      fn -> Program                       dsl/jit.py
+    typecheck  every equation re-checked by its primitive's rule
+    partition  which values live in memory, by the fusion rules    fusion/partition.py
+    lower      -> Loop IR kernels                   fusion/lower.py, fusion/schedule.py
+    simplify   Loop IR -> Loop IR                   codegen/simplify.py (when present)
+    render     -> LLVM IR (CPU) or HIP C++ (GPUs)   engine/build.py
+    build      compile + code cache, one per kernel distinct up to names   engine/build.py
+    executable buffers and the launch plan          engine/executable.py
+
+``VEGAFUSE_DEBUG=N`` prints, to stderr once per compile: 1 the kernel list with bytes and
+FLOPs; 2 also each kernel's Loop IR; 3 also its source; 4 also the ISA where the target has a
+disassembler (gfx906: ``llvm-objdump``; the CPU: llvmlite's assembly).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from codegen.loopir import format_kernel
+from dsl.core import DSLError, Lit, Program, Var
+from engine.build import build, render, text_of
+from engine.executable import Executable, get_device
+from fusion import build_plan, enabled_rules
+
+if importlib.util.find_spec("codegen.simplify") is not None:
+    from codegen.simplify import simplify
+else:                                          # the Loop IR simplifier is optional
+    def simplify(kernel):
+        return kernel
+
+
+def compile_program(f, args=(), traced=None) -> Executable:
+    """Compile ``f`` (a ``dsl.jit``) for ``args`` (or its already ``traced`` form, a
+    ``dsl.jit.Lowered``) on ``f.backend``.  Raises ``DSLError`` for an invalid program, the
+    device's compile error (naming the kernel and the failing line) for code that does not build."""
+    traced = traced or f.lower(*args)                                      # trace
+    plan = lower_program(traced, f.fusion)                                 # typecheck .. simplify
+    device = get_device(f.backend)                                         # None: the interpreter
+    sources = render(plan.kernels, device.compiler) if device else []      # LLVM IR / HIP C++
+    binaries = build(sources, device.compiler) if device else []           # compile + code cache
+    executable = Executable(traced.program, traced.out_tree, plan, device,
+                            device.load(sources, binaries) if device else [], f.backend)
+    level = debug_level()
+    if level:
+        print(debug_report(level, plan, sources, binaries, device), file=sys.stderr)
+    return executable
+
+
+def lower_program(traced, fusion=None):
+    """The passes before rendering: ``traced`` (a ``dsl.jit.Lowered``) to a ``fusion.Plan``
+    whose kernels are simplified Loop IR.  ``fusion``: ``{rule: bool}`` overrides."""
+    typecheck(traced.program)
+    plan = build_plan(traced.program, enabled_rules(fusion), traced.in_names, traced.donated)  # partition, lower
+    plan.kernels = [simplify(k) for k in plan.kernels]
+    return plan
+
+
+# ----------------------------------------------------------------------------- typecheck
+def _type(v) -> str:
+    return f"{v.dtype}[{','.join(str(d) for d in v.shape)}]"
+
+
+def typecheck(program: Program) -> None:
+    """Check ``program`` as the tracer would have built it: every equation's inputs are defined
+    before it, its primitive's shape/dtype rule accepts them, and gives the recorded output
+    type; every output is defined.  Useful for programs from ``dsl.parse_ir`` or built by hand.
+
+    Raises ``DSLError`` naming the equation's source line (or its index) and the mismatch."""
+    defined = set(program.inputs)
+    for i, e in enumerate(program.eqns):
+        where = f"{e.source or f'equation {i}'}: {e.prim.name}"
+        for a in e.inputs:
+            if isinstance(a, Var) and a not in defined:
+                raise DSLError(f"{where}: input {_type(a)} is used before any equation defines it; "
+                               "order the equations so that each value is computed before its use")
+            if not isinstance(a, (Var, Lit)):
+                raise DSLError(f"{where}: input {a!r} is not a Var or Lit")
+        try:
+            shape, dtype = e.prim.rule([(a.shape, a.dtype) for a in e.inputs], **e.params)
+        except (DSLError, TypeError, ValueError) as err:
+            raise DSLError(f"{where}: {err}") from None
+        if (tuple(shape), dtype) != (e.out.shape, e.out.dtype):
+            raise DSLError(f"{where}: output recorded as {_type(e.out)} but the rule gives "
+                           f"{dtype}[{','.join(str(d) for d in shape)}]; record the rule's type")
+        if e.out in defined:
+            raise DSLError(f"{where}: its output {_type(e.out)} is already defined; give each equation a new Var")
+        defined.add(e.out)
+    for j, o in enumerate(program.outputs):
+        if isinstance(o, Var) and o not in defined:
+            raise DSLError(f"program output {j} ({_type(o)}) is neither an input nor computed by an equation")
+
+
+# ----------------------------------------------------------------------------- debug output
+def debug_level() -> int:
+    """``$VEGAFUSE_DEBUG`` as a level 0..4 (ValueError for anything else)."""
+    raw = os.environ.get("VEGAFUSE_DEBUG", "").strip() or "0"
+    if not (raw.isdigit() and 0 <= int(raw) <= 4):
+        raise ValueError(f"VEGAFUSE_DEBUG={raw!r} is not a debug level; use 0 (off) to 4")
+    return int(raw)
+
+
+def debug_report(level, plan, sources, binaries, device) -> str:
+    """What ``VEGAFUSE_DEBUG=level`` prints for one compile (see the module docstring)."""
+    kernels = plan.kernels
+    total_b, total_f = sum(k.bytes for k in kernels), sum(k.flops for k in kernels)
+    where = device.name if device is not None else "reference (interpreted)"
+    out = [f"vegafuse: {len(kernels)} kernels on {where}, {total_b:,} bytes and {total_f:,} FLOPs per call "
+           f"(rules on: {', '.join(sorted(plan.rules)) or 'none'})",
+           f"  {'kernel':<44} {'family':<11} {'bytes':>13} {'FLOPs':>13}  code"]
+    first = {}
+    for i, k in enumerate(kernels):
+        code = ""
+        if binaries:
+            b = binaries[i]
+            code = (f"same as {first[id(b)]}" if id(b) in first else
+                    "cached" if b.cache_hit else f"compiled in {b.seconds:.2f} s")
+            first.setdefault(id(b), k.name)
+        out.append(f"  {k.name:<44} {k.family:<11} {k.bytes:>13,} {k.flops:>13,}  {code}")
+    if level < 2:
+        return "\n".join(out)
+    shown = set()
+    for i, k in enumerate(kernels):
+        out += ["", f"=== {k.name} ({k.family}): {k.bytes:,} bytes, {k.flops:,} FLOPs", "--- Loop IR", format_kernel(k)]
+        if level >= 3 and sources:
+            out += ["--- source", text_of(sources[i].readable).rstrip()]
+        if level >= 4 and binaries:
+            b = binaries[i]
+            out.append("--- ISA")
+            if id(b) in shown:
+                out.append(f"(the same code as {first[id(b)]})")
+                continue
+            shown.add(id(b))
+            try:
+                isa = device.compiler.disassemble(b)
+            except (RuntimeError, OSError, ValueError) as e:        # e.g. no llvm-objdump for AMDGPU
+                isa = f"(no ISA: {e})"
+            out.append(isa.rstrip() if isa else f"(no disassembler for {device.name})")
+    return "\n".join(out)
