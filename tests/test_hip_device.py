@@ -18,11 +18,13 @@ import types
 import numpy as np
 import pytest
 
+from codegen.codeobject import CodeObject
 from engine.devices import hip as H
+from engine.devices.rocm import HipUnavailable, find_hiprtc
 
 try:
-    H.find_hiprtc()
-except H.HipUnavailable as e:
+    find_hiprtc()
+except HipUnavailable as e:
     pytest.skip(str(e), allow_module_level=True)
 
 from rocm.bindings import hip as real_hip  # noqa: E402
@@ -41,7 +43,7 @@ def gpu_present():
     try:
         H.HIPDevice()
         return True
-    except H.HipUnavailable:
+    except HipUnavailable:
         return False
 
 
@@ -63,15 +65,15 @@ def kernels():
 # ----------------------------------------------------------------------------- no GPU
 @pytest.mark.skipif(HAVE_GPU, reason="an AMD GPU is present")
 def test_no_gpu_is_a_clear_error():
-    with pytest.raises(H.HipUnavailable, match="no AMD GPU visible to HIP") as ei:
+    with pytest.raises(HipUnavailable, match="no AMD GPU visible to HIP") as ei:
         H.HIPDevice()
     msg = str(ei.value)
     assert "hipGetDeviceCount" in msg and "HIPDevice.offline()" in msg and "cpu backend" in msg
     executable._DEVICES.pop("hip", None)
-    with pytest.raises(H.HipUnavailable, match="no AMD GPU"):
+    with pytest.raises(HipUnavailable, match="no AMD GPU"):
         executable.get_device("hip")
     assert "hip" not in executable._DEVICES
-    with pytest.raises(H.HipUnavailable, match="no AMD GPU"):
+    with pytest.raises(HipUnavailable, match="no AMD GPU"):
         dsl.jit(lambda x: x * 2.0, backend="hip")(np.ones(4, np.float32))
 
 
@@ -79,20 +81,20 @@ def test_runtime_failure_and_zero_devices_are_clear_errors(monkeypatch):
     def broken():
         raise RuntimeError("cannot open libamdhip64.so")
     monkeypatch.setattr(rocm.bindings, "hip", types.SimpleNamespace(hipGetDeviceCount=broken))
-    with pytest.raises(H.HipUnavailable, match="HIP runtime failed to start.*cannot open libamdhip64"):
+    with pytest.raises(HipUnavailable, match="HIP runtime failed to start.*cannot open libamdhip64"):
         H.HIPDevice()
     monkeypatch.setattr(rocm.bindings, "hip", types.SimpleNamespace(hipGetDeviceCount=lambda: (OK, 0)))
-    with pytest.raises(H.HipUnavailable, match="no AMD GPU visible to HIP .*hipSuccess, 0 devices"):
+    with pytest.raises(HipUnavailable, match="no AMD GPU visible to HIP .*hipSuccess, 0 devices"):
         H.HIPDevice()
     monkeypatch.setattr(rocm.bindings, "hip", types.SimpleNamespace(hipGetDeviceCount=lambda: (OK, 1)))
-    with pytest.raises(H.HipUnavailable, match="no HIP device 3: 1 AMD GPU"):
+    with pytest.raises(HipUnavailable, match="no HIP device 3: 1 AMD GPU"):
         H.HIPDevice(3)
 
 
 def test_offline_device_refuses_gpu_work():
     dev = H.HIPDevice.offline()
     assert not dev.online and not dev.graphs and "offline" in repr(dev)
-    with pytest.raises(H.HipUnavailable, match="hipMalloc: this HIPDevice was made by HIPDevice.offline"):
+    with pytest.raises(HipUnavailable, match="hipMalloc: this HIPDevice was made by HIPDevice.offline"):
         dev.empty((4,), "f32")
 
 
@@ -111,7 +113,7 @@ def test_compile_many_decode_kernels(cache_dir, kernels):
     cks = dev.compile_many(kernels)
     assert [ck.kernel for ck in cks] == list(kernels)
     for k, ck in zip(kernels, cks):
-        assert isinstance(ck.binary, H.CodeObject) and ck.binary.arch == "gfx906"
+        assert isinstance(ck.binary, CodeObject) and ck.binary.arch == "gfx906"
         assert ck.binary.kernel_symbols() == ["canonical"]
         assert ck.function is None                                 # offline: nothing loaded
         assert f'extern "C" __global__' in ck.source and k.name in ck.source   # readable source

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from engine.devices.hip import HipUnavailable, find_hiprtc
+from engine.devices.rocm import HipUnavailable, find_hiprtc
 
 try:
     find_hiprtc()

@@ -19,11 +19,9 @@ import os
 
 import numpy as np
 
-from codegen.codeobject import CodeObject, pack_kernargs  # noqa: F401
+from codegen.codeobject import pack_kernargs
 from engine.devices.gpu import NP_DTYPES, DeviceArray, GPUDevice, GPUKernel, ScalarSlots  # noqa: F401
-from engine.devices.rocm import (  # noqa: F401  (the device's compiler, and names callers know from here)
-    INSTALL_HINT, HipCompileError, HiprtcCompiler, HipUnavailable, amd_target, compile_hip, find_hiprtc,
-)
+from engine.devices.rocm import INSTALL_HINT, HiprtcCompiler, HipUnavailable, amd_target, find_hiprtc
 
 
 class HipError(RuntimeError):

@@ -1,0 +1,237 @@
+"""The pipeline (engine/pipeline.py): typecheck, debug levels, and the one build-and-cache
+(engine/build.py) that every device compiles through.  CPU only; results are checked against
+the float64 reference interpreter."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dsl
+from codegen.loopir import Bin, Const, Kernel, Load, Loop, Param, Store, Sym
+from dsl.core import DSLError
+from engine import pipeline
+from engine.build import Binary, Compiler, build, render
+from engine.codecache import CodeCache
+from engine.devices.cpu import CPUDevice, LLVMCompiler
+from stdlib import nn
+
+REPO = Path(__file__).resolve().parent.parent
+rng = np.random.default_rng()
+
+
+def randn(*shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def block(x, g, w, r):
+    h = nn.rms_norm(x, g, 1e-5)
+    return r + nn.silu(nn.linear(h, w))
+
+
+def block_args():
+    return randn(1, 64), randn(64), randn(48, 64, dtype=np.float16), randn(1, 48)
+
+
+def check_against_reference(jf, args, ex):
+    want = jf.lower(*args).program.run(*dsl.tree_flatten(list(args))[0], compute_dtype="f64")
+    got = dsl.tree_flatten(ex(*dsl.tree_flatten(list(args))[0]))[0]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-3, atol=2e-3)
+
+
+# ----------------------------------------------------------------------------- the pipeline
+def test_compile_program_runs_every_pass_and_matches_the_reference(monkeypatch):
+    seen = []
+    real = pipeline.simplify
+    monkeypatch.setattr(pipeline, "simplify", lambda k: seen.append(k.name) or real(k))
+    jf = dsl.jit(block, backend="cpu")
+    args = block_args()
+    ex = pipeline.compile_program(jf, args)
+    assert seen == [k.name for k in ex.plan.kernels] and len(ex.kernels) == len(seen) >= 1
+    assert [ck.kernel for ck in ex.kernels] == ex.plan.kernels
+    check_against_reference(jf, args, ex)
+    assert jf.compile(*args).plan.kernels[0].name == ex.plan.kernels[0].name      # dsl.jit takes the same path
+
+
+def test_reference_backend_has_no_kernels_but_a_plan():
+    jf = dsl.jit(block, backend="reference")
+    args = block_args()
+    ex = pipeline.compile_program(jf, args)
+    assert ex.device is None and ex.kernels == [] and ex.plan.kernels
+    check_against_reference(jf, args, ex)
+
+
+# ----------------------------------------------------------------------------- typecheck
+def test_typecheck_accepts_traced_and_parsed_programs():
+    low = dsl.jit(block).lower(*block_args())
+    pipeline.typecheck(low.program)
+    pipeline.typecheck(dsl.parse_ir(low.as_text()))
+
+
+def test_typecheck_names_the_equation_whose_recorded_type_is_wrong():
+    jf = dsl.jit(block)
+    low = jf.lower(*block_args())
+    eqn = next(e for e in low.program.eqns if e.prim.name == "logistic")
+    eqn.out.shape = (1, 47)                                   # the rule gives (1, 48)
+    with pytest.raises(DSLError) as ei:
+        low.compile()
+    msg = str(ei.value)
+    assert msg.startswith(eqn.source) and "logistic: output recorded as f32[1,47] but the rule gives f32[1,48]" in msg
+    assert "\n" not in msg
+
+
+def test_typecheck_finds_use_before_definition_and_undefined_outputs():
+    prog = dsl.parse_ir("{ lambda a:f32[3] ;\n  let b:f32[3] = exp a\n      c:f32[3] = mul b a\n  in ( c ) }")
+    prog.eqns.reverse()
+    with pytest.raises(DSLError, match=r"equation 0: mul: input f32\[3\] is used before any equation defines it"):
+        pipeline.typecheck(prog)
+    prog.eqns.reverse()
+    prog.outputs.append(dsl.core.Var((2,), "f32"))
+    with pytest.raises(DSLError, match=r"program output 1 \(f32\[2\]\) is neither an input nor computed"):
+        pipeline.typecheck(prog)
+
+
+# ----------------------------------------------------------------------------- debug levels
+def compile_with_debug(level, monkeypatch, capsys):
+    monkeypatch.setenv("VEGAFUSE_DEBUG", str(level))
+    jf = dsl.jit(block, backend="cpu")
+    args = block_args()
+    capsys.readouterr()
+    ex = jf.compile(*args)
+    err = capsys.readouterr().err
+    check_against_reference(jf, args, ex)
+    jf.compile(*args)                                         # cached: nothing printed again
+    assert capsys.readouterr().err == ""
+    return ex, err
+
+
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
+def test_debug_levels(level, monkeypatch, capsys):
+    ex, err = compile_with_debug(level, monkeypatch, capsys)
+    k = ex.plan.kernels[0]
+    n = len(ex.plan.kernels)
+    assert err.startswith(f"vegafuse: {n} kernel{'s' * (n != 1)} on cpu, {sum(k.bytes for k in ex.plan.kernels):,} bytes")
+    assert re.search(rf"^  {re.escape(k.name)} +{k.family} +{k.bytes:,} +{k.flops:,} ", err, re.M), err
+    assert ("--- Loop IR" in err and f"kernel {k.name} [{k.family}](" in err) == (level >= 2)
+    assert ("--- source" in err and f'define void @"{k.name}"' in err) == (level >= 3)
+    sym = ex.kernels[0].symbol
+    assert ("--- ISA" in err and re.search(rf"^{sym}:", err, re.M) is not None) == (level >= 4)
+    if level >= 4:
+        assert re.search(r"^\s+(ret|retq)\b", err, re.M)       # host assembly, not IR
+
+
+def test_debug_off_prints_nothing_and_bad_levels_are_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("VEGAFUSE_DEBUG", "0")
+    dsl.jit(block)(*block_args())
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("VEGAFUSE_DEBUG", "verbose")
+    with pytest.raises(ValueError, match=r"^VEGAFUSE_DEBUG='verbose' is not a debug level; use 0 \(off\) to 4$"):
+        dsl.jit(block).compile(*block_args())
+
+
+# ----------------------------------------------------------------------------- build
+def scale_kernel(name, factor, n=37):
+    i = Sym("i", "i32")
+    return Kernel(name, "elementwise", (Param("x", "f32", shape=(n,)), Param(f"{name}_out", "f32", shape=(n,), role="out")),
+                  (Loop("i", Const(0, "i32"), Const(n, "i32"),
+                        (Store(f"{name}_out", i, Bin("mul", Load("x", i, "f32"), Const(factor, "f32"))),), True),),
+                  bytes=8 * n, flops=n)
+
+
+class CountingCompiler(Compiler):
+    """A stand-in compiler: the 'code' is the source's bytes; counts compiles."""
+    jobs = 4
+    identity = {"kind": "test", "compiler": "counting 1"}
+
+    def __init__(self, fail_on=None):
+        super().__init__()
+        self.calls, self.fail_on = [], fail_on
+
+    def render(self, kernel):
+        return f"// {kernel.name}\n{kernel.body!r}"
+
+    def compile(self, source, name):
+        if self.fail_on and self.fail_on in source:
+            raise RuntimeError(f"kernel {name}: cannot compile")
+        self.calls.append(name)
+        return source.encode()
+
+
+def test_build_compiles_each_distinct_kernel_once_and_caches_on_disk(tmp_path):
+    kernels = [scale_kernel(f"layer{i}", 2.0) for i in range(5)] + [scale_kernel(f"other{i}", 3.0) for i in range(3)]
+    cache, comp = CodeCache(tmp_path), CountingCompiler()
+    sources = render(kernels, comp)
+    assert len({s.text for s in sources}) == 2 and sources[1].readable.startswith("// layer1")
+    binaries = build(sources, comp, cache)
+    assert sorted(comp.calls) == ["layer0", "other0"] and cache.stats["misses"] == 2
+    assert binaries[0] is binaries[4] and binaries[0] is not binaries[5]
+    assert all(isinstance(b, Binary) and b.code == s.text.encode() for s, b in zip(sources, binaries))
+    assert build(sources, comp, cache)[0] is binaries[0] and cache.stats["hits"] == 0    # kept in memory
+    fresh = CountingCompiler()                                                         # a new process, say
+    again = build(render(kernels, fresh), fresh, cache)
+    assert fresh.calls == [] and cache.stats["hits"] == 2 and all(b.cache_hit for b in again)
+
+
+def test_build_error_names_the_kernel_and_stores_nothing(tmp_path):
+    cache, comp = CodeCache(tmp_path), CountingCompiler(fail_on="3.0")
+    with pytest.raises(RuntimeError, match="kernel bad: cannot compile"):
+        build(render([scale_kernel("good", 2.0), scale_kernel("bad", 3.0)], comp), comp, cache)
+    assert len(list(tmp_path.glob("objects/*/*.bin"))) <= 1                          # only the good one
+
+
+def test_cpu_objects_from_the_disk_cache_run_and_corrupt_ones_are_rebuilt(tmp_path):
+    cache = CodeCache(tmp_path)
+    k = scale_kernel("scale", 1.5)
+    first = LLVMCompiler()
+    (b0,) = build(render([k], first), first, cache)
+    (entry,) = tmp_path.glob("objects/*/*.bin")
+    blob = entry.read_bytes()
+    entry.write_bytes(blob[:len(blob) // 2])
+    second = LLVMCompiler()
+    (b1,) = build(render([k], second), second, cache)
+    assert not b1.cache_hit and cache.stats["corrupt"] == 1 and entry.read_bytes() == blob
+    third = LLVMCompiler()
+    sources = render([k], third)
+    (b2,) = build(sources, third, cache)
+    assert b2.cache_hit and b2.code == b0.code and b2.entry == b0.entry
+    (ck,) = CPUDevice().load(sources, [b2])
+    x, out = randn(37), np.full(37, np.nan, np.float32)
+    ck({"x": x, "scale_out": out})
+    np.testing.assert_allclose(out, x.astype(np.float64) * 1.5, rtol=1e-6)
+
+
+CHILD = r"""
+import json, os, sys
+import numpy as np
+import dsl
+from engine.build import code_cache
+from engine.devices import cpu
+from tests.test_pipeline import block
+if sys.argv[1] == "nobuild":
+    def forbidden(self, source, name):
+        raise AssertionError(f"compiled {name} although the cache should have hit")
+    cpu.LLVMCompiler.compile = forbidden
+rng = np.random.default_rng(0)
+args = (rng.standard_normal((1, 64)).astype("f4"), rng.standard_normal(64).astype("f4"),
+        rng.standard_normal((48, 64)).astype("f2"), rng.standard_normal((1, 48)).astype("f4"))
+y = dsl.jit(block, backend="cpu")(*args)
+print(json.dumps({"stats": code_cache().stats, "y": np.asarray(y).tolist()}))
+"""
+
+
+def test_second_process_compiles_nothing(tmp_path):
+    env = dict(os.environ, VEGAFUSE_CACHE_DIR=str(tmp_path), VEGAFUSE_DEBUG="0")
+    runs = []
+    for mode in ("build", "nobuild"):
+        p = subprocess.run([sys.executable, "-c", CHILD, mode], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert runs[0]["stats"]["misses"] >= 1 and runs[0]["stats"]["hits"] == 0
+    assert runs[1]["stats"]["misses"] == 0 and runs[1]["stats"]["hits"] == runs[0]["stats"]["misses"]
+    assert runs[0]["y"] == runs[1]["y"]
