@@ -43,16 +43,13 @@ def compile_program(f, args=(), traced=None) -> Executable:
     ``dsl.jit.Lowered``) on ``f.backend``.  Raises ``DSLError`` for an invalid program, the
     device's compile error (naming the kernel and the failing line) for code that does not build."""
     traced = traced or f.lower(*args)                                      # trace
-    plan = lower_program(traced, f.fusion)                                 # typecheck .. simplify
-    device = get_device(f.backend)                                         # None: the interpreter
+    plan = lower_program(traced, f.fusion)                                 # typecheck, partition, lower, simplify
+    device = get_device(f.backend)                                         # None: the reference interpreter
     sources = render(plan.kernels, device.compiler) if device else []      # LLVM IR / HIP C++
     binaries = build(sources, device.compiler) if device else []           # compile + code cache
-    executable = Executable(traced.program, traced.out_tree, plan, device,
-                            device.load(sources, binaries) if device else [], f.backend)
-    level = debug_level()
-    if level:
-        print(debug_report(level, plan, sources, binaries, device), file=sys.stderr)
-    return executable
+    kernels = device.load(sources, binaries) if device else []
+    debug_print(plan, sources, binaries, device)                           # VEGAFUSE_DEBUG=1..4
+    return Executable(traced.program, traced.out_tree, plan, device, kernels, f.backend)
 
 
 def lower_program(traced, fusion=None):
@@ -106,6 +103,13 @@ def debug_level() -> int:
     if not (raw.isdigit() and 0 <= int(raw) <= 4):
         raise ValueError(f"VEGAFUSE_DEBUG={raw!r} is not a debug level; use 0 (off) to 4")
     return int(raw)
+
+
+def debug_print(plan, sources, binaries, device) -> None:
+    """Print :func:`debug_report` to stderr at ``$VEGAFUSE_DEBUG``'s level (nothing at 0)."""
+    level = debug_level()
+    if level:
+        print(debug_report(level, plan, sources, binaries, device), file=sys.stderr)
 
 
 def debug_report(level, plan, sources, binaries, device) -> str:

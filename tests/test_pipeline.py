@@ -235,3 +235,12 @@ def test_second_process_compiles_nothing(tmp_path):
     assert runs[0]["stats"]["misses"] >= 1 and runs[0]["stats"]["hits"] == 0
     assert runs[1]["stats"]["misses"] == 0 and runs[1]["stats"]["hits"] == runs[0]["stats"]["misses"]
     assert runs[0]["y"] == runs[1]["y"]
+
+
+def test_architecture_doc_opens_with_the_pipeline_as_written():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    code = (REPO / "engine" / "pipeline.py").read_text()
+    snippet = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert doc.index("```python") < doc.index("**Trace.**") and "def compile_program" in snippet
+    for line in snippet.splitlines():
+        assert line in code.splitlines(), f"docs/architecture.md shows a line that engine/pipeline.py lacks: {line!r}"
