@@ -244,3 +244,66 @@ def test_architecture_doc_opens_with_the_pipeline_as_written():
     assert doc.index("```python") < doc.index("**Trace.**") and "def compile_program" in snippet
     for line in snippet.splitlines():
         assert line in code.splitlines(), f"docs/architecture.md shows a line that engine/pipeline.py lacks: {line!r}"
+
+
+class FakeNVRTC:
+    """Stands in for cuda.bindings.nvrtc and .driver (no GPU here): records compiles; the 'cubin'
+    is the source's hash."""
+
+    def __init__(self):
+        self.compiled, self.loaded = [], []
+
+    def nvrtcVersion(self):
+        return 0, 12, 4
+
+    def nvrtcCreateProgram(self, src, name, n, headers, names):
+        return 0, (src, name)
+
+    def nvrtcCompileProgram(self, prog, n, opts):
+        self.compiled.append((prog[1].decode(), [o.decode() for o in opts]))
+        self.cubin = __import__("hashlib").sha256(prog[0]).digest()
+        return (0,)
+
+    def nvrtcGetCUBINSize(self, prog):
+        return 0, len(self.cubin)
+
+    def nvrtcGetCUBIN(self, prog, buf):
+        return (0,)
+
+    def cuModuleLoadData(self, code):
+        self.loaded.append(code)
+        return 0, f"module{len(self.loaded)}"
+
+    def cuModuleGetFunction(self, module, name):
+        return 0, (module, name.decode())
+
+
+def test_cuda_device_builds_through_the_shared_path(tmp_path, monkeypatch):
+    """The CUDA device's compile path without a GPU: NVRTC and the driver are stand-ins."""
+    from codegen.targets import get_target
+    from engine.devices.cuda import CUDADevice
+    from tests.decode_step import decode_plan
+    monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path))
+    kernels = decode_plan().kernels[:8]
+
+    def device():
+        dev = CUDADevice.__new__(CUDADevice)
+        dev.nvrtc = dev.drv = FakeNVRTC()
+        dev.target, dev._compiler, dev._functions = get_target("sm_90"), None, {}
+        return dev
+    dev = device()
+    cks = dev.compile_many(kernels)
+    distinct = len({s.text for s in render(kernels, dev.compiler)})
+    assert len(dev.nvrtc.compiled) == len(dev.nvrtc.loaded) == distinct < len(kernels)
+    name, opts = dev.nvrtc.compiled[0]
+    assert name == f"{kernels[0].name}.cu" and opts[:2] == ["--gpu-architecture=sm_90", "--std=c++17"]
+    assert [ck.kernel for ck in cks] == kernels and cks[1].function is cks[7].function     # layers share
+    assert cks[1].function[1] == "canonical" and kernels[1].name in cks[1].source
+    assert "__shfl_xor_sync" in cks[0].source                                # the NVIDIA flavour
+    again = device()
+    again.compile_many(kernels)
+    assert again.nvrtc.compiled == [] and len(again.nvrtc.loaded) == distinct    # the disk cache
+    wave64 = device()
+    wave64.target = get_target("sm_90", wave=64)                             # a new target: a new compiler
+    wave64.compile_many(kernels[:1])
+    assert wave64.compiler.target.wave == 64 and len(wave64.nvrtc.compiled) == 1
