@@ -307,3 +307,11 @@ def test_cuda_device_builds_through_the_shared_path(tmp_path, monkeypatch):
     wave64.target = get_target("sm_90", wave=64)                             # a new target: a new compiler
     wave64.compile_many(kernels[:1])
     assert wave64.compiler.target.wave == 64 and len(wave64.nvrtc.compiled) == 1
+
+
+def test_cpu_compile_error_names_the_kernel_and_the_line():
+    bad = 'define void @"canonical"(ptr %a) {\nentry:\n  %x = add i32 1, %nope\n  ret void\n}\n'
+    with pytest.raises(RuntimeError) as ei:
+        LLVMCompiler().compile(bad, "k007_demo")
+    msg = str(ei.value)
+    assert msg.startswith("LLVM kernel 'k007_demo' failed to compile") and ":3:19: error: use of undefined value '%nope'" in msg

@@ -612,7 +612,13 @@ class LLVMCompiler(Compiler):
         return mod, tm
 
     def compile(self, source: str, name: str) -> bytes:
-        mod, tm = self.optimize(source, self.entry(source))
+        """Object code of ``source``; a RuntimeError naming kernel ``name`` and LLVM's first
+        complaint (with its line) if the IR does not parse or verify."""
+        try:
+            mod, tm = self.optimize(source, self.entry(source))
+        except (RuntimeError, ValueError) as e:
+            lines = str(e).strip().splitlines() or ["(no message)"]
+            raise RuntimeError(f"LLVM kernel {name!r} failed to compile: " + "\n  ".join(lines[:4])) from None
         return tm.emit_object(mod)
 
     def disassemble(self, binary) -> str:
