@@ -304,7 +304,7 @@ def test_cuda_device_builds_through_the_shared_path(tmp_path, monkeypatch):
     again.compile_many(kernels)
     assert again.nvrtc.compiled == [] and len(again.nvrtc.loaded) == distinct    # the disk cache
     wave64 = device()
-    wave64.target = get_target("sm_90", wave=64)                             # a new target: a new compiler
+    wave64.target = get_target("sm_90_wave64")                              # a new target: a new compiler
     wave64.compile_many(kernels[:1])
     assert wave64.compiler.target.wave == 64 and len(wave64.nvrtc.compiled) == 1
 

@@ -76,7 +76,7 @@ def test_elementwise_primitive_against_float64(name):
 def test_every_elementwise_primitive_compiles_for_gfx906():
     """All ops and dtypes in one kernel each per dtype kind, rendered and compiled with hiprtc."""
     try:
-        from engine.devices.hip import HipUnavailable, compile_hip, find_hiprtc
+        from engine.devices.rocm import HipUnavailable, compile_hip, find_hiprtc
         find_hiprtc()
     except (ImportError, HipUnavailable) as e:
         pytest.skip(f"hiprtc unavailable: {e}")

@@ -19,9 +19,10 @@ import os
 
 import numpy as np
 
-from codegen.codeobject import pack_kernargs
+from codegen.codeobject import CodeObject, pack_kernargs  # noqa: F401
 from engine.devices.gpu import NP_DTYPES, DeviceArray, GPUDevice, GPUKernel, ScalarSlots  # noqa: F401
 from engine.devices.rocm import INSTALL_HINT, HiprtcCompiler, HipUnavailable, amd_target, find_hiprtc
+from engine.devices.rocm import HipCompileError, compile_hip  # noqa: F401  (they lived here before)
 
 
 class HipError(RuntimeError):
