@@ -315,3 +315,25 @@ def test_cpu_compile_error_names_the_kernel_and_the_line():
         LLVMCompiler().compile(bad, "k007_demo")
     msg = str(ei.value)
     assert msg.startswith("LLVM kernel 'k007_demo' failed to compile") and ":3:19: error: use of undefined value '%nope'" in msg
+
+
+def test_debug_level_4_prints_gfx906_isa(tmp_path, monkeypatch):
+    """The GPU side of the debug levels, on an offline gfx906 device (hiprtc, no GPU)."""
+    from engine.devices.rocm import HipUnavailable, find_hiprtc
+    try:
+        find_hiprtc()
+        from codegen.codeobject import find_llvm_tool
+        find_llvm_tool("llvm-objdump")
+    except HipUnavailable as e:
+        pytest.skip(str(e))
+    from engine.devices.hip import HIPDevice
+    monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path))
+    low = dsl.jit(block).lower(*block_args())
+    plan = pipeline.lower_program(low)
+    dev = HIPDevice.offline()
+    sources = render(plan.kernels, dev.compiler)
+    text = pipeline.debug_report(4, plan, sources, build(sources, dev.compiler), dev)
+    k = plan.kernels[0]
+    assert text.startswith(f"vegafuse: {len(plan.kernels)} kernel") and "on hip" in text
+    assert f'extern "C" __global__' in text and k.name in text                 # the HIP source
+    assert "v_dot2_f32_f16" in text and "s_endpgm" in text                     # gfx906 ISA
