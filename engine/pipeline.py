@@ -117,7 +117,8 @@ def debug_report(level, plan, sources, binaries, device) -> str:
     kernels = plan.kernels
     total_b, total_f = sum(k.bytes for k in kernels), sum(k.flops for k in kernels)
     where = device.name if device is not None else "reference (interpreted)"
-    out = [f"vegafuse: {len(kernels)} kernel{'s' * (len(kernels) != 1)} on {where}, {total_b:,} bytes and {total_f:,} FLOPs per call "
+    n = len(kernels)
+    out = [f"vegafuse: {n} kernel{'s' * (n != 1)} on {where}, {total_b:,} bytes and {total_f:,} FLOPs per call "
            f"(rules on: {', '.join(sorted(plan.rules)) or 'none'})",
            f"  {'kernel':<44} {'family':<11} {'bytes':>13} {'FLOPs':>13}  code"]
     first = {}

@@ -115,7 +115,8 @@ def test_debug_levels(level, monkeypatch, capsys):
     ex, err = compile_with_debug(level, monkeypatch, capsys)
     k = ex.plan.kernels[0]
     n = len(ex.plan.kernels)
-    assert err.startswith(f"vegafuse: {n} kernel{'s' * (n != 1)} on cpu, {sum(k.bytes for k in ex.plan.kernels):,} bytes")
+    total = sum(k.bytes for k in ex.plan.kernels)
+    assert err.startswith(f"vegafuse: {n} kernel{'s' * (n != 1)} on cpu, {total:,} bytes")
     assert re.search(rf"^  {re.escape(k.name)} +{k.family} +{k.bytes:,} +{k.flops:,} ", err, re.M), err
     assert ("--- Loop IR" in err and f"kernel {k.name} [{k.family}](" in err) == (level >= 2)
     assert ("--- source" in err and f'define void @"{k.name}"' in err) == (level >= 3)
@@ -137,7 +138,8 @@ def test_debug_off_prints_nothing_and_bad_levels_are_one_line(monkeypatch, capsy
 # ----------------------------------------------------------------------------- build
 def scale_kernel(name, factor, n=37):
     i = Sym("i", "i32")
-    return Kernel(name, "elementwise", (Param("x", "f32", shape=(n,)), Param(f"{name}_out", "f32", shape=(n,), role="out")),
+    params = (Param("x", "f32", shape=(n,)), Param(f"{name}_out", "f32", shape=(n,), role="out"))
+    return Kernel(name, "elementwise", params,
                   (Loop("i", Const(0, "i32"), Const(n, "i32"),
                         (Store(f"{name}_out", i, Bin("mul", Load("x", i, "f32"), Const(factor, "f32"))),), True),),
                   bytes=8 * n, flops=n)
@@ -314,7 +316,8 @@ def test_cpu_compile_error_names_the_kernel_and_the_line():
     with pytest.raises(RuntimeError) as ei:
         LLVMCompiler().compile(bad, "k007_demo")
     msg = str(ei.value)
-    assert msg.startswith("LLVM kernel 'k007_demo' failed to compile") and ":3:19: error: use of undefined value '%nope'" in msg
+    assert msg.startswith("LLVM kernel 'k007_demo' failed to compile")
+    assert ":3:19: error: use of undefined value '%nope'" in msg
 
 
 def test_debug_level_4_prints_gfx906_isa(tmp_path, monkeypatch):

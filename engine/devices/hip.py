@@ -19,10 +19,10 @@ import os
 
 import numpy as np
 
-from codegen.codeobject import CodeObject, pack_kernargs  # noqa: F401
+from codegen.codeobject import CodeObject, pack_kernargs  # noqa: F401  (CodeObject: importable from here too)
 from engine.devices.gpu import NP_DTYPES, DeviceArray, GPUDevice, GPUKernel, ScalarSlots  # noqa: F401
-from engine.devices.rocm import INSTALL_HINT, HiprtcCompiler, HipUnavailable, amd_target, find_hiprtc
-from engine.devices.rocm import HipCompileError, compile_hip  # noqa: F401  (they lived here before)
+from engine.devices.rocm import (  # noqa: F401  (compile_hip, HipCompileError: importable from here too)
+    INSTALL_HINT, HipCompileError, HiprtcCompiler, HipUnavailable, amd_target, compile_hip, find_hiprtc)
 
 
 class HipError(RuntimeError):
