@@ -2,20 +2,12 @@
 
 ``render_hip(kernel, target) -> HipKernel`` (source, entry name, launch geometry).
 
-The kernel body is the same text for every target: everything that differs
-(wave width, half types, the 16-byte load + dot product, the wave reduction)
-is written into a prelude from the target table (``codegen/targets.py``).
-
-Families and their GPU mapping:
-* contract (GEMV/matmul): the workgroup computes the prologue (RMSNorm included,
-  its sum of squares as a block reduction) into LDS once; each wave then owns
-  output rows, its lanes stride over k with 16-byte weight loads against the
-  activation in LDS, and a wave reduction feeds the epilogue on lane 0.
-* attention: one workgroup per (query head, query row); its waves split the
-  context 0..pos+t, lanes hold head-dim elements, partial softmax states are
-  combined with log-sum-exp in LDS.
-* elementwise / scatter / reduce: every thread runs the Loop IR body; each
-  parallel loop becomes a grid-stride loop.
+The kernel is first mapped to the GPU (``codegen/mapping.py``: which loop is the workgroup, the
+wave, the lane; the vector width; the k split; LDS; barriers).  Rendering is then a table of op
+templates and one function per statement kind; it decides nothing.  Everything that differs
+between targets for one mapping (wave width, half types, the 16-byte load + dot product, the
+wave reduction) is in the prelude written from the target table (``codegen/prelude.py``), so the
+same mapped kernel gives the same body text on every target.
 """
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from . import loopir as L
-from .loopir import ITEMSIZE
+from .mapping import map_kernel
 from .prelude import act_dtype, prelude  # noqa: F401  (prelude is re-exported)
 from .targets import Target, get_target, occupancy_lds
 
@@ -45,12 +37,17 @@ def _const(e: L.Const) -> str:
     return (s if ("." in s or "e" in s) else s + ".0") + "f" if e.dtype == "f32" else f"vf_f2h({s}f)"
 
 
+HW = {"lane": "vf_lane", "wave": "vf_wave", "thread": "threadIdx.x"}
+
+
 def expr(e) -> str:
     """C expression for a Loop IR expression.  f16 values are converted to f32 by explicit Casts."""
     if isinstance(e, L.Const):
         return _const(e)
     if isinstance(e, L.Sym):
         return e.name
+    if isinstance(e, L.Hw):
+        return HW[e.name]
     if isinstance(e, L.Load):
         return f"{e.buf}[{expr(e.index)}]"
     if isinstance(e, L.Un):
@@ -73,72 +70,202 @@ def expr(e) -> str:
 
 
 # ------------------------------------------------------------------------------------ statements
-def _is_reduction_loop(s):
-    """``for k: acc = op(acc, value)`` with op add/max: can run as a block-wide reduction."""
-    return isinstance(s, L.Loop) and s.body and all(
-        isinstance(a, L.Assign) and isinstance(a.value, L.Bin) and a.value.op in ("add", "max")
-        and a.value.a == L.Sym(a.name, "f32") for a in s.body)
+def _plus(lo, x):
+    """``lo + x`` without a ``0 +``."""
+    return x if isinstance(lo, L.Const) and lo.value == 0 else f"{expr(lo)} + {x}"
 
 
-def _argmax_loop(s):
-    """``for k: idx = v > best ? k : idx; best = max(best, v)``: the argmax that fusion emits."""
-    if not (isinstance(s, L.Loop) and len(s.body) == 2 and all(isinstance(a, L.Assign) for a in s.body)):
-        return None
-    a, b = s.body
-    if isinstance(a.value, L.Select) and isinstance(a.value.cond, L.Bin) and a.value.cond.op == "gt" \
-            and isinstance(b.value, L.Bin) and b.value.op == "max" and b.value.dtype == "f32" \
-            and a.value.a == L.Sym(s.var, "i32"):
-        return a.name, b.name
-    return None
+# first iteration and step of a loop per mapping ("{s}": waves per iteration of a wave loop)
+LOOP_MAP = {
+    "grid": ("blockIdx.x", "gridDim.x"),
+    "block": ("threadIdx.x", "VF_BLOCK"),
+    "thread": ("blockIdx.x * VF_BLOCK + threadIdx.x", "gridDim.x * VF_BLOCK"),
+    "wave": ("blockIdx.x * VF_WAVES + vf_wave", "gridDim.x * VF_WAVES"),
+    "wave_split": ("blockIdx.x * (VF_WAVES / {s}) + vf_wave / {s}", "gridDim.x * (VF_WAVES / {s})"),
+    "lane": ("vf_lane", "VF_WAVE"),
+}
+BLOCK_REDUCE = {"add": "{a} = vf_block_sum({a}, vf_red);", "max": "{a} = vf_block_max({a}, vf_red);",
+                "argmax": "vf_block_argmax(&{a}, &{i}, vf_red, vf_redi);"}
+WAVE_REDUCE = {"add": "{a} = vf_wave_sum({a});", "max": "{a} = vf_wave_max({a});"}
+VECTOR_DOT = {"f16": "vf_dot8_h", "f32": "vf_dot4_f"}
 
 
-def _has_reduction(body):
-    return any(_is_reduction_loop(s) or _argmax_loop(s) for s in L.walk_stmts(body))
+def _for(var, head, stop, step, pad):
+    return f"{pad}for (int {var} = {head}; {var} < {stop}; {var} {step}) {{"
 
 
-def stmts(body, ind, cooperative=False):
-    """C for a statement list.  Per-thread semantics; parallel loops become grid-stride loops.
-    ``cooperative``: reduction loops run block-wide (all threads of the workgroup take part)."""
-    out, pad = [], "  " * ind
-    for s in body:
-        if isinstance(s, L.Loop):
-            if cooperative and _argmax_loop(s):
-                idx, best = _argmax_loop(s)
-                out.append(f"{pad}for (int {s.var} = {expr(s.start)} + threadIdx.x; {s.var} < {expr(s.stop)}; "
-                           f"{s.var} += VF_BLOCK) {{")
-                out += stmts(s.body, ind + 1)
-                out.append(f"{pad}}}")
-                out.append(f"{pad}vf_block_argmax(&{best}, &{idx}, vf_red, vf_redi);")
-                continue
-            if cooperative and _is_reduction_loop(s):
-                out.append(f"{pad}for (int {s.var} = {expr(s.start)} + threadIdx.x; {s.var} < {expr(s.stop)}; "
-                           f"{s.var} += VF_BLOCK) {{")
-                out += stmts(s.body, ind + 1)
-                out.append(f"{pad}}}")
-                for a in s.body:
-                    fn = "vf_block_sum" if a.value.op == "add" else "vf_block_max"
-                    out.append(f"{pad}{a.name} = {fn}({a.name}, vf_red);")
-                continue
-            if s.parallel and cooperative:          # rows with reductions -> workgroups, else -> threads
-                unit, step = ("blockIdx.x", "gridDim.x") if _has_reduction(s.body) else ("threadIdx.x", "VF_BLOCK")
-                out.append(f"{pad}for (int {s.var} = {expr(s.start)} + {unit}; {s.var} < {expr(s.stop)}; "
-                           f"{s.var} += {step}) {{")
-            elif s.parallel:
-                out.append(f"{pad}for (int {s.var} = {expr(s.start)} + vf_tid; {s.var} < {expr(s.stop)}; "
-                           f"{s.var} += vf_nthreads) {{")
-            else:
-                out.append(f"{pad}for (int {s.var} = {expr(s.start)}; {s.var} < {expr(s.stop)}; ++{s.var}) {{")
-            out += stmts(s.body, ind + 1, cooperative)
-            out.append(f"{pad}}}")
-        elif isinstance(s, L.Declare):
-            out.append(f"{pad}{CTYPE[s.dtype]} {s.name} = {expr(s.init)};")
-        elif isinstance(s, L.Assign):
-            out.append(f"{pad}{s.name} = {expr(s.value)};")
-        elif isinstance(s, L.Array):
-            out.append(f"{pad}{CTYPE[s.dtype]} {s.name}[{s.size}];")
-        elif isinstance(s, L.Store):
-            out.append(f"{pad}{s.buf}[{expr(s.index)}] = {expr(s.value)};")
+def _loop(s, pad):
+    if s.map == "serial":
+        return [_for(s.var, expr(s.start), expr(s.stop), "++", pad).replace(f"{s.var} ++", f"++{s.var}")]
+    key = "wave_split" if s.map == "wave" and s.split > 1 else s.map
+    first, step = (x.format(s=s.split) for x in LOOP_MAP[key])
+    note = f"  // {s.split} waves per row, all take the same trips: barriers are safe" if s.split > 1 else ""
+    return [_for(s.var, _plus(s.start, first), expr(s.stop), f"+= {step}", pad) + note]
+
+
+def _reduce_update(s, a, pad):
+    """One iteration's update of accumulator ``a`` of ``s``."""
+    if s.vector > 1:                              # act[k] * w[row * K + k], checked by the mapping
+        w, act = (x.x if isinstance(x, L.Cast) else x for x in (a.value.b, a.value.a))
+        return [f"{pad}{a.name} = {VECTOR_DOT[w.dtype]}({a.name}, {w.buf} + {expr(w.index)}, {act.buf} + {s.var});"]
+    v = expr(a.value)
+    if a.op == "add":
+        return [f"{pad}{a.name} += {v};"]
+    if a.op == "max":
+        return [f"{pad}{a.name} = {'fmaxf' if a.dtype == 'f32' else 'max'}({a.name}, {v});"]
+    return [f"{pad}if ({v} > {a.name}) {{ {a.name} = {v}; {a.arg} = {s.var}; }}"]
+
+
+def _reduce(s, pad):
+    out = []
+    for a in s.accs:
+        out.append(f"{pad}{CTYPE[a.dtype]} {a.name} = {_const(a.init)};")
+        if a.arg:
+            out.append(f"{pad}int {a.arg} = 0;")
+    lo, hi = s.start, expr(s.stop)
+    if s.map == "serial":
+        out.append(_for(s.var, expr(lo), hi, "++", pad).replace(f"{s.var} ++", f"++{s.var}"))
+    elif s.map == "block":
+        out.append(_for(s.var, _plus(lo, "threadIdx.x"), hi, "+= VF_BLOCK", pad))
+    else:                                          # lane: vector elements per lane step, split waves
+        lane = "vf_lane" if s.vector == 1 else f"vf_lane * {s.vector}"
+        if s.split > 1:
+            chunk = (s.stop.value - s.start.value) // s.split
+            lo_ = L.add(s.start, L.Bin("mul", L.Bin("mod", L.Hw("wave"), L.c(s.split)), L.c(chunk)))
+            lo, hi = lo_, expr(L.add(lo_, L.c(chunk)))
+        if s.vector > 1:
+            out.append(f"{pad}VF_UNROLL_K")
+        out.append(_for(s.var, _plus(lo, lane), hi, f"+= VF_WAVE{'' if s.vector == 1 else f' * {s.vector}'}", pad))
+    for a in s.accs:
+        out += _reduce_update(s, a, pad + "  ")
+    out.append(f"{pad}}}")
+    if s.map == "block":
+        out += [pad + BLOCK_REDUCE[a.op].format(a=a.name, i=a.arg) for a in s.accs]
+    elif s.map == "lane":
+        out += [pad + WAVE_REDUCE[a.op].format(a=a.name) for a in s.accs]
+        if s.split > 1:                            # the waves sharing the row combine through LDS
+            n = len(s.accs)
+            out.append(f"{pad}if (vf_lane == 0) {{")
+            out += [f"{pad}  vf_part[vf_wave * {n} + {i}] = {a.name};" for i, a in enumerate(s.accs)]
+            out += [f"{pad}}}", f"{pad}__syncthreads();"]
+            first = f"(vf_wave - vf_wave % {s.split})"
+            for i, a in enumerate(s.accs):
+                terms = [f"vf_part[({first} + {q}) * {n} + {i}]" for q in range(s.split)]
+                out.append(f"{pad}{a.name} = {' + '.join(terms)};")
+            out.append(f"{pad}__syncthreads();")
     return out
+
+
+def _cond(e):
+    c = expr(e)
+    return c[1:-1] if c.startswith("(") and c.endswith(")") and isinstance(e, L.Bin) else c
+
+
+def _if(s, pad):
+    out = [f"{pad}if ({_cond(s.cond)}) {{"]
+    while True:
+        out += stmts(s.then, pad + "  ")
+        if len(s.orelse) == 1 and isinstance(s.orelse[0], L.If):
+            s = s.orelse[0]
+            out.append(f"{pad}}} else if ({_cond(s.cond)}) {{")
+            continue
+        if s.orelse:
+            out.append(f"{pad}}} else {{")
+            out += stmts(s.orelse, pad + "  ")
+        out.append(f"{pad}}}")
+        return out
+
+
+def _array(s, pad):
+    shared = "__shared__ " if s.space == "lds" else ""
+    return [f"{pad}{shared}{CTYPE[s.dtype]} {s.name}[{s.size}];"]
+
+
+STMT = {
+    L.Loop: lambda s, pad: _loop(s, pad) + stmts(s.body, pad + "  ") + [f"{pad}}}"],
+    L.Reduce: _reduce,
+    L.If: _if,
+    L.Declare: lambda s, pad: [f"{pad}{CTYPE[s.dtype]} {s.name} = {expr(s.init)};"],
+    L.Assign: lambda s, pad: [f"{pad}{s.name} = {expr(s.value)};"],
+    L.Array: _array,
+    L.Store: lambda s, pad: [f"{pad}{s.buf}[{expr(s.index)}] = {expr(s.value)};"],
+    L.Barrier: lambda s, pad: [f"{pad}__syncthreads();"],
+    L.Comment: lambda s, pad: [f"{pad}// {s.text}".rstrip()],
+    L.Attention: lambda s, pad: _attention(s, pad),
+}
+
+
+def stmts(body, pad="  "):
+    """C for a statement list of a mapped kernel."""
+    out = []
+    for s in body:
+        out += STMT[type(s)](s, pad)
+    return out
+
+
+def _attention(a: L.Attention, pad):
+    """One workgroup per (query head, query row); waves split the context, two positions per step,
+    lanes hold head-dim elements; the waves' partial softmax states combine with log-sum-exp."""
+    qd, kd, vd = a.dtypes
+    ld = lambda buf, idx, dt: f"vf_h2f({buf}[{idx}])" if dt == "f16" else f"{buf}[{idx}]"  # noqa: E731
+    src = f"""constexpr int D = {a.d}, S = {a.s}, T = {a.t}, DPL = (D + VF_WAVE - 1) / VF_WAVE;
+__shared__ float vf_m[VF_ATT_WAVES], vf_l[VF_ATT_WAVES], vf_o[VF_ATT_WAVES][D];
+const int h = blockIdx.x / T, t = blockIdx.x % T, kvh = h / {a.hq // a.hkv};
+const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;
+const int n = min({expr(a.pos)} + t + 1, S);        // positions 0..pos+t only
+const size_t qrow = ((size_t)h * T + t) * D;
+float q[DPL], o[DPL];
+#pragma unroll
+for (int j = 0; j < DPL; ++j) {{
+  const int d = vf_lane + j * VF_WAVE;
+  q[j] = d < D ? {ld(a.q, 'qrow + d', qd)} * {float(a.scale)!r}f : 0.0f;
+  o[j] = 0.0f;
+}}
+float mx = -VF_INF, l = 0.0f;
+// two positions per step, their K and V rows loaded before either is used (loads in flight)
+for (int s = vf_wave; s < n; s += 2 * VF_ATT_WAVES) {{
+  const int s2 = s + VF_ATT_WAVES;
+  const bool two = s2 < n;
+  const size_t row = ((size_t)kvh * S + s) * D, row2 = ((size_t)kvh * S + (two ? s2 : s)) * D;
+  float k1[DPL], v1[DPL], k2[DPL], v2[DPL];
+#pragma unroll
+  for (int j = 0; j < DPL; ++j) {{
+    const int d = vf_lane + j * VF_WAVE < D ? vf_lane + j * VF_WAVE : 0;
+    k1[j] = {ld(a.k, 'row + d', kd)}; v1[j] = {ld(a.v, 'row + d', vd)};
+    k2[j] = {ld(a.k, 'row2 + d', kd)}; v2[j] = {ld(a.v, 'row2 + d', vd)};
+  }}
+  float part = 0.0f, part2 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < DPL; ++j) {{
+    if (vf_lane + j * VF_WAVE < D) {{ part += q[j] * k1[j]; part2 += q[j] * k2[j]; }}
+  }}
+  const float sc = vf_wave_sum(part);
+  const float sc2 = two ? vf_wave_sum(part2) : -VF_INF;
+  const float mn = fmaxf(fmaxf(mx, sc), sc2), corr = expf(mx - mn), p = expf(sc - mn);
+  const float p2 = two ? expf(sc2 - mn) : 0.0f;
+  l = l * corr + p + p2;
+#pragma unroll
+  for (int j = 0; j < DPL; ++j) o[j] = o[j] * corr + p * v1[j] + p2 * v2[j];
+  mx = mn;
+}}
+// log-sum-exp combine of the waves' partial results
+if (vf_lane == 0) {{ vf_m[vf_wave] = mx; vf_l[vf_wave] = l; }}
+#pragma unroll
+for (int j = 0; j < DPL; ++j) {{
+  const int d = vf_lane + j * VF_WAVE;
+  if (d < D) vf_o[vf_wave][d] = o[j];
+}}
+__syncthreads();
+float M = -VF_INF;
+for (int w = 0; w < VF_ATT_WAVES; ++w) M = fmaxf(M, vf_m[w]);
+float L = 0.0f;
+for (int w = 0; w < VF_ATT_WAVES; ++w) L += vf_m[w] == -VF_INF ? 0.0f : vf_l[w] * expf(vf_m[w] - M);
+for (int d = threadIdx.x; d < D; d += VF_ATT_BLOCK) {{
+  float acc = 0.0f;
+  for (int w = 0; w < VF_ATT_WAVES; ++w) acc += vf_m[w] == -VF_INF ? 0.0f : vf_o[w][d] * expf(vf_m[w] - M);
+  {a.out}[qrow + d] = acc / L;
+}}"""
+    return [(pad + line) if line and not line.startswith("#") else line for line in src.split("\n")]
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -172,278 +299,40 @@ def _signature(k: L.Kernel) -> str:
     return ", ".join(args)
 
 
-def _scalars(k: L.Kernel, pad="  ") -> str:
-    return "".join(f"{pad}const int {p.name} = {p.name}_[0];\n" for p in k.params if p.kind == "scalar")
+def _uses_waves(body):
+    """Does the kernel text name ``vf_lane``/``vf_wave`` (outside the attention template)?"""
+    for s in L.walk_stmts(body):
+        if getattr(s, "map", "") in ("wave", "lane"):
+            return True
+        if any(isinstance(x, L.Hw) and x.name in ("lane", "wave") for e in L.stmt_exprs(s) for x in L.walk_exprs(e)):
+            return True
+    return False
 
 
-def _header(k: L.Kernel, how: str) -> str:
+def render_kernel(k: L.Kernel) -> str:
+    """The source of a mapped kernel (``codegen.mapping.map_kernel``), without the prelude."""
+    launch = k.launch
     lines = [f"// {k.name}: {k.family} kernel, {k.bytes} bytes moved, {k.flops} flops per call",
-             f"// {how}", "// fused DSL ops:"]
-    lines += [f"//   {op}" for op in k.ops]
-    return "\n".join(lines) + "\n"
-
-
-def _static_extent(e):
-    return e.value if isinstance(e, L.Const) else None
-
-
-def render_generic(k: L.Kernel, t: Target):
-    extents = [_static_extent(s.stop) or 1 for s in L.walk_stmts(k.body) if isinstance(s, L.Loop) and s.parallel]
-    threads = max(extents, default=1)
-    single = bool(k.meta.get("single_thread")) or _has_reduction(k.body)
-    how = ("mapping: a workgroup per row; reductions run block-wide, the row's elements over its threads"
-           if single else "mapping: every thread runs the body; parallel loops are grid-stride loops")
-    if single:
-        rows = [s for s in k.body if isinstance(s, L.Loop) and s.parallel and _has_reduction(s.body)]
-        threads = (_static_extent(rows[0].stop) or 1) * t.block if rows else 1
-    src = _header(k, how)
-    src += f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{\n'
-    src += "  VF_GRID_LAUNCH_DEPENDENTS();\n  VF_GRID_WAIT();                // inputs from the previous kernel are ready\n"
-    src += _scalars(k)
-    if single:
-        src += "  __shared__ float vf_red[VF_WAVES];\n  __shared__ int vf_redi[VF_WAVES];\n"
-    src += "  const int vf_tid = blockIdx.x * VF_BLOCK + threadIdx.x;\n"
-    src += "  const int vf_nthreads = gridDim.x * VF_BLOCK;\n"
-    src += "\n".join(stmts(k.body, 1, cooperative=single)) + "\n}\n"
-    grid = max(1, min(-(-threads // t.block), 65535))
-    return src, grid
-
-
-def _weight_dot(d, K, k_var, t):
-    """The inner loop of one GEMV row: 16-byte weight loads when the row is contiguous."""
-    contig = d["contig"]
-    if contig is not None and contig[1] in ("f16", "f32"):
-        per = 16 // ITEMSIZE[contig[1]]
-        if K % per == 0:
-            fn = "vf_dot8_h" if contig[1] == "f16" else "vf_dot4_f"
-            row = f"(size_t)({expr(contig[2])}) * {K}"
-            return ("vec", per, f"{d['acc']} = {fn}({d['acc']}, {contig[0]} + {row} + vf_k, vf_act + vf_k);")
-    return ("scalar", 1, f"{d['acc']} += vf_from_act(vf_act[{k_var}]) * ({expr(d['b'])});")
-
-
-def _prefetch(m, K, segs):
-    """Send each wave's first weight row towards L2 before the prologue, so that the prologue's
-    latency and the weights' overlap.  Only rows whose address needs no row variable."""
-    rowvars = set(m["row_vars"])
-    out, start, first = ["  {  // prefetch: this wave's first output row, while the prologue runs",
-                         "    const int vf_r0 = blockIdx.x * VF_WAVES + vf_wave;"], 0, True
-    for s in segs:
-        dots = [d for d in s["dots"] if d["contig"] is not None
-                and not any(isinstance(x, L.Sym) and x.name in rowvars for x in L.walk_exprs(d["contig"][2]))]
-        if dots:
-            per = 16 // ITEMSIZE[dots[0]["contig"][1]]
-            out.append(f"    {'if' if first else 'else if'} (vf_r0 >= {start} && vf_r0 < {start + s['N']}) {{")
-            out.append(f"      const int {s['n']} = vf_r0 - {start};")
-            out.append(f"      for (int vf_k = vf_lane * {per}; vf_k < {K}; vf_k += VF_WAVE * {per}) {{")
-            for d in dots:
-                out.append(f"        vf_prefetch({d['contig'][0]} + (size_t)({expr(d['contig'][2])}) * {K} + vf_k);")
-            out += ["      }", "    }"]
-            first = False
-        start += s["N"]
-    return out + ["  }"] if not first else []
-
-
-def ksplit(t: Target, k: L.Kernel) -> int:
-    """Waves per GEMV output row: when the rows cannot fill the chip with waves, 2 or 4 waves share
-    a row's k range and combine partial sums in LDS (more loads in flight, shorter chains)."""
-    if k.family != "contract":
-        return 1
-    K, total = k.meta["K"], sum(s["N"] for s in k.meta["segments"])
-    capacity = t.compute_units * t.blocks_per_cu * t.waves_per_block
-    ks = 1
-    # measured on an H200: splitting rows that fill half the chip (Qwen2.5-7B's O/down) lost 18%;
-    # split only rows that leave most of it idle
-    while ks < 4 and total * ks * 4 <= capacity and K % (ks * 2 * 8) == 0 and K // (ks * 2) >= 2 * 8 * t.wave:
-        ks *= 2
-    return ks
-
-
-def _segments(segs, K, t, pad, mode):
-    """Per-row code of every segment.  ``mode``: "whole" (the wave does all of k, then the
-    epilogue), "partial" (this wave's slice of k into LDS), "final" (sum the slices, epilogue)."""
-    lines, start = [], 0
-    for j, s in enumerate(segs):
-        lines.append(f"{pad}{'if' if j == 0 else '} else if'} (vf_r < {start + s['N']}) {{")
-        p2 = pad + "  "
-        lines.append(f"{p2}const int {s['n']} = vf_r - {start};")
-        if mode == "final":
-            for i, d in enumerate(s["dots"]):
-                lines.append(f"{p2}float {d['acc']} = vf_part[vf_wave][{i}];")
-                lines.append(f"{p2}for (int q = 1; q < VF_KSPLIT; ++q) {d['acc']} += vf_part[vf_wave + q][{i}];")
-            lines.append(f"{p2}{s['out']}[{expr(s['index'])}] = {expr(s['value'])};   // epilogue")
-            start += s["N"]
-            continue
-        for d in s["dots"]:
-            lines.append(f"{p2}float {d['acc']} = 0.0f;")
-        kinds = [_weight_dot(d, K, s["k"], t) for d in s["dots"]]
-        lo, hi = ("vf_p * (K_ / VF_KSPLIT)", "(vf_p + 1) * (K_ / VF_KSPLIT)") if mode == "partial" else ("0", "K_")
-        if all(kd[0] == "vec" for kd in kinds) and len({kd[1] for kd in kinds}) == 1:
-            per = kinds[0][1]
-            lines.append(f"{p2}VF_UNROLL_K")
-            lines.append(f"{p2}for (int vf_k = {lo} + vf_lane * {per}; vf_k < {hi}; vf_k += VF_WAVE * {per}) {{")
-            lines += [f"{p2}  {kd[2]}" for kd in kinds]
-        else:
-            lines.append(f"{p2}for (int {s['k']} = {lo} + vf_lane; {s['k']} < {hi}; {s['k']} += VF_WAVE) {{")
-            lines += [f"{p2}  {_weight_dot(dict(d, contig=None), K, s['k'], t)[2]}" for d in s["dots"]]
-        lines.append(f"{p2}}}")
-        for d in s["dots"]:
-            lines.append(f"{p2}{d['acc']} = vf_wave_sum({d['acc']});")
-        if mode == "partial":
-            lines += [f"{p2}if (vf_lane == 0) vf_part[vf_wave][{i}] = {d['acc']};" for i, d in enumerate(s["dots"])]
-        else:
-            lines.append(f"{p2}if (vf_lane == 0) {s['out']}[{expr(s['index'])}] = {expr(s['value'])};   // epilogue")
-        start += s["N"]
-    lines.append(f"{pad}}}")
-    return lines
-
-
-def render_contract(k: L.Kernel, t: Target):
-    m = k.meta
-    K, segs = m["K"], m["segments"]
-    total = sum(s["N"] for s in segs)
-    ndots = max(len(s["dots"]) for s in segs)
-    lines = [f'extern "C" __global__ void __launch_bounds__(VF_BLOCK) {k.name}({_signature(k)}) {{',
-             f"  constexpr int K_ = {K};",
-             "  __shared__ vf_act_t vf_act[K_];              // the activation, read from LDS in the main loop",
-             "  __shared__ float vf_red[VF_WAVES];",
-             "  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;"]
-    lines += ["  VF_GRID_LAUNCH_DEPENDENTS();"]
-    lines += _prefetch(m, K, segs)
-    lines += ["  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready"]
-    lines += _scalars(k).rstrip("\n").split("\n") if _scalars(k) else []
-    ind = 1
-    for v, n in zip(m["row_vars"], m["rows"]):
-        lines.append(f"{'  ' * ind}for (int {v} = 0; {v} < {n}; ++{v}) {{")
-        ind += 1
-    pad = "  " * ind
-    lines += stmts(m["row_stmts"], ind, cooperative=True)
-    lines += [f"{pad}// prologue: the activation row into LDS",
-              f"{pad}#pragma unroll 8",
-              f"{pad}for (int {m['kvar']} = threadIdx.x; {m['kvar']} < K_; {m['kvar']} += VF_BLOCK)",
-              f"{pad}  vf_act[{m['kvar']}] = vf_to_act({expr(m['prologue'])});",
-              f"{pad}__syncthreads();",
-              "#if VF_KSPLIT == 1",
-              f"{pad}// each wave owns output rows; lanes split k",
-              f"{pad}for (int vf_r = blockIdx.x * VF_WAVES + vf_wave; vf_r < {total}; vf_r += gridDim.x * VF_WAVES) {{"]
-    lines += _segments(segs, K, t, pad + "  ", "whole")
-    lines += [f"{pad}}}",
-              "#else",
-              f"{pad}// VF_KSPLIT waves share each output row: each takes a slice of k, then LDS combines them",
-              f"{pad}__shared__ float vf_part[VF_WAVES][{ndots}];",
-              f"{pad}const int vf_p = vf_wave % VF_KSPLIT;",
-              f"{pad}for (int vf_base = blockIdx.x * (VF_WAVES / VF_KSPLIT); vf_base < {total}; "
-              f"vf_base += gridDim.x * (VF_WAVES / VF_KSPLIT)) {{",
-              f"{pad}  const int vf_r = vf_base + vf_wave / VF_KSPLIT;     // uniform trip count: barriers are safe",
-              f"{pad}  if (vf_r < {total}) {{"]
-    lines += _segments(segs, K, t, pad + "    ", "partial")
-    lines += [f"{pad}  }}", f"{pad}  __syncthreads();",
-              f"{pad}  if (vf_r < {total} && vf_p == 0 && vf_lane == 0) {{"]
-    lines += _segments(segs, K, t, pad + "    ", "final")
-    lines += [f"{pad}  }}", f"{pad}  __syncthreads();", f"{pad}}}", "#endif", f"{pad}__syncthreads();"]
-    while ind > 1:
-        ind -= 1
-        lines.append(f"{'  ' * ind}}}")
-    lines.append("}")
-    how = (f"mapping: {K}-element activation in LDS; VF_KSPLIT waves per output row "
-           f"({total} rows), lanes stride k with 16-byte loads")
-    grid = max(1, min(-(-total * ksplit(t, k) // (t.waves_per_block * t.rows_per_wave)),
-                      t.compute_units * t.blocks_per_cu))
-    return _header(k, how) + "\n".join(lines) + "\n", grid
-
-
-def render_attention(k: L.Kernel, t: Target):
-    m = k.meta
-    D, S, T = m["D"], m["S"], m["T"]
-    group = m["Hq"] // m["Hkv"]
-    qd, kd, vd = m["dtypes"]
-    ld = lambda buf, idx, dt: f"vf_h2f({buf}[{idx}])" if dt == "f16" else f"{buf}[{idx}]"  # noqa: E731
-    src = f"""extern "C" __global__ void __launch_bounds__(VF_ATT_BLOCK) {k.name}({_signature(k)}) {{
-  // one workgroup per (query head, query row); waves split the context, lanes hold head-dim elements
-  VF_GRID_LAUNCH_DEPENDENTS();
-  VF_GRID_WAIT();
-{_scalars(k)}  constexpr int D = {D}, S = {S}, T = {T}, DPL = (D + VF_WAVE - 1) / VF_WAVE;
-  __shared__ float vf_m[VF_ATT_WAVES], vf_l[VF_ATT_WAVES], vf_o[VF_ATT_WAVES][D];
-  const int h = blockIdx.x / T, t = blockIdx.x % T, kvh = h / {group};
-  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;
-  const int n = min({expr(m['pos'])} + t + 1, S);        // positions 0..pos+t only
-  const size_t qrow = ((size_t)h * T + t) * D;
-  float q[DPL], o[DPL];
-#pragma unroll
-  for (int j = 0; j < DPL; ++j) {{
-    const int d = vf_lane + j * VF_WAVE;
-    q[j] = d < D ? {ld(m['q'], 'qrow + d', qd)} * {float(m['scale'])!r}f : 0.0f;
-    o[j] = 0.0f;
-  }}
-  float mx = -VF_INF, l = 0.0f;
-  // two positions per step, their K and V rows loaded before either is used (loads in flight)
-  for (int s = vf_wave; s < n; s += 2 * VF_ATT_WAVES) {{
-    const int s2 = s + VF_ATT_WAVES;
-    const bool two = s2 < n;
-    const size_t row = ((size_t)kvh * S + s) * D, row2 = ((size_t)kvh * S + (two ? s2 : s)) * D;
-    float k1[DPL], v1[DPL], k2[DPL], v2[DPL];
-#pragma unroll
-    for (int j = 0; j < DPL; ++j) {{
-      const int d = vf_lane + j * VF_WAVE < D ? vf_lane + j * VF_WAVE : 0;
-      k1[j] = {ld(m['k'], 'row + d', kd)}; v1[j] = {ld(m['v'], 'row + d', vd)};
-      k2[j] = {ld(m['k'], 'row2 + d', kd)}; v2[j] = {ld(m['v'], 'row2 + d', vd)};
-    }}
-    float part = 0.0f, part2 = 0.0f;
-#pragma unroll
-    for (int j = 0; j < DPL; ++j) {{
-      if (vf_lane + j * VF_WAVE < D) {{ part += q[j] * k1[j]; part2 += q[j] * k2[j]; }}
-    }}
-    const float sc = vf_wave_sum(part);
-    const float sc2 = two ? vf_wave_sum(part2) : -VF_INF;
-    const float mn = fmaxf(fmaxf(mx, sc), sc2), corr = expf(mx - mn), p = expf(sc - mn);
-    const float p2 = two ? expf(sc2 - mn) : 0.0f;
-    l = l * corr + p + p2;
-#pragma unroll
-    for (int j = 0; j < DPL; ++j) o[j] = o[j] * corr + p * v1[j] + p2 * v2[j];
-    mx = mn;
-  }}
-  // log-sum-exp combine of the waves' partial results
-  if (vf_lane == 0) {{ vf_m[vf_wave] = mx; vf_l[vf_wave] = l; }}
-#pragma unroll
-  for (int j = 0; j < DPL; ++j) {{
-    const int d = vf_lane + j * VF_WAVE;
-    if (d < D) vf_o[vf_wave][d] = o[j];
-  }}
-  __syncthreads();
-  float M = -VF_INF;
-  for (int w = 0; w < VF_ATT_WAVES; ++w) M = fmaxf(M, vf_m[w]);
-  float L = 0.0f;
-  for (int w = 0; w < VF_ATT_WAVES; ++w) L += vf_m[w] == -VF_INF ? 0.0f : vf_l[w] * expf(vf_m[w] - M);
-  for (int d = threadIdx.x; d < D; d += VF_ATT_BLOCK) {{
-    float acc = 0.0f;
-    for (int w = 0; w < VF_ATT_WAVES; ++w) acc += vf_m[w] == -VF_INF ? 0.0f : vf_o[w][d] * expf(vf_m[w] - M);
-    {m['out']}[qrow + d] = acc / L;
-  }}
-}}
-"""
-    how = "mapping: workgroup per (head, row); context split over waves; log-sum-exp combine"
-    return _header(k, how) + src, m["Hq"] * T
-
-
-RENDERERS = {"contract": render_contract, "attention": render_attention}
+             f"// mapping: {launch.how}",
+             f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
+    arrays = [s for s in k.body if isinstance(s, L.Array)]
+    lines += stmts(arrays)
+    if _uses_waves(k.body):
+        lines.append("  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;")
+    lines += ["  VF_GRID_LAUNCH_DEPENDENTS();",
+              "  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready"]
+    lines += [f"  const int {p.name} = {p.name}_[0];" for p in k.params if p.kind == "scalar"]
+    lines += stmts([s for s in k.body if not isinstance(s, L.Array)])
+    return "\n".join(lines + ["}"]) + "\n"
 
 
 def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
-    """HIP source of one kernel for ``target`` (a name or a Target), with its launch geometry."""
+    """HIP source of one kernel for ``target`` (a name or a Target), with its launch geometry.
+    ``k`` is mapped for ``target`` first unless it is mapped already (then only the prelude
+    comes from ``target``)."""
     t = get_target(target) if isinstance(target, str) else target
-    body, grid = RENDERERS.get(k.family, render_generic)(k, t)
-    block = t.attention_block if k.family == "attention" else t.block
-    act = act_dtype(t, k.meta["K"] if k.family == "contract" else 0)
-    head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, act)
-            + f"#define VF_KSPLIT {ksplit(t, k)}\n")
-    src = head + "\n" + body
-    static = _static_lds(k, t)
-    return HipKernel(k.name, src, (grid, 1, 1), (block, 1, 1), occupancy_lds(t, static, block), k, t, len(head) + 1)
-
-
-def _static_lds(k, t):
-    if k.family == "contract":
-        act = 2 if act_dtype(t, k.meta["K"]) == "f16" else 4
-        return k.meta["K"] * act + 4 * t.waves_per_block
-    if k.family == "attention":
-        return 4 * (t.attention_block // t.wave) * (2 + k.meta["D"])
-    return 0
+    m = L.tidy_names(map_kernel(k, t), reserved=("vf_lane", "vf_wave"))
+    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act)
+    src = head + "\n" + render_kernel(m)
+    lds = occupancy_lds(t, m.launch.lds, m.launch.block)
+    return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

@@ -30,8 +30,8 @@ import re
 import numpy as np
 from llvmlite import ir
 
-from .loopir import (Array, Assign, Bin, Cast, Const, Declare, Kernel, Load, Loop, Select, Store, Sym, Un,
-                     format_expr, format_kernel)
+from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel, Load, Loop,
+                     Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, serial_reduce)
 from .loopir import spelling as op_spelling
 
 I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()
@@ -266,7 +266,29 @@ class _Renderer:
         b.cbranch(cond, body, exit_)
         b.position_at_end(exit_)
 
-    STMT = {Loop: loop, Declare: declare, Assign: assign, Array: array, Store: store}
+    def reduce(self, s, env):
+        """A Reduce is a serial loop on the CPU (its GPU mapping is ignored)."""
+        self.stmts(serial_reduce(s), env)     # declares the results in ``env``
+
+    def if_(self, s, env):
+        b, fn = self.b, self.b.function
+        cond = self.expr(s.cond, env)
+        then, other, done = (fn.append_basic_block(x) for x in ("if.then", "if.else", "if.end"))
+        b.cbranch(cond, then, other)
+        for block, body in ((then, s.then), (other, s.orelse)):
+            b.position_at_end(block)
+            self.stmts(body, dict(env))
+            b.branch(done)
+        b.position_at_end(done)
+
+    def nothing(self, s, env):
+        pass
+
+    def attention(self, s, env):
+        self.stmts(expand_attention(s), env)
+
+    STMT = {Loop: loop, Declare: declare, Assign: assign, Array: array, Store: store, Reduce: reduce, If: if_,
+            Barrier: nothing, Comment: nothing, Attention: attention}
 
     # ---- functions
     def render(self, symbol):

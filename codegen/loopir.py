@@ -25,14 +25,33 @@ Statements
         only compute locals (no Store), unless the kernel runs on one thread.
     Declare(name, dtype, init)          mutable local scalar
     Assign(name, value)                 ``name = value``
-    Array(name, dtype, size)            local scratch array (registers/LDS/stack)
+    Array(name, dtype, size, space)     local scratch array: ``space`` "local" (registers/stack) or
+                                        "lds" (shared by the threads of a workgroup)
     Store(buf, index, value)            ``buf[index] = value``
+    Reduce(var, start, stop, accs)      a reduction loop as one statement: declares each ``Acc``
+                                        (add | max | argmax), folds its value over ``var``;
+                                        afterwards every thread holds the results
+    If(cond, then, orelse)              conditional statements
+    Barrier()                           every thread of the workgroup waits here (GPU only)
+    Comment(text)                       a section comment in the rendered source
+    Attention(...)                      online-softmax attention over a KV cache; the CPU renders
+                                        ``expand_attention``, the GPU a template from its fields
+
+Hardware mapping.  ``codegen/mapping.py`` records how a kernel runs on a GPU: ``Loop.map`` and
+``Reduce.map`` say which hardware unit takes the iterations ("serial", "grid": workgroups,
+"block": the threads of a workgroup, "wave": the waves of the grid, one iteration each, "lane":
+the lanes of one wave, "thread": every thread of the grid); ``Reduce.vector`` the elements one
+lane folds per step (a 16-byte load); ``split`` how many waves share one iteration of a wave loop
+(and one lane reduction, combined through LDS); ``Kernel.launch`` the grid and block.  Mapped
+expressions may use ``Hw("lane" | "wave" | "thread")``.  The CPU renders unmapped kernels.
 
 All indices are flat element offsets (i32) into contiguous buffers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+
+from dataclasses import dataclass, replace
 from typing import Union
 
 DTYPES = ("f32", "f16", "i32", "bool")
@@ -142,17 +161,30 @@ class Cast:
     dtype: str
 
 
-Expr = Union[Const, Sym, Load, Un, Bin, Select, Cast]
+@dataclass(frozen=True)
+class Hw:
+    """A hardware index of a mapped GPU kernel: "lane" (in its wave), "wave" (in its workgroup),
+    "thread" (in its workgroup)."""
+    name: str
+    dtype: str = "i32"
+
+
+Expr = Union[Const, Sym, Load, Un, Bin, Select, Cast, Hw]
 
 
 # ----------------------------------------------------------------------------- statements
+MAPS = ("serial", "grid", "block", "wave", "lane", "thread")
+
+
 @dataclass(frozen=True)
 class Loop:
     var: str
     start: Expr
     stop: Expr
     body: tuple
-    parallel: bool = False
+    parallel: bool = False        # iterations are independent (the CPU splits them across threads)
+    map: str = "serial"           # MAPS: the GPU unit that takes the iterations
+    split: int = 1                # map="wave": waves per iteration (uniform trip count for barriers)
 
 
 @dataclass(frozen=True)
@@ -173,6 +205,7 @@ class Array:
     name: str
     dtype: str
     size: int
+    space: str = "local"          # "local" | "lds"
 
 
 @dataclass(frozen=True)
@@ -182,7 +215,79 @@ class Store:
     value: Expr
 
 
-Stmt = Union[Loop, Declare, Assign, Array, Store]
+ACC_OPS = ("add", "max", "argmax")
+
+
+@dataclass(frozen=True)
+class Acc:
+    """One result of a ``Reduce``: ``name`` (a new local of ``dtype``) = op over the loop of
+    ``value``.  argmax: ``name`` holds the largest value, ``arg`` (a new i32 local) the first
+    iteration that reached it."""
+    name: str
+    op: str
+    value: Expr
+    dtype: str = "f32"
+    arg: str = ""
+
+    @property
+    def init(self):
+        if self.op == "add":
+            return Const(0.0 if self.dtype == "f32" else 0, self.dtype)
+        return Const(float("-inf"), "f32") if self.dtype == "f32" else Const(-2 ** 31, "i32")
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """``for var in range(start, stop)``: fold every ``Acc``.  ``map``: serial, block or lane;
+    ``vector``: elements per lane step (each Acc value is then ``act[var] * weight[row + var]``,
+    checked by the mapping step); ``split``: waves sharing the range, combined through LDS."""
+    var: str
+    start: Expr
+    stop: Expr
+    accs: tuple
+    map: str = "serial"
+    vector: int = 1
+    split: int = 1
+
+
+@dataclass(frozen=True)
+class If:
+    cond: Expr
+    then: tuple
+    orelse: tuple = ()
+
+
+@dataclass(frozen=True)
+class Barrier:
+    pass
+
+
+@dataclass(frozen=True)
+class Comment:
+    text: str
+
+
+@dataclass(frozen=True)
+class Attention:
+    """out[h, t, :] = softmax(q[h, t] . k[h / group, s] * scale over s <= pos + t) @ v[h / group, s].
+
+    q [hq, t, d], k and v [hkv, s, d] (dtypes in ``dtypes``), out [hq, t, d] f32; ``pos`` an i32
+    expression, already clamped to [0, s - t]."""
+    q: str
+    k: str
+    v: str
+    out: str
+    dtypes: tuple
+    hq: int
+    hkv: int
+    t: int
+    s: int
+    d: int
+    pos: Expr
+    scale: float
+
+
+Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention]
 
 
 @dataclass(frozen=True)
@@ -202,9 +307,23 @@ class Param:
         return n
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How a mapped kernel launches: ``grid`` workgroups of ``block`` threads (``bounds``: the
+    prelude macro naming that size); ``lds`` static LDS bytes; ``act`` the dtype a GEMV keeps its
+    activation in (the prelude's ``vf_act_t``); ``how`` one line for the source header."""
+    grid: int
+    block: int
+    bounds: str
+    how: str
+    lds: int = 0
+    act: str = "f32"
+
+
 @dataclass
 class Kernel:
-    """One launch.  ``ops`` lists the DSL equations fused into it (for reports and source headers)."""
+    """One launch.  ``ops`` describes the DSL equations fused into it (for reports), ``eqns`` holds
+    them; ``launch`` is set by the GPU mapping step (``codegen/mapping.py``)."""
     name: str
     family: str                   # "elementwise" | "reduce" | "contract" | "scatter" | "attention"
     params: tuple
@@ -212,7 +331,8 @@ class Kernel:
     ops: tuple = ()
     bytes: int = 0                # bytes read + written per call (static estimate)
     flops: int = 0
-    meta: dict = field(default_factory=dict)
+    eqns: tuple = ()
+    launch: Launch = None
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -271,19 +391,217 @@ def children(e):
     return ()
 
 
+def sub_bodies(s):
+    """The statement lists nested in ``s``."""
+    if isinstance(s, Loop):
+        return (s.body,)
+    if isinstance(s, If):
+        return (s.then, s.orelse)
+    return ()
+
+
 def walk_stmts(body):
     """Yield every statement, depth first."""
     for s in body:
         yield s
+        for b in sub_bodies(s):
+            yield from walk_stmts(b)
+
+
+def stmt_exprs(s):
+    """The expressions a statement evaluates directly (not those of nested statements)."""
+    if isinstance(s, Loop):
+        return (s.start, s.stop)
+    if isinstance(s, Declare):
+        return (s.init,)
+    if isinstance(s, Assign):
+        return (s.value,)
+    if isinstance(s, Store):
+        return (s.index, s.value)
+    if isinstance(s, Reduce):
+        return (s.start, s.stop) + tuple(a.value for a in s.accs)
+    if isinstance(s, If):
+        return (s.cond,)
+    if isinstance(s, Attention):
+        return (s.pos,)
+    return ()
+
+
+# ----------------------------------------------------------------------------- rewriting
+def rewrite_expr(e, fn):
+    """Rebuild ``e`` bottom-up; ``fn(node)`` returns a replacement or None to keep the node."""
+    if isinstance(e, Load):
+        e = Load(e.buf, rewrite_expr(e.index, fn), e.dtype)
+    elif isinstance(e, Un):
+        e = Un(e.op, rewrite_expr(e.x, fn))
+    elif isinstance(e, Bin):
+        e = Bin(e.op, rewrite_expr(e.a, fn), rewrite_expr(e.b, fn))
+    elif isinstance(e, Select):
+        e = Select(rewrite_expr(e.cond, fn), rewrite_expr(e.a, fn), rewrite_expr(e.b, fn))
+    elif isinstance(e, Cast):
+        e = Cast(rewrite_expr(e.x, fn), e.dtype)
+    r = fn(e)
+    return e if r is None else r
+
+
+def rewrite(body, ex=lambda e: e, name=lambda n: n):
+    """``body`` with every expression mapped by ``ex`` and every bound or referenced local,
+    buffer and array name by ``name``."""
+    def st(s):
         if isinstance(s, Loop):
-            yield from walk_stmts(s.body)
+            return replace(s, var=name(s.var), start=ex(s.start), stop=ex(s.stop), body=rewrite(s.body, ex, name))
+        if isinstance(s, Declare):
+            return Declare(name(s.name), s.dtype, ex(s.init))
+        if isinstance(s, Assign):
+            return Assign(name(s.name), ex(s.value))
+        if isinstance(s, Array):
+            return replace(s, name=name(s.name))
+        if isinstance(s, Store):
+            return Store(name(s.buf), ex(s.index), ex(s.value))
+        if isinstance(s, Reduce):
+            accs = tuple(replace(a, name=name(a.name), value=ex(a.value), arg=name(a.arg) if a.arg else "")
+                         for a in s.accs)
+            return replace(s, var=name(s.var), start=ex(s.start), stop=ex(s.stop), accs=accs)
+        if isinstance(s, If):
+            return If(ex(s.cond), rewrite(s.then, ex, name), rewrite(s.orelse, ex, name))
+        if isinstance(s, Attention):
+            return replace(s, q=name(s.q), k=name(s.k), v=name(s.v), out=name(s.out), pos=ex(s.pos))
+        return s
+    return tuple(st(s) for s in body)
 
 
+def fold(e):
+    """Fold i32 ``+ 0``, ``* 1``, ``* 0`` and constant operands (after a substitution)."""
+    def f(x):
+        if isinstance(x, Bin) and x.a.dtype == "i32" and x.op in ("add", "mul"):
+            return (add if x.op == "add" else mul)(x.a, x.b)
+        if isinstance(x, Bin) and x.op in ("min", "max") and isinstance(x.a, Const) and isinstance(x.b, Const):
+            return Const((min if x.op == "min" else max)(x.a.value, x.b.value), x.a.dtype)
+        return None
+    return rewrite_expr(e, f)
+
+
+def substitute(body, values):
+    """``body`` with each Sym named in ``values`` replaced by its expression, indices folded."""
+    def ex(e):
+        return fold(rewrite_expr(e, lambda x: values.get(x.name) if isinstance(x, Sym) else None))
+    return rewrite(body, ex)
+
+
+def drop_unit_loops(body):
+    """Loops of one trip become their body with the loop variable replaced by its start."""
+    out = []
+    for s in body:
+        if isinstance(s, Loop) and isinstance(s.start, Const) and isinstance(s.stop, Const) \
+                and s.stop.value - s.start.value == 1:
+            out += drop_unit_loops(substitute(s.body, {s.var: s.start}))
+        elif isinstance(s, Loop):
+            out.append(replace(s, body=drop_unit_loops(s.body)))
+        elif isinstance(s, If):
+            out.append(If(s.cond, drop_unit_loops(s.then), drop_unit_loops(s.orelse)))
+        else:
+            out.append(s)
+    return tuple(out)
+
+
+def local_names(body):
+    """Every name a statement list binds: loop variables, locals, arrays, reduction results."""
+    out = []
+    for s in walk_stmts(body):
+        if isinstance(s, Loop):
+            out.append(s.var)
+        elif isinstance(s, (Declare, Array)):
+            out.append(s.name)
+        elif isinstance(s, Reduce):
+            out.append(s.var)
+            out += [n for a in s.accs for n in (a.name, a.arg) if n]
+    return list(dict.fromkeys(out))
+
+
+def tidy_names(k: "Kernel", reserved=()) -> "Kernel":
+    """Locals named after what they hold, without the counters that keep them unique while
+    lowering (``acc_w_gate_47`` -> ``acc_w_gate``); a number is added back only on a clash."""
+    taken = {p.name for p in k.params} | set(reserved)
+    names = {}
+    for n in local_names(k.body):
+        base = re.sub(r"_\d+$", "", n) or n
+        new, i = base, 1
+        while new in taken:
+            new, i = f"{base}{i}", i + 1
+        taken.add(new)
+        names[n] = new
+
+    def ex(e):
+        return rewrite_expr(e, lambda x: Sym(names[x.name], x.dtype) if isinstance(x, Sym) and x.name in names
+                            else Load(names[x.buf], x.index, x.dtype) if isinstance(x, Load) and x.buf in names
+                            else None)
+    return replace(k, body=rewrite(k.body, ex, lambda n: names.get(n, n)))
+
+
+def serial_reduce(r: Reduce):
+    """A Reduce as plain statements: each Acc declared with its identity, then one loop."""
+    v = Sym(r.var, "i32")
+    decls, upd = [], []
+    for a in r.accs:
+        acc = Sym(a.name, a.dtype)
+        decls.append(Declare(a.name, a.dtype, a.init))
+        if a.op == "argmax":
+            decls.append(Declare(a.arg, "i32", Const(0, "i32")))
+            upd.append(Assign(a.arg, Select(Bin("gt", a.value, acc), v, Sym(a.arg, "i32"))))
+            upd.append(Assign(a.name, Bin("max", acc, a.value)))
+        else:
+            upd.append(Assign(a.name, Bin(a.op, acc, a.value)))
+    return tuple(decls) + (Loop(r.var, r.start, r.stop, tuple(upd)),)
+
+
+# ----------------------------------------------------------------------------- attention on loops
+def expand_attention(a: Attention):
+    """The attention statement as plain loops (the CPU's rendering): per (head, query row), an
+    online softmax over positions 0..pos+t with the running max, sum and output row."""
+    p = f"att_{a.out}_"
+    h, t, s, dd = (Sym(p + x, "i32") for x in ("h", "t", "s", "d"))
+    f = lambda n: Sym(p + n, "f32")  # noqa: E731
+    group = a.hq // a.hkv
+    qrow = linear_index((h, t), (a.hq, a.t))
+    kvrow = linear_index((Bin("idiv", h, c(group)), s), (a.hkv, a.s))
+
+    def ld(buf, row, dt):
+        x = Load(buf, add(mul(row, c(a.d)), dd), dt)
+        return x if dt == "f32" else Cast(x, "f32")
+    stop = Bin("min", add(add(a.pos, t), c(1)), c(a.s))
+    o = p + "o"
+    step = (
+        Reduce(dd.name, c(0), c(a.d), (Acc(p + "dot", "add", Bin("mul", ld(a.q, qrow, a.dtypes[0]),
+                                                                     ld(a.k, kvrow, a.dtypes[1]))),)),
+        Declare(p + "sc", "f32", Bin("mul", f("dot"), Const(a.scale, "f32"))),
+        Declare(p + "mn", "f32", Bin("max", f("m"), f("sc"))),
+        Declare(p + "corr", "f32", Un("exp", Bin("sub", f("m"), f("mn")))),
+        Declare(p + "p", "f32", Un("exp", Bin("sub", f("sc"), f("mn")))),
+        Assign(p + "l", Bin("add", Bin("mul", f("l"), f("corr")), f("p"))),
+        Loop(dd.name, c(0), c(a.d), (Store(o, dd, Bin("add", Bin("mul", Load(o, dd, "f32"), f("corr")),
+                                                      Bin("mul", f("p"), ld(a.v, kvrow, a.dtypes[2])))),)),
+        Assign(p + "m", f("mn")),
+    )
+    per_query = (
+        Declare(p + "m", "f32", Const(float("-inf"), "f32")),
+        Declare(p + "l", "f32", Const(0.0, "f32")),
+        Array(o, "f32", a.d),
+        Loop(dd.name, c(0), c(a.d), (Store(o, dd, Const(0.0, "f32")),)),
+        Loop(s.name, c(0), stop, step),
+        Loop(dd.name, c(0), c(a.d), (Store(a.out, add(mul(qrow, c(a.d)), dd),
+                                           Bin("div", Load(o, dd, "f32"), f("l"))),)),
+    )
+    return (Loop(h.name, c(0), c(a.hq), (Loop(t.name, c(0), c(a.t), per_query),), parallel=True),)
+
+
+# ----------------------------------------------------------------------------- printing
 def format_expr(e):
     if isinstance(e, Const):
         return repr(e.value)
     if isinstance(e, Sym):
         return e.name
+    if isinstance(e, Hw):
+        return f"%{e.name}"
     if isinstance(e, Load):
         return f"{e.buf}[{format_expr(e.index)}]"
     if isinstance(e, Un):
@@ -297,34 +615,64 @@ def format_expr(e):
     raise TypeError(e)
 
 
+def _mapping(s):
+    m = [] if s.map == "serial" else [s.map]
+    if getattr(s, "vector", 1) > 1:
+        m.append(f"vector={s.vector}")
+    if s.split > 1:
+        m.append(f"split={s.split}")
+    return f" [{', '.join(m)}]" if m else ""
+
+
 def format_kernel(k: Kernel) -> str:
     """Readable pseudo-code of a kernel (for debugging and reports)."""
     lines = [f"kernel {k.name} [{k.family}]("
              + ", ".join(f"{p.name}:{p.dtype}{list(p.shape) if p.kind == 'buffer' else ''}" for p in k.params) + ")"]
+    if k.launch is not None:
+        lines.append(f"  launch grid={k.launch.grid} block={k.launch.block} lds={k.launch.lds}: {k.launch.how}")
 
     def emit(body, ind):
         for s in body:
             pad = "  " * ind
             if isinstance(s, Loop):
                 par = " parallel" if s.parallel else ""
-                lines.append(f"{pad}for{par} {s.var} in [{format_expr(s.start)}, {format_expr(s.stop)}):")
+                lines.append(f"{pad}for{par} {s.var} in [{format_expr(s.start)}, {format_expr(s.stop)}){_mapping(s)}:")
                 emit(s.body, ind + 1)
+            elif isinstance(s, Reduce):
+                lines.append(f"{pad}reduce {s.var} in [{format_expr(s.start)}, {format_expr(s.stop)}){_mapping(s)}:")
+                for a in s.accs:
+                    arg = f", {a.arg}" if a.arg else ""
+                    lines.append(f"{pad}  {a.dtype} {a.name}{arg} = {a.op}({format_expr(a.value)})")
+            elif isinstance(s, If):
+                lines.append(f"{pad}if {format_expr(s.cond)}:")
+                emit(s.then, ind + 1)
+                if s.orelse:
+                    lines.append(f"{pad}else:")
+                    emit(s.orelse, ind + 1)
             elif isinstance(s, Declare):
                 lines.append(f"{pad}{s.dtype} {s.name} = {format_expr(s.init)}")
             elif isinstance(s, Assign):
                 lines.append(f"{pad}{s.name} = {format_expr(s.value)}")
             elif isinstance(s, Array):
-                lines.append(f"{pad}{s.dtype} {s.name}[{s.size}]")
+                space = " lds" if s.space == "lds" else ""
+                lines.append(f"{pad}{s.dtype}{space} {s.name}[{s.size}]")
             elif isinstance(s, Store):
                 lines.append(f"{pad}{s.buf}[{format_expr(s.index)}] = {format_expr(s.value)}")
+            elif isinstance(s, Barrier):
+                lines.append(f"{pad}barrier")
+            elif isinstance(s, Comment):
+                lines.append(f"{pad}# {s.text}")
+            elif isinstance(s, Attention):
+                lines.append(f"{pad}{s.out} = attention({s.q}, {s.k}, {s.v}, pos={format_expr(s.pos)}, "
+                             f"heads={s.hq}/{s.hkv}, t={s.t}, s={s.s}, d={s.d}, scale={s.scale!r})")
     emit(k.body, 1)
     return "\n".join(lines)
 
 
 def canonicalize(k: Kernel) -> Kernel:
     """The same kernel with parameters named p0, p1, ... and locals v0, v1, ... in order of
-    appearance.  Kernels that differ only in names (the same layer, 30 times) become equal,
-    so a backend compiles each distinct kernel once."""
+    appearance, without comments.  Kernels that differ only in names (the same layer, 30 times)
+    become equal, so a backend compiles each distinct kernel once."""
     names = {p.name: f"p{i}" for i, p in enumerate(k.params)}
 
     def n(x):
@@ -333,48 +681,23 @@ def canonicalize(k: Kernel) -> Kernel:
         return names[x]
 
     def ex(e):
-        if isinstance(e, Sym):
-            return Sym(n(e.name), e.dtype)
-        if isinstance(e, Load):
-            return Load(n(e.buf), ex(e.index), e.dtype)
-        if isinstance(e, Un):
-            return Un(e.op, ex(e.x))
-        if isinstance(e, Bin):
-            return Bin(e.op, ex(e.a), ex(e.b))
-        if isinstance(e, Select):
-            return Select(ex(e.cond), ex(e.a), ex(e.b))
-        if isinstance(e, Cast):
-            return Cast(ex(e.x), e.dtype)
-        return e
+        return rewrite_expr(e, lambda x: Sym(n(x.name), x.dtype) if isinstance(x, Sym)
+                            else Load(n(x.buf), x.index, x.dtype) if isinstance(x, Load) else None)
 
-    def st(s):
-        if isinstance(s, Loop):
-            return Loop(n(s.var), ex(s.start), ex(s.stop), tuple(st(b) for b in s.body), s.parallel)
-        if isinstance(s, Declare):
-            return Declare(n(s.name), s.dtype, ex(s.init))
-        if isinstance(s, Assign):
-            return Assign(n(s.name), ex(s.value))
-        if isinstance(s, Array):
-            return Array(n(s.name), s.dtype, s.size)
-        return Store(n(s.buf), ex(s.index), ex(s.value))
-
-    def meta(v):            # family metadata (GPU templates): rename the names it mentions
-        if isinstance(v, (Const, Sym, Load, Un, Bin, Select, Cast)):
-            return ex(v)
-        if isinstance(v, (Loop, Declare, Assign, Array, Store)):
-            return st(v)
-        if isinstance(v, str):
-            return names.get(v, v)
-        if isinstance(v, dict):
-            return {key: meta(x) for key, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(meta(x) for x in v)
-        return v
-
+    def strip(body):
+        out = []
+        for s in body:
+            if isinstance(s, Comment):
+                continue
+            if isinstance(s, Loop):
+                s = replace(s, body=strip(s.body))
+            elif isinstance(s, If):
+                s = If(s.cond, strip(s.then), strip(s.orelse))
+            out.append(s)
+        return tuple(out)
     params = tuple(Param(names[p.name], p.dtype, p.kind, p.shape, p.role) for p in k.params)
-    body = tuple(st(s) for s in k.body)
-    info = {key: meta(v) for key, v in k.meta.items() if key != "eqns"}
-    return Kernel("canonical", k.family, params, body, (), k.bytes, k.flops, info)
+    body = rewrite(strip(k.body), ex, n)
+    return Kernel("canonical", k.family, params, body, (), k.bytes, k.flops, (), k.launch)
 
 
 ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
@@ -387,23 +710,39 @@ def traffic(k: Kernel) -> int:
     params = {p.name: p for p in k.params if p.kind == "buffer"}
     reach = {}
 
+    def touch(name, extent):
+        if name in params and reach.get(name, 0) is not None:
+            reach[name] = None if extent is None else max(reach.get(name, 0), extent)
+
     def visit_expr(e, extent):
         for x in walk_exprs(e):
-            if isinstance(x, Load) and x.buf in params and reach.get(x.buf, 0) is not None:
-                reach[x.buf] = None if extent is None else max(reach[x.buf] if x.buf in reach else 0, extent)
+            if isinstance(x, Load):
+                touch(x.buf, extent)
+
+    def trips(s, extent):
+        n = s.stop.value - s.start.value if isinstance(s.stop, Const) and isinstance(s.start, Const) else None
+        return extent * n if n is not None and extent is not None else None
 
     def visit(body, extent):
         for s in body:
             if isinstance(s, Loop):
-                n = s.stop.value - s.start.value if isinstance(s.stop, Const) and isinstance(s.start, Const) else None
-                visit(s.body, extent * n if n is not None and extent is not None else None)
+                visit(s.body, trips(s, extent))
+            elif isinstance(s, Reduce):
+                for a in s.accs:
+                    visit_expr(a.value, trips(s, extent))
+            elif isinstance(s, If):
+                visit_expr(s.cond, extent)
+                visit(s.then, extent)
+                visit(s.orelse, extent)
             elif isinstance(s, Store):
-                if s.buf in params and reach.get(s.buf, 0) is not None:
-                    reach[s.buf] = None if extent is None else max(reach.get(s.buf, 0), extent)
+                touch(s.buf, extent)
                 visit_expr(s.value, extent)
                 visit_expr(s.index, extent)
             elif isinstance(s, (Declare, Assign)):
                 visit_expr(s.init if isinstance(s, Declare) else s.value, extent)
+            elif isinstance(s, Attention):
+                for name in (s.q, s.k, s.v, s.out):
+                    touch(name, None)
 
     def cap(name, n):
         size = params[name].size

@@ -28,10 +28,8 @@ _counter = itertools.count()
 
 
 def fresh(prefix):
-    return f"{prefix}{next(_counter)}"
-
-
-REDUCE_INIT = {"reduce_sum": 0.0, "reduce_max": float("-inf"), "argmax": float("-inf")}
+    """A unique local name: ``prefix`` and a counter (``codegen.loopir.tidy_names`` drops it)."""
+    return f"{prefix}_{next(_counter)}"
 
 
 class Builder:
@@ -96,25 +94,15 @@ class Builder:
         (x,) = e.inputs
         k = fresh("k")
         body = self.expr(x, idx + (L.Sym(k, "i32"),))
-        acc = fresh("acc")
         # floats accumulate in f32 whatever their storage dtype; integers in i32
         at = "f32" if x.dtype in ("f16", "f32") else "i32"
-        init = L.Const(REDUCE_INIT[e.prim.name], "f32") if at == "f32" else \
-            L.Const(0 if e.prim.name == "reduce_sum" else -2 ** 31, "i32")
         val = body if body.dtype == at else L.Cast(body, at)
-        if e.prim.name == "argmax":
-            best = fresh("best")
-            stmts = [L.Declare(best, at, init), L.Declare(acc, "i32", L.Const(0, "i32"))]
-            better = L.Bin("gt", val, L.Sym(best, at))
-            loop_body = (L.Assign(acc, L.Select(better, L.Sym(k, "i32"), L.Sym(acc, "i32"))),
-                         L.Assign(best, L.Bin("max", L.Sym(best, at), val)))
-            result = L.Sym(acc, "i32")
-        else:
-            stmts = [L.Declare(acc, at, init)]
-            op = "add" if e.prim.name == "reduce_sum" else "max"
-            loop_body = (L.Assign(acc, L.Bin(op, L.Sym(acc, at), val)),)
-            result = L.Sym(acc, at)
-        stmts.append(L.Loop(k, L.c(0), L.c(x.shape[-1]), loop_body))
+        op = {"reduce_sum": "add", "reduce_max": "max", "argmax": "argmax"}[e.prim.name]
+        squares = isinstance(body, L.Bin) and body.op == "mul" and body.a == body.b
+        acc = fresh({"add": "sum_sq" if squares else "sum", "max": "mx", "argmax": "best"}[op])
+        arg = fresh("arg") if op == "argmax" else ""
+        stmts = [L.Reduce(k, L.c(0), L.c(x.shape[-1]), (L.Acc(acc, op, val, at, arg),))]
+        result = L.Sym(arg, "i32") if arg else L.Sym(acc, at)
         self.row_stmts += stmts
         if result.dtype != v.dtype:
             name = fresh("r")

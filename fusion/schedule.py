@@ -162,6 +162,28 @@ def _op_list(b):
     return tuple(b.ops)
 
 
+def section(title, eqns):
+    """Comments that open a section of a kernel: its DSL ops and the source lines they came from
+    (``dsl.core.source_text`` where it exists: ``stdlib/llama.py:21  q = linear(h, p["wq"])``)."""
+    from dsl import core
+    names = ", ".join(dict.fromkeys(e.prim.name for e in eqns))
+    text = getattr(core, "source_text", None)
+    if text is None:
+        where = ", ".join(dict.fromkeys(e.source or "?" for e in eqns))
+        return (L.Comment(f"{title}: {names}  ({where})"),)
+    return (L.Comment(f"{title}: {names}"),) + tuple(L.Comment(f"  {t}") for t in dict.fromkeys(map(text, eqns)))
+
+
+def short_name(buf):
+    """A weight's name without its model path: ``params_layers_0_w_gate`` -> ``w_gate``."""
+    return re.sub(r"^(params_)?(layers_\d+_)?", "", buf) or buf
+
+
+def single_thread(k):
+    """Does the kernel compute outside every parallel loop (a reduction to a scalar)?"""
+    return not all(isinstance(s, L.Comment) or (isinstance(s, L.Loop) and s.parallel) for s in k.body)
+
+
 def loop_kernel(lw, name, shape, store_fn, family="elementwise"):
     """for rows: [row scalars]; for j: stores produced by ``store_fn(builder, idx)``.
 
@@ -178,20 +200,21 @@ def loop_kernel(lw, name, shape, store_fn, family="elementwise"):
         except Unfusable:                       # it needs per-row reductions: keep the row nest
             flat.row_stmts = [None]
         if not flat.row_stmts:
-            body = (L.Loop(f, L.c(0), L.c(int(np.prod(shape))), tuple(stores), parallel=True),)
+            body = section(", ".join(writes), flat.ops) + (
+                L.Loop(f, L.c(0), L.c(int(np.prod(shape))), tuple(stores), parallel=True),)
             params = _params(lw, flat, writes)
-            return L.Kernel(name, family, params, body, _op_list(flat), 0, meta={"single_thread": False})
+            return L.Kernel(name, family, params, body, _op_list(flat), 0)
     if shape:
         j = fresh("j")
         stores, writes = store_fn(b, b.row_idx + (L.Sym(j, "i32"),))
-        inner = (L.Loop(j, L.c(0), L.c(shape[-1]), tuple(stores), parallel=not rows),)
+        # the row's elements are independent (only the outermost parallel loop is split on the CPU)
+        inner = (L.Loop(j, L.c(0), L.c(shape[-1]), tuple(stores), parallel=True),)
     else:
         stores, writes = store_fn(b, ())
         inner = tuple(stores)
-    body = _nest(rv, rows, tuple(b.row_stmts) + inner)
+    body = section(", ".join(writes), b.ops) + _nest(rv, rows, tuple(b.row_stmts) + inner)
     params = _params(lw, b, writes)
-    return L.Kernel(name, family, params, body, _op_list(b), 0,
-                    meta={"single_thread": not shape})
+    return L.Kernel(name, family, params, body, _op_list(b), 0)
 
 
 def root_kernel(lw, r):
@@ -204,10 +227,9 @@ def root_kernel(lw, r):
         b.ops.append(e)
         val = b.row_scalar(r, e, b.row_idx)
         st = L.Store(out, L.linear_index(b.row_idx, r.shape), val)
-        body = _nest(rv, r.shape, tuple(b.row_stmts) + (st,))
+        body = section(out, b.ops) + _nest(rv, r.shape, tuple(b.row_stmts) + (st,))
         params = _params(lw, b, {out: r})
-        return L.Kernel(f"reduce_{out}", "reduce", params, body, _op_list(b), 0,
-                        meta={"single_thread": not r.shape})
+        return L.Kernel(f"reduce_{out}", "reduce", params, body, _op_list(b), 0)
 
     def store(b, idx):
         b.ops.append(e)
@@ -242,25 +264,32 @@ def scatter_kernel(lw, r, out):
 
 
 def contract_kernel(lw, a, roots):
-    """GEMV/matmul family: shared prologue, one parallel n loop per segment of siblings."""
+    """GEMV/matmul family: for rows: [row scalars]; act[k] = prologue; then one parallel n loop per
+    segment of siblings: a Reduce over k of act[k] * B_i[n, k] per sibling, and the epilogue store."""
     rows, K = a.shape[:-1], a.shape[-1]
     rv = [fresh("i") for _ in rows]
     b = Builder(lw, tuple(L.Sym(v, "i32") for v in rv))
     k = fresh("k")
-    act = fresh("a")
+    act = fresh("act")
     pro = b.expr(a, b.row_idx + (L.Sym(k, "i32"),))
     pro = pro if pro.dtype == "f32" else L.Cast(pro, "f32")
+    head = section("prologue", b.ops) if b.ops else ()
     stmts = [L.Array(act, "f32", K), L.Loop(k, L.c(0), L.c(K), (L.Store(act, L.Sym(k, "i32"), pro),))]
-    writes, flops, segments = {}, 0, []
+    writes, flops = {}, 0
     for r in roots:
+        seen = len(b.ops)
         contracts = lw.epi[r]
         n = fresh("n")
         nsym = L.Sym(n, "i32")
-        b.accs = {c: L.Sym(fresh("acc"), "f32") for c in contracts}
+        b.accs = {}
+        for c in contracts:
+            w = lw.g.producer[c].inputs[1]
+            label = short_name(lw.buffer_of(w)) if w in lw.materialized or w not in lw.g.producer else "dot"
+            b.accs[c] = L.Sym(fresh(f"acc_{label}"), "f32")
         b.n_idx = nsym
         kk = fresh("k")
         ksym = L.Sym(kk, "i32")
-        upd, dots = [], []
+        accs = []
         for c in contracts:
             ce = lw.g.producer[c]
             b.ops.append(ce)
@@ -268,13 +297,7 @@ def contract_kernel(lw, a, roots):
             bidx = b.row_idx[:-1] + ((nsym, ksym) if ce.params["trans_b"] else (ksym, nsym))
             wv = b.expr(w, bidx)
             wv = wv if wv.dtype == "f32" else L.Cast(wv, "f32")
-            acc = b.accs[c]
-            is_buffer = w in lw.materialized or w not in lw.g.producer
-            rows_of_w = L.linear_index(b.row_idx[:-1] + (nsym,), w.shape[:-1])
-            # a weight row contiguous in k: the GPU renderers load it 16 bytes at a time
-            contig = (lw.buffer_of(w), w.dtype, rows_of_w) if is_buffer and ce.params["trans_b"] else None
-            dots.append({"acc": acc.name, "b": wv, "contig": contig})
-            upd.append(L.Assign(acc.name, L.Bin("add", acc, L.Bin("mul", L.Load(act, ksym, "f32"), wv))))
+            accs.append(L.Acc(b.accs[c].name, "add", L.Bin("mul", L.Load(act, ksym, "f32"), wv)))
             flops += 2 * int(np.prod(c.shape, dtype=np.int64)) * K
         if r in b.accs:
             val = b.accs[r]
@@ -286,19 +309,16 @@ def contract_kernel(lw, a, roots):
             val = L.Cast(val, r.dtype)
         out = lw.buffer_of(r)
         writes[out] = r
-        seg = [L.Declare(acc.name, "f32", L.Const(0.0, "f32")) for acc in b.accs.values()]
-        seg += [L.Loop(kk, L.c(0), L.c(K), tuple(upd)),
-                L.Store(out, L.linear_index(b.row_idx + (nsym,), r.shape), val)]
-        stmts.append(L.Loop(n, L.c(0), L.c(r.shape[-1]), tuple(seg), parallel=True))
-        segments.append({"n": n, "N": r.shape[-1], "k": kk, "dots": dots, "out": out,
-                         "index": seg[-1].index, "value": val})
+        seg = (L.Reduce(kk, L.c(0), L.c(K), tuple(accs)),
+               L.Store(out, L.linear_index(b.row_idx + (nsym,), r.shape), val))
+        stmts += section(", ".join(short_name(lw.buffer_of(lw.g.producer[c].inputs[1])) for c in contracts)
+                         + f" -> {out}", b.ops[seen:])
+        stmts.append(L.Loop(n, L.c(0), L.c(r.shape[-1]), seg, parallel=True))
     b.accs, b.n_idx = {}, None
-    body = _nest(rv, rows, tuple(b.row_stmts) + tuple(stmts), parallel_outer=False)
+    body = _nest(rv, rows, head + tuple(b.row_stmts) + tuple(stmts), parallel_outer=False)
     params = _params(lw, b, writes)
     name = "gemv" if int(np.prod(rows, dtype=np.int64)) == 1 else "matmul"
-    return L.Kernel(f"{name}_{'_'.join(writes)}", "contract", params, body, _op_list(b), 0, flops,
-                    meta={"K": K, "rows": rows, "row_vars": rv, "row_stmts": tuple(b.row_stmts), "act": act,
-                          "kvar": k, "prologue": pro, "segments": segments})
+    return L.Kernel(f"{name}_{'_'.join(writes)}", "contract", params, body, _op_list(b), 0, flops)
 
 
 def attention_kernel(lw, r):
@@ -313,43 +333,11 @@ def attention_kernel(lw, r):
     for name, v in ((qn, q), (kn, kc), (vn, vc)):
         b.reads[name] = v
     p = L.Bin("max", L.c(0), L.Bin("min", b.expr(pos, ()), L.c(s_len - t_len)))   # clamped, like the reference
-    h, t, s, dd = fresh("h"), fresh("t"), fresh("s"), fresh("d")
-    H, T, S, DD = (L.Sym(x, "i32") for x in (h, t, s, dd))
-    m, lsum, o, dot, sc, mn, corr, pr = (fresh(x) for x in ("m", "l", "o", "dot", "sc", "mn", "corr", "p"))
-    f = lambda name: L.Sym(name, "f32")  # noqa: E731
-    kvh = L.Bin("idiv", H, L.c(hq // hkv))
-    qrow = L.linear_index((H, T), (hq, t_len))
-    kvrow = L.linear_index((kvh, S), (hkv, s_len))
-    ld = lambda buf, row, dt: L.Cast(L.Load(buf, L.add(L.mul(row, L.c(d)), DD), dt), "f32") if dt != "f32" \
-        else L.Load(buf, L.add(L.mul(row, L.c(d)), DD), dt)  # noqa: E731
-    stop = L.Bin("min", L.add(L.add(p, T), L.c(1)), L.c(s_len))
-    step = (
-        L.Declare(dot, "f32", L.Const(0.0, "f32")),
-        L.Loop(dd, L.c(0), L.c(d), (L.Assign(dot, L.Bin("add", f(dot), L.Bin("mul", ld(qn, qrow, q.dtype), ld(kn, kvrow, kc.dtype)))),)),
-        L.Declare(sc, "f32", L.Bin("mul", f(dot), L.Const(e.params["scale"], "f32"))),
-        L.Declare(mn, "f32", L.Bin("max", f(m), f(sc))),
-        L.Declare(corr, "f32", L.Un("exp", L.Bin("sub", f(m), f(mn)))),
-        L.Declare(pr, "f32", L.Un("exp", L.Bin("sub", f(sc), f(mn)))),
-        L.Assign(lsum, L.Bin("add", L.Bin("mul", f(lsum), f(corr)), f(pr))),
-        L.Loop(dd, L.c(0), L.c(d), (L.Store(o, DD, L.Bin("add", L.Bin("mul", L.Load(o, DD, "f32"), f(corr)),
-                                                       L.Bin("mul", f(pr), ld(vn, kvrow, vc.dtype)))),)),
-        L.Assign(m, f(mn)),
-    )
-    per_query = (
-        L.Declare(m, "f32", L.Const(float("-inf"), "f32")),
-        L.Declare(lsum, "f32", L.Const(0.0, "f32")),
-        L.Array(o, "f32", d),
-        L.Loop(dd, L.c(0), L.c(d), (L.Store(o, DD, L.Const(0.0, "f32")),)),
-        L.Loop(s, L.c(0), stop, step),
-        L.Loop(dd, L.c(0), L.c(d), (L.Store(out, L.add(L.mul(qrow, L.c(d)), DD),
-                                            L.Bin("div", L.Load(o, DD, "f32"), f(lsum))),)),
-    )
-    body = (L.Loop(h, L.c(0), L.c(hq), (L.Loop(t, L.c(0), L.c(t_len), per_query),), parallel=True),)
+    att = L.Attention(qn, kn, vn, out, (q.dtype, kc.dtype, vc.dtype), hq, hkv, t_len, s_len, d, p,
+                      e.params["scale"])
     params = _params(lw, b, {out: r})
     flops = 4 * hq * t_len * d * s_len
-    meta = {"q": qn, "k": kn, "v": vn, "out": out, "Hq": hq, "Hkv": hkv, "T": t_len, "S": s_len, "D": d,
-            "pos": p, "scale": e.params["scale"], "dtypes": (q.dtype, kc.dtype, vc.dtype)}
-    return L.Kernel(f"attention_{out}", "attention", params, body, _op_list(b), 0, flops, meta=meta)
+    return L.Kernel(f"attention_{out}", "attention", params, section(out, b.ops) + (att,), _op_list(b), 0, flops)
 
 
 def merge_loops(kernels):
@@ -358,7 +346,7 @@ def merge_loops(kernels):
     for k in kernels:
         prev = out[-1] if out else None
         if prev is not None and prev.family in ("elementwise", "scatter") and k.family in ("elementwise", "scatter") \
-                and not prev.meta.get("single_thread") and not k.meta.get("single_thread"):
+                and not single_thread(prev) and not single_thread(k):
             pw = {p.name for p in prev.params if p.role != "in"}
             pr = {p.name for p in prev.params if p.role != "out"}
             kw = {p.name for p in k.params if p.role != "in"}
@@ -367,10 +355,8 @@ def merge_loops(kernels):
                 params = {p.name: p for p in prev.params}
                 for p in k.params:
                     params.setdefault(p.name, p)
-                merged = L.Kernel(f"{prev.name}__{k.name.split('_', 1)[1]}", "elementwise", tuple(params.values()),
-                                  prev.body + k.body, prev.ops + k.ops, 0, prev.flops + k.flops)
-                merged.meta["merged"] = prev.meta.get("merged", [prev.name]) + [k.name]
-                out[-1] = merged
+                out[-1] = L.Kernel(f"{prev.name}__{k.name.split('_', 1)[1]}", "elementwise", tuple(params.values()),
+                                   prev.body + k.body, prev.ops + k.ops, 0, prev.flops + k.flops)
                 continue
         out.append(k)
     return out
@@ -422,7 +408,7 @@ def _lower_all(lw) -> Plan:
         k.name = f"k{i:03d}_{k.name}"
         k.bytes = L.traffic(k)
         eqns = sorted(set(k.ops), key=lw.g.order.get)             # DSL ops, in program order
-        k.meta["eqns"] = eqns
+        k.eqns = tuple(eqns)
         k.ops = tuple(describe(e) for e in eqns)
     buffers = {}
     for v, n in lw.names.items():

@@ -1,0 +1,257 @@
+"""The GPU scheduling step: ``map_kernel(kernel, target)`` records in the Loop IR how a kernel runs
+on the GPU of ``target``; ``codegen/hip.py`` renders the result and decides nothing.
+
+Families:
+
+* contract (GEMV/matmul): row loops stay serial (one trip: dropped); the prologue's reductions
+  run block-wide; the activation is written into LDS (f16 where the target has fp16 dot
+  products) by the threads of the workgroup, then a barrier.  The segments' output rows (Q, K, V
+  side by side) become one loop over waves; each wave's lanes reduce k, 16 bytes per load when
+  the weight row is contiguous in k and aligned (checked here); lane 0 runs the epilogue.  When
+  the rows leave most of the chip idle, ``split`` waves share a row and combine through LDS.
+* attention: one workgroup per (query head, query row); the template splits the context over
+  its waves.
+* elementwise, scatter, reduce: a parallel loop holding reductions gives each iteration a
+  workgroup (reductions block-wide, inner parallel loops over its threads, stores of row values
+  by thread 0); other parallel loops are flat grid-stride loops over every thread; a kernel that
+  computes outside parallel loops (a reduction to a scalar) runs on one workgroup.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from . import loopir as L
+from .loopir import ITEMSIZE
+from .prelude import act_dtype
+from .targets import Target
+
+LANE, WAVE, THREAD = L.Hw("lane"), L.Hw("wave"), L.Hw("thread")
+MAX_GRID = 65535
+
+
+def map_kernel(k: L.Kernel, t: Target) -> L.Kernel:
+    """``k`` with every loop and reduction assigned to a hardware unit and its launch recorded
+    (``k.launch``).  A kernel already mapped is returned as it is."""
+    if k.launch is not None:
+        return k
+    body = L.drop_unit_loops(k.body)
+    if k.family == "contract":
+        body, launch = _contract(body, t)
+    elif any(isinstance(s, L.Attention) for s in body):
+        body, launch = _attention(body, t)
+    else:
+        body, launch = _generic(body, t)
+    return replace(k, body=body, launch=launch)
+
+
+def _lds_bytes(body):
+    return sum(s.size * ITEMSIZE[s.dtype] for s in L.walk_stmts(body) if isinstance(s, L.Array) and s.space == "lds")
+
+
+def _scratch(body, t):
+    """The LDS that block reductions use (``vf_red``, ``vf_redi`` for argmax), declared first."""
+    reds = [r for r in L.walk_stmts(body) if isinstance(r, L.Reduce) and r.map == "block"]
+    out = (L.Array("vf_red", "f32", t.waves_per_block, "lds"),) if reds else ()
+    if any(a.op == "argmax" for r in reds for a in r.accs):
+        out += (L.Array("vf_redi", "i32", t.waves_per_block, "lds"),)
+    return out
+
+
+def _block_reduce(r):
+    """Block-wide when every result is f32 (the prelude's block reductions); else each thread
+    runs the whole loop."""
+    return replace(r, map="block") if all(a.dtype == "f32" for a in r.accs) else r
+
+
+def _once(stmts):
+    return (L.If(L.Bin("eq", THREAD, L.c(0)), tuple(stmts)),)
+
+
+# ------------------------------------------------------------------------------ elementwise, reduce
+def _cooperative(body):
+    """Statements that all threads of a workgroup run together."""
+    out = []
+    for s in body:
+        if isinstance(s, L.Reduce):
+            out.append(_block_reduce(s))
+        elif isinstance(s, L.Loop) and s.parallel:
+            out.append(replace(s, map="block", body=_per_thread(s.body)))
+        elif isinstance(s, L.Loop):
+            out.append(replace(s, body=_cooperative(s.body)))
+        elif isinstance(s, L.If):
+            out.append(L.If(s.cond, _cooperative(s.then), _cooperative(s.orelse)))
+        elif isinstance(s, L.Store):
+            out += _once([s])
+        else:
+            out.append(s)
+    return tuple(out)
+
+
+def _per_thread(body):
+    """Statements one thread runs alone: every loop serial."""
+    return tuple(replace(s, body=_per_thread(s.body), map="serial") if isinstance(s, L.Loop)
+                 else L.If(s.cond, _per_thread(s.then), _per_thread(s.orelse)) if isinstance(s, L.If) else s
+                 for s in body)
+
+
+def _generic(body, t):
+    single = not all(isinstance(s, L.Comment) or (isinstance(s, L.Loop) and s.parallel) for s in body)
+    if single:
+        body = _cooperative(body)
+        grid, how = 1, "one workgroup: reductions block-wide, results stored by thread 0"
+    else:
+        out, grid = [], 1
+        for s in body:
+            if isinstance(s, L.Loop) and any(isinstance(x, L.Reduce) for x in L.walk_stmts(s.body)):
+                out.append(replace(s, map="grid", body=_cooperative(s.body)))
+                n = s.stop.value - s.start.value if isinstance(s.stop, L.Const) and isinstance(s.start, L.Const) else 1
+                grid = max(grid, n)
+            elif isinstance(s, L.Loop):
+                out.append(replace(s, map="thread", body=_per_thread(s.body)))
+                n = s.stop.value - s.start.value if isinstance(s.stop, L.Const) and isinstance(s.start, L.Const) else 1
+                grid = max(grid, -(-n // t.block))
+            else:
+                out.append(s)
+        body = tuple(out)
+        how = ("a workgroup per row: reductions block-wide, the row's elements over its threads"
+               if any(isinstance(s, L.Loop) and s.map == "grid" for s in body)
+               else "grid-stride loops over every thread")
+    body = _scratch(body, t) + body
+    return body, L.Launch(min(grid, MAX_GRID), t.block, "VF_BLOCK", how, _lds_bytes(body))
+
+
+# ------------------------------------------------------------------------------ attention
+def _attention(body, t):
+    (a,) = [s for s in body if isinstance(s, L.Attention)]
+    lds = 4 * (t.attention_block // t.wave) * (2 + a.d)              # the template's partial states
+    how = "a workgroup per (head, query row); its waves split the context; log-sum-exp combine"
+    return body, L.Launch(a.hq * a.t, t.attention_block, "VF_ATT_BLOCK", how, lds)
+
+
+# ------------------------------------------------------------------------------ contract
+def vector_width(r: L.Reduce, act: str, t: Target) -> int:
+    """Elements per 16-byte weight load for the lane reduction ``r`` of a GEMV, or 1.  Every
+    accumulator must be ``act[k] * w[row * m + k]`` with ``w`` a buffer of f16 (8 per load) or f32
+    (4), ``m`` and the k range multiples of that (so each load is aligned) and ``row`` free of k."""
+    k = L.Sym(r.var, "i32")
+    widths = set()
+    for a in r.accs:
+        v = a.value
+        if not (isinstance(v, L.Bin) and v.op == "mul" and v.a == L.Load(act, k, "f32")):
+            return 1
+        w = v.b.x if isinstance(v.b, L.Cast) and v.b.dtype == "f32" else v.b
+        if not (isinstance(w, L.Load) and w.dtype in ("f16", "f32")):
+            return 1
+        per = t.load_bytes // ITEMSIZE[w.dtype]
+        i = w.index
+        ok = (isinstance(i, L.Bin) and i.op == "add" and i.b == k and isinstance(i.a, L.Bin) and i.a.op == "mul"
+              and isinstance(i.a.b, L.Const) and i.a.b.value % per == 0
+              and k not in set(L.walk_exprs(i.a)))
+        if not ok:
+            return 1
+        widths.add(per)
+    extent_ok = isinstance(r.start, L.Const) and isinstance(r.stop, L.Const) and r.start.value == 0
+    if len(widths) != 1 or not extent_ok or r.stop.value % next(iter(widths)):
+        return 1
+    return widths.pop()
+
+
+def ksplit(t: Target, rows, K: int, vec: int) -> int:
+    """Waves per GEMV output row: when the rows cannot fill the chip with waves, 2 or 4 waves share
+    a row's k range and combine partial sums in LDS (more loads in flight, shorter chains).  Only
+    with a trip count uniform across each workgroup (every segment's rows a multiple of the rows
+    a workgroup takes at once), so that the combine's barriers are safe."""
+    if vec == 1:
+        return 1
+    total = sum(rows)
+    capacity = t.compute_units * t.blocks_per_cu * t.waves_per_block
+    ks = 1
+    # measured on an H200: splitting rows that fill half the chip (Qwen2.5-7B's O/down) lost 18%;
+    # split only rows that leave most of it idle
+    while ks < 4 and total * ks * 4 <= capacity and K % (ks * 2 * vec) == 0 \
+            and K // (ks * 2) >= 2 * vec * t.wave and t.waves_per_block % (ks * 2) == 0 \
+            and all(n % (t.waves_per_block // (ks * 2)) == 0 for n in rows):
+        ks *= 2
+    return ks
+
+
+def _contract(body, t):
+    """Map the body of a contraction kernel (see the module docstring)."""
+    info = {}
+    body = _contract_rows(body, t, info)
+    if info.get("act_dtype") == "f16":                     # the activation is read back as f16
+        act = info["act"]
+        body = L.rewrite(body, lambda e: L.rewrite_expr(
+            e, lambda x: L.Cast(L.Load(act, x.index, "f16"), "f32") if isinstance(x, L.Load) and x.buf == act else None))
+    body = _scratch(body, t) + body
+    ks, total, K, vec = info["split"], info["total"], info["K"], info["vec"]
+    grid = max(1, min(-(-total * ks // (t.waves_per_block * t.rows_per_wave)), t.compute_units * t.blocks_per_cu))
+    how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
+           f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
+    return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info.get("act_dtype", "f32"))
+
+
+def _contract_rows(body, t, info):
+    out, segs, comments, arrays = [], [], [], set()
+    for s in body:
+        if isinstance(s, L.Comment):                            # opens the next section
+            comments.append(s)
+            continue
+        if isinstance(s, L.Loop) and s.parallel:               # a segment: its output rows
+            segs.append((tuple(comments), s))
+            comments = []
+            continue
+        if segs:
+            out += _wave_loop(segs, t, info)
+            segs = []
+        out += comments
+        comments = []
+        if isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays:
+            info["act"], K = s.body[0].buf, s.stop.value
+            dt = act_dtype(t, K)
+            st = s.body[0]
+            value = L.Cast(st.value, dt) if dt != "f32" else st.value
+            out += [replace(s, map="block", body=(L.Store(st.buf, st.index, value),)), L.Barrier()]
+            info["act_dtype"], info["K"] = dt, K
+        elif isinstance(s, L.Array):
+            arrays.add(s.name)
+            out.append(replace(s, dtype=act_dtype(t, s.size), space="lds"))
+        elif isinstance(s, L.Loop):                            # a serial row loop (a matmul's rows)
+            out.append(replace(s, body=_contract_rows(s.body, t, info) + (L.Barrier(),)))
+        elif isinstance(s, L.Reduce):
+            out.append(_block_reduce(s))
+        else:
+            out.append(s)
+    if segs:
+        out += _wave_loop(segs, t, info)
+    return tuple(out + comments)
+
+
+def _wave_loop(segs, t, info):
+    """One loop over the waves of the grid for the output rows of every segment, side by side."""
+    sizes = [s.stop.value for _, s in segs]
+    vecs = [vector_width(s.body[0], info["act"], t) for _, s in segs]
+    vec = min(vecs)
+    ks = ksplit(t, sizes, info["K"], vec)
+    info.update(split=ks, total=sum(sizes), vec=vec)
+    row = L.Sym("row", "i32")
+    branches, off = [], 0
+    for (comments, s), n, v in zip(segs, sizes, vecs):
+        red, *rest = s.body
+        red = replace(red, map="lane", vector=v, split=ks)
+        first = L.Bin("eq", LANE, L.c(0))
+        if ks > 1:
+            first = L.Bin("and", first, L.Bin("eq", L.Bin("mod", WAVE, L.c(ks)), L.c(0)))
+        seg = (red, L.If(first, tuple(rest)))
+        if off == 0:
+            seg = L.substitute(seg, {s.var: row})
+        else:
+            seg = (L.Declare(s.var, "i32", L.Bin("sub", row, L.c(off))),) + seg
+        branches.append((off + n, comments + seg))
+        off += n
+    chain = branches[-1][1]
+    for stop, seg in reversed(branches[:-1]):
+        chain = (L.If(L.Bin("lt", row, L.c(stop)), seg, chain),)
+    part = (L.Array("vf_part", "f32", t.waves_per_block * max(len(s.body[0].accs) for _, s in segs), "lds"),) \
+        if ks > 1 else ()
+    return part + (L.Loop(row.name, L.c(0), L.c(off), chain, parallel=True, map="wave", split=ks),)
