@@ -129,13 +129,14 @@ def _reduce(s, pad):
         out.append(_for(s.var, _plus(lo, "threadIdx.x"), hi, "+= VF_BLOCK", pad))
     else:                                          # lane: vector elements per lane step, split waves
         lane = "vf_lane" if s.vector == 1 else f"vf_lane * {s.vector}"
-        if s.split > 1:
-            chunk = (s.stop.value - s.start.value) // s.split
-            lo_ = L.add(s.start, L.Bin("mul", L.Bin("mod", L.Hw("wave"), L.c(s.split)), L.c(chunk)))
-            lo, hi = lo_, expr(L.add(lo_, L.c(chunk)))
+        if s.split > 1:                            # this wave's slice of k (the range starts at 0)
+            chunk = s.stop.value // s.split
+            lo, hi = f"vf_wave % {s.split} * {chunk} + {lane}", f"(vf_wave % {s.split} + 1) * {chunk}"
+        else:
+            lo = _plus(lo, lane)
         if s.vector > 1:
             out.append(f"{pad}VF_UNROLL_K")
-        out.append(_for(s.var, _plus(lo, lane), hi, f"+= VF_WAVE{'' if s.vector == 1 else f' * {s.vector}'}", pad))
+        out.append(_for(s.var, lo, hi, f"+= VF_WAVE{'' if s.vector == 1 else f' * {s.vector}'}", pad))
     for a in s.accs:
         out += _reduce_update(s, a, pad + "  ")
     out.append(f"{pad}}}")
@@ -145,12 +146,13 @@ def _reduce(s, pad):
         out += [pad + WAVE_REDUCE[a.op].format(a=a.name) for a in s.accs]
         if s.split > 1:                            # the waves sharing the row combine through LDS
             n = len(s.accs)
+            slot = lambda w, i: w if n == 1 else f"({w}) * {n} + {i}"  # noqa: E731
             out.append(f"{pad}if (vf_lane == 0) {{")
-            out += [f"{pad}  vf_part[vf_wave * {n} + {i}] = {a.name};" for i, a in enumerate(s.accs)]
+            out += [f"{pad}  vf_part[{slot('vf_wave', i)}] = {a.name};" for i, a in enumerate(s.accs)]
             out += [f"{pad}}}", f"{pad}__syncthreads();"]
-            first = f"(vf_wave - vf_wave % {s.split})"
+            first = f"vf_wave - vf_wave % {s.split}"
             for i, a in enumerate(s.accs):
-                terms = [f"vf_part[({first} + {q}) * {n} + {i}]" for q in range(s.split)]
+                terms = [f"vf_part[{slot(first + (f' + {q}' if q else ''), i)}]" for q in range(s.split)]
                 out.append(f"{pad}{a.name} = {' + '.join(terms)};")
             out.append(f"{pad}__syncthreads();")
     return out

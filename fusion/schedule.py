@@ -281,11 +281,11 @@ def contract_kernel(lw, a, roots):
         contracts = lw.epi[r]
         n = fresh("n")
         nsym = L.Sym(n, "i32")
-        b.accs = {}
-        for c in contracts:
+        labels = {}
+        for c in contracts:             # accumulators named after their weight (a buffer) or "dot"
             w = lw.g.producer[c].inputs[1]
-            label = short_name(lw.buffer_of(w)) if w in lw.materialized or w not in lw.g.producer else "dot"
-            b.accs[c] = L.Sym(fresh(f"acc_{label}"), "f32")
+            labels[c] = short_name(lw.buffer_of(w)) if w in lw.materialized or w not in lw.g.producer else "dot"
+        b.accs = {c: L.Sym(fresh(f"acc_{labels[c]}"), "f32") for c in contracts}
         b.n_idx = nsym
         kk = fresh("k")
         ksym = L.Sym(kk, "i32")
@@ -311,8 +311,7 @@ def contract_kernel(lw, a, roots):
         writes[out] = r
         seg = (L.Reduce(kk, L.c(0), L.c(K), tuple(accs)),
                L.Store(out, L.linear_index(b.row_idx + (nsym,), r.shape), val))
-        stmts += section(", ".join(short_name(lw.buffer_of(lw.g.producer[c].inputs[1])) for c in contracts)
-                         + f" -> {out}", b.ops[seen:])
+        stmts += section(f"{', '.join(labels.values())} -> {out}", b.ops[seen:])
         stmts.append(L.Loop(n, L.c(0), L.c(r.shape[-1]), seg, parallel=True))
     b.accs, b.n_idx = {}, None
     body = _nest(rv, rows, head + tuple(b.row_stmts) + tuple(stmts), parallel_outer=False)

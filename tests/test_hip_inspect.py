@@ -76,7 +76,7 @@ def test_inspect_cli():
     assert r.returncode == 0 and "s_endpgm" in r.stdout
     r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "k000", "--source"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "__shared__ vf_act_t vf_act[K_]" in r.stdout and "K_ = 576" in r.stdout
+    assert r.returncode == 0 and "__shared__ vf_half act[576]" in r.stdout and "vf_dot8_h(" in r.stdout
     r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "nonexistent"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and r.stderr.startswith("error:")
