@@ -80,3 +80,51 @@ def test_inspect_cli():
     r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "nonexistent"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and r.stderr.startswith("error:")
+
+
+def _plan(f, *args):
+    import dsl
+    from fusion import build_plan
+    low = dsl.jit(f).lower(*args)
+    return build_plan(low.program, None, low.in_names, low.donated).kernels
+
+
+def _family_variants():
+    """Small programs that reach every mapping: rows over workgroups, a reduction to one value,
+    argmax, a matmul's serial rows, scalar lanes, f32 weights, a k split, f16 weights."""
+    import numpy as np
+
+    import dsl
+    from stdlib import nn
+    r = np.random.default_rng(0)
+    x = r.standard_normal((8, 300)).astype("f4")
+    v = r.standard_normal(1000).astype("f4")
+    w16 = r.standard_normal((64, 4096)).astype("f2")
+    a = r.standard_normal((1, 4096)).astype("f4")
+    return {
+        "softmax rows": _plan(lambda x: nn.softmax(x, -1), x),
+        "sum to a scalar": _plan(lambda v: dsl.sum(v * v), v),
+        "argmax": _plan(lambda v: dsl.argmax(v), v),
+        "matmul rows": _plan(lambda x, w: x @ w.T, r.standard_normal((4, 512)).astype("f4"),
+                             r.standard_normal((256, 512)).astype("f2")),
+        "scalar lanes": _plan(lambda x, w: x @ w.T, r.standard_normal((1, 500)).astype("f4"),
+                              r.standard_normal((64, 500)).astype("f2")),
+        "f32 weights": _plan(lambda x, w: x @ w.T, r.standard_normal((1, 512)).astype("f4"),
+                             r.standard_normal((64, 512)).astype("f4")),
+        "k split": _plan(lambda a, w: a @ w.T, a, w16),
+    }
+
+
+def test_every_mapping_compiles_for_gfx906_without_scratch_or_generic_loads():
+    from codegen import loopir as L
+    from codegen.mapping import map_kernel
+    t = get_target("gfx906")
+    for what, kernels in _family_variants().items():
+        for k in kernels:
+            it = Inspected(k, t)
+            assert it.res["scratch_bytes"] == 0 and "flat_load" not in it.isa(), (what, k.name)
+            assert 1 <= it.res["waves_per_simd"] <= 9, (what, it.res)
+            if what in ("k split", "f32 weights", "matmul rows"):
+                assert counts(main_loop(it.isa()))["dwordx4"] >= 1, what
+    (k,) = _family_variants()["k split"]
+    assert any(isinstance(s, L.Reduce) and s.split == 4 for s in L.walk_stmts(map_kernel(k, t).body))
