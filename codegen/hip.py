@@ -49,7 +49,7 @@ def expr(e) -> str:
     if isinstance(e, L.Hw):
         return HW[e.name]
     if isinstance(e, L.Load):
-        return f"{e.buf}[{expr(e.index)}]"
+        return f"{e.buf}[{bare(e.index)}]"
     if isinstance(e, L.Un):
         return L.spelling(e.op, e.x.dtype, "c").format(x=expr(e.x))
     if isinstance(e, L.Bin):
@@ -64,9 +64,15 @@ def expr(e) -> str:
             inner = f"vf_h2f({expr(e.x)})"
             return inner if dst == "f32" else f"({CTYPE[dst]})({inner})"
         if dst == "f16":
-            return f"vf_f2h((float)({expr(e.x)}))"
+            return f"vf_f2h({bare(e.x)})" if src == "f32" else f"vf_f2h((float)({expr(e.x)}))"
         return f"({CTYPE[dst]})({expr(e.x)})"
     raise TypeError(e)
+
+
+def bare(e) -> str:
+    """``expr(e)`` without the parentheses around the whole (for a statement or an index)."""
+    c = expr(e)
+    return c[1:-1] if isinstance(e, (L.Bin, L.Select)) and c.startswith("(") and c.endswith(")") else c
 
 
 # ------------------------------------------------------------------------------------ statements
@@ -96,7 +102,7 @@ def _for(var, head, stop, step, pad):
 
 def _loop(s, pad):
     if s.map == "serial":
-        return [_for(s.var, expr(s.start), expr(s.stop), "++", pad).replace(f"{s.var} ++", f"++{s.var}")]
+        return [_for(s.var, bare(s.start), expr(s.stop), "++", pad).replace(f"{s.var} ++", f"++{s.var}")]
     key = "wave_split" if s.map == "wave" and s.split > 1 else s.map
     first, step = (x.format(s=s.split) for x in LOOP_MAP[key])
     note = f"  // {s.split} waves per row, all take the same trips: barriers are safe" if s.split > 1 else ""
@@ -107,13 +113,13 @@ def _reduce_update(s, a, pad):
     """One iteration's update of accumulator ``a`` of ``s``."""
     if s.vector > 1:                              # act[k] * w[row * K + k], checked by the mapping
         w, act = (x.x if isinstance(x, L.Cast) else x for x in (a.value.b, a.value.a))
-        return [f"{pad}{a.name} = {VECTOR_DOT[w.dtype]}({a.name}, {w.buf} + {expr(w.index)}, {act.buf} + {s.var});"]
-    v = expr(a.value)
+        return [f"{pad}{a.name} = {VECTOR_DOT[w.dtype]}({a.name}, {w.buf} + {bare(w.index)}, {act.buf} + {s.var});"]
+    v = bare(a.value)
     if a.op == "add":
         return [f"{pad}{a.name} += {v};"]
     if a.op == "max":
         return [f"{pad}{a.name} = {'fmaxf' if a.dtype == 'f32' else 'max'}({a.name}, {v});"]
-    return [f"{pad}if ({v} > {a.name}) {{ {a.name} = {v}; {a.arg} = {s.var}; }}"]
+    return [f"{pad}if ({expr(a.value)} > {a.name}) {{ {a.name} = {v}; {a.arg} = {s.var}; }}"]
 
 
 def _reduce(s, pad):
@@ -158,18 +164,13 @@ def _reduce(s, pad):
     return out
 
 
-def _cond(e):
-    c = expr(e)
-    return c[1:-1] if c.startswith("(") and c.endswith(")") and isinstance(e, L.Bin) else c
-
-
 def _if(s, pad):
-    out = [f"{pad}if ({_cond(s.cond)}) {{"]
+    out = [f"{pad}if ({bare(s.cond)}) {{"]
     while True:
         out += stmts(s.then, pad + "  ")
         if len(s.orelse) == 1 and isinstance(s.orelse[0], L.If):
             s = s.orelse[0]
-            out.append(f"{pad}}} else if ({_cond(s.cond)}) {{")
+            out.append(f"{pad}}} else if ({bare(s.cond)}) {{")
             continue
         if s.orelse:
             out.append(f"{pad}}} else {{")
@@ -187,10 +188,10 @@ STMT = {
     L.Loop: lambda s, pad: _loop(s, pad) + stmts(s.body, pad + "  ") + [f"{pad}}}"],
     L.Reduce: _reduce,
     L.If: _if,
-    L.Declare: lambda s, pad: [f"{pad}{CTYPE[s.dtype]} {s.name} = {expr(s.init)};"],
-    L.Assign: lambda s, pad: [f"{pad}{s.name} = {expr(s.value)};"],
+    L.Declare: lambda s, pad: [f"{pad}{CTYPE[s.dtype]} {s.name} = {bare(s.init)};"],
+    L.Assign: lambda s, pad: [f"{pad}{s.name} = {bare(s.value)};"],
     L.Array: _array,
-    L.Store: lambda s, pad: [f"{pad}{s.buf}[{expr(s.index)}] = {expr(s.value)};"],
+    L.Store: lambda s, pad: [f"{pad}{s.buf}[{bare(s.index)}] = {bare(s.value)};"],
     L.Barrier: lambda s, pad: [f"{pad}__syncthreads();"],
     L.Comment: lambda s, pad: [f"{pad}// {s.text}".rstrip()],
     L.Attention: lambda s, pad: _attention(s, pad),

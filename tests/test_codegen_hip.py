@@ -177,7 +177,8 @@ def test_const_and_cast_rendering():
     assert expr(L.Const(float("-inf"), "f32")) == "(-VF_INF)"
     assert expr(L.Const(1e-05, "f32")) == "1e-05f"
     assert expr(L.Cast(L.Load("w", L.c(3), "f16"), "f32")) == "vf_h2f(w[3])"
-    assert expr(L.Cast(L.Sym("x", "f32"), "f16")) == "vf_f2h((float)(x))"
+    assert expr(L.Cast(L.Sym("x", "f32"), "f16")) == "vf_f2h(x)"
+    assert expr(L.Cast(L.Sym("i", "i32"), "f16")) == "vf_f2h((float)(i))"
     assert expr(L.Bin("max", L.Sym("i", "i32"), L.c(0))) == "max(i, 0)"
     assert np.isclose(float(expr(L.Const(0.125, "f32"))[:-1]), 0.125)
 

@@ -7,8 +7,8 @@ import pytest
 import llvmlite.binding as llvm
 
 from codegen.llvm import render_llvm
-from codegen.loopir import (Array, Assign, Bin, Cast, Const, Declare, Kernel, Load, Loop, Param, Select, Store, Sym,
-                            Un, add, c, mul)
+from codegen.loopir import (Acc, Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel,
+                            Load, Loop, Param, Reduce, Select, Store, Sym, Un, add, c, mul)
 from engine.devices.cpu import CPUDevice, ScalarSlots, threadable
 
 rng = np.random.default_rng()
@@ -187,6 +187,50 @@ def row_reduce_kernel(R, C, op, init):
                       Loop("j", c(0), c(C), (Assign("acc", Bin(op, acc, Load("x", add(mul(r, c(C)), j), "f32"))),)),
                       Store("out", r, acc)), parallel=True),),
                   bytes=R * C * 4)
+
+
+@pytest.mark.parametrize("nt", [1, 2])
+def test_typed_reduce_if_and_comment(dev, nt):
+    """Reduce (add, max, argmax with its index) is a serial loop on the CPU; If branches; Comment
+    and Barrier emit nothing.  Per row: sum, max, argmax (first of equal maxima), and sum or max by
+    the sign of the sum."""
+    R, C = 37, 203
+    x = rand("f32", R * C).reshape(R, C)
+    x[5, 7] = x[5, 9] = 50.0                          # a tie: the first index wins
+    r, j = i_("r"), i_("j")
+    v = Load("x", add(mul(r, c(C)), j), "f32")
+    red = Reduce("j", c(0), c(C), (Acc("s", "add", v), Acc("m", "max", v), Acc("b", "argmax", v, arg="a")))
+    s, m = Sym("s", "f32"), Sym("m", "f32")
+    body = (Comment("rows"), Loop("r", c(0), c(R), (
+        red, Barrier(),
+        Store("sums", r, s), Store("maxs", r, Bin("max", m, Sym("b", "f32"))), Store("args", r, Sym("a", "i32")),
+        If(Bin("gt", s, Const(0.0, "f32")), (Store("pick", r, s),), (Store("pick", r, m),))), parallel=True))
+    params = (Param("x", "f32", shape=(R, C)),) + tuple(
+        Param(n, dt, shape=(R,), role="out") for n, dt in (("sums", "f32"), ("maxs", "f32"), ("args", "i32"),
+                                                            ("pick", "f32")))
+    out = {n: np.zeros(R, NP[p.dtype]) for n, p in zip(("sums", "maxs", "args", "pick"), params[1:])}
+    dev.compile(Kernel("typed", "reduce", params, body))({"x": x, **out}, nthreads=nt)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(out["sums"], x64.sum(1), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(out["maxs"], x.max(1))
+    np.testing.assert_array_equal(out["args"], x.argmax(1))
+    np.testing.assert_allclose(out["pick"], np.where(x64.sum(1) > 0, x64.sum(1), x64.max(1)), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qd, kd", [("f32", "f32"), ("f16", "f16")])
+def test_attention_statement_expands_on_the_cpu(dev, qd, kd):
+    from tests.test_kernels import reference_attention
+    hq, hkv, t, S, d, pos = 4, 2, 3, 16, 8, 9
+    q = rand(qd, hq * t * d).reshape(hq, t, d)
+    k, v = (rand(kd, hkv * S * d).reshape(hkv, S, d) for _ in range(2))
+    params = (Param("q", qd, shape=q.shape), Param("k", kd, shape=k.shape), Param("v", kd, shape=v.shape),
+              Param("pos", "i32", "scalar"), Param("out", "f32", shape=q.shape, role="out"))
+    att = Attention("q", "k", "v", "out", (qd, kd, kd), hq, hkv, t, S, d, Sym("pos", "i32"), 0.3)
+    out = np.zeros(q.shape, np.float32)
+    dev.compile(Kernel("att", "attention", params, (att,)))({"q": q, "k": k, "v": v, "out": out}, {"pos": pos})
+    scale = 0.3 * np.sqrt(d)                   # the reference divides by sqrt(d)
+    want = reference_attention(q.astype(np.float64) * scale, k.astype(np.float64), v.astype(np.float64), pos)
+    np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("nt", [1, 2])
