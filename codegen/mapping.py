@@ -23,7 +23,7 @@ from dataclasses import replace
 from . import loopir as L
 from .loopir import ITEMSIZE
 from .prelude import act_dtype
-from .targets import Target
+from .targets import Target, get_target
 
 LANE, WAVE, THREAD = L.Hw("lane"), L.Hw("wave"), L.Hw("thread")
 MAX_GRID = 65535
@@ -34,6 +34,11 @@ def map_kernel(k: L.Kernel, t: Target) -> L.Kernel:
     (``k.launch``).  A kernel already mapped is returned as it is."""
     if k.launch is not None:
         return k
+    if t.maps_like:                        # another target's kernel text, launched within this one's limits
+        m = map_kernel(k, get_target(t.maps_like))
+        if m.launch.bounds == "VF_ATT_BLOCK":
+            m = replace(m, launch=_attention(m.body, t)[1])
+        return m
     body = L.drop_unit_loops(k.body)
     if k.family == "contract":
         body, launch = _contract(body, t)

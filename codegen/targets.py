@@ -50,6 +50,8 @@ class Target:
                                  # one drains, prefetches its weights, then waits for its inputs.  Measured on
                                  # an H200 with the trigger at kernel start: 536.6 against 628.5 tok/s
                                  # (Qwen2.5-1.5B), 174.4 against 233.5 (7B), so off until the trigger moves
+    maps_like: str = ""          # map kernels (codegen/mapping.py) as for this target, so that its kernel text
+                                 # runs here; only the prelude and the workgroup limits come from this table
     emulated_wave: bool = False  # NVIDIA only: a wave of ``wave`` = 64 lanes made of two 32-lane warps, joined
                                  # through LDS and a named barrier per wave (codegen/prelude.py), so that
                                  # gfx906's wave-64 kernel text runs on an NVIDIA GPU
@@ -76,7 +78,7 @@ TARGETS = {
 # so a workgroup holds at most 15 waves (attention: 8 of 64 lanes); the wave exchange's LDS comes out of
 # the kernel's static budget (1 int per thread of the largest workgroup)
 TARGETS["sm_90_wave64"] = replace(TARGETS["sm_90"], name="sm_90_wave64", wave=64, emulated_wave=True,
-                                  attention_block=512, max_static_lds=48 * 1024 - 4 * 512)
+                                  attention_block=512, max_static_lds=48 * 1024 - 4 * 512, maps_like="gfx906")
 
 
 def get_target(name: str, **overrides) -> Target:

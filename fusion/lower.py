@@ -32,6 +32,9 @@ def fresh(prefix):
     return f"{prefix}_{next(_counter)}"
 
 
+REDUCE_OPS = {"reduce_sum": "add", "reduce_max": "max", "argmax": "argmax"}   # primitive -> Acc op
+
+
 class Builder:
     """Builds expressions for one kernel; collects the buffers it reads and the DSL ops it holds."""
 
@@ -97,7 +100,7 @@ class Builder:
         # floats accumulate in f32 whatever their storage dtype; integers in i32
         at = "f32" if x.dtype in ("f16", "f32") else "i32"
         val = body if body.dtype == at else L.Cast(body, at)
-        op = {"reduce_sum": "add", "reduce_max": "max", "argmax": "argmax"}[e.prim.name]
+        op = REDUCE_OPS[e.prim.name]
         squares = isinstance(body, L.Bin) and body.op == "mul" and body.a == body.b
         acc = fresh({"add": "sum_sq" if squares else "sum", "max": "mx", "argmax": "best"}[op])
         arg = fresh("arg") if op == "argmax" else ""

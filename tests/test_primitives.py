@@ -7,7 +7,7 @@ import pytest
 import dsl
 from codegen import loopir as L
 from dsl.core import NP_DTYPES, PRIMITIVES, DSLError
-from fusion.lower import LOWER, REDUCE_INIT
+from fusion.lower import LOWER, REDUCE_OPS
 
 rng = np.random.default_rng()
 ELEMENTWISE = sorted(p for p, prim in PRIMITIVES.items() if prim.kind == "elementwise" and p in L.OPS)
@@ -44,7 +44,7 @@ def test_every_primitive_has_a_lowering():
         elif prim.kind in ("view", "index", "elementwise"):
             assert name in LOWER or name in FAMILIES, f"{name}: no rule in fusion/lower.py LOWER"
         elif prim.kind == "reduce":
-            assert name in REDUCE_INIT, f"{name}: no initial value in fusion/lower.py REDUCE_INIT"
+            assert name in REDUCE_OPS, f"{name}: no accumulator op in fusion/lower.py REDUCE_OPS"
         else:
             assert name in FAMILIES, f"{name}: no kernel family"
 
