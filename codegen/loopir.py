@@ -554,6 +554,26 @@ def serial_reduce(r: Reduce):
     return tuple(decls) + (Loop(r.var, r.start, r.stop, tuple(upd)),)
 
 
+def plain(body):
+    """``body`` in the statements every CPU pass knows: each Reduce a serial loop, each Attention
+    its loops (``expand_attention``), Comments and Barriers dropped."""
+    out = []
+    for s in body:
+        if isinstance(s, Reduce):
+            out += serial_reduce(s)
+        elif isinstance(s, Attention):
+            out += plain(expand_attention(s))
+        elif isinstance(s, (Comment, Barrier)):
+            continue
+        elif isinstance(s, Loop):
+            out.append(replace(s, body=plain(s.body)))
+        elif isinstance(s, If):
+            out.append(If(s.cond, plain(s.then), plain(s.orelse)))
+        else:
+            out.append(s)
+    return tuple(out)
+
+
 # ----------------------------------------------------------------------------- attention on loops
 def expand_attention(a: Attention):
     """The attention statement as plain loops (the CPU's rendering): per (head, query row), an

@@ -236,8 +236,8 @@ def _wave_loop(segs, t, info):
     """One loop over the waves of the grid for the output rows of every segment, side by side."""
     sizes = [s.stop.value for _, s in segs]
     vecs = [vector_width(s.body[0], info["act"], t) for _, s in segs]
-    vec = min(vecs)
-    ks = ksplit(t, sizes, info["K"], vec)
+    vec = min(vecs)                        # a split needs every segment's slices whole vectors
+    ks = ksplit(t, sizes, info["K"], max(vecs) if vec > 1 else 1)
     info.update(split=ks, total=sum(sizes), vec=vec)
     row = L.Sym("row", "i32")
     branches, off = [], 0
@@ -250,8 +250,9 @@ def _wave_loop(segs, t, info):
         seg = (red, L.If(first, tuple(rest)))
         if off == 0:
             seg = L.substitute(seg, {s.var: row})
-        else:
-            seg = (L.Declare(s.var, "i32", L.Bin("sub", row, L.c(off))),) + seg
+        else:                              # the segment's own row, named after its first weight
+            own = L.Sym("row" + red.accs[0].name[len("acc"):] if red.accs[0].name.startswith("acc_") else s.var, "i32")
+            seg = (L.Declare(own.name, "i32", L.Bin("sub", row, L.c(off))),) + L.substitute(seg, {s.var: own})
         branches.append((off + n, comments + seg))
         off += n
     chain = branches[-1][1]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import llvmlite.binding as llvm
 
+import dsl  # noqa: F401  (its primitives fill codegen.loopir.OPS)
 from codegen.llvm import render_llvm
 from codegen.loopir import (Acc, Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel,
                             Load, Loop, Param, Reduce, Select, Store, Sym, Un, add, c, mul)
@@ -227,7 +228,9 @@ def test_attention_statement_expands_on_the_cpu(dev, qd, kd):
               Param("pos", "i32", "scalar"), Param("out", "f32", shape=q.shape, role="out"))
     att = Attention("q", "k", "v", "out", (qd, kd, kd), hq, hkv, t, S, d, Sym("pos", "i32"), 0.3)
     out = np.zeros(q.shape, np.float32)
-    dev.compile(Kernel("att", "attention", params, (att,)))({"q": q, "k": k, "v": v, "out": out}, {"pos": pos})
+    kernel = Kernel("att", "attention", params, (Comment("attention"), att))
+    assert threadable(kernel)                  # its heads split across threads, as the loops it expands to
+    dev.compile(kernel)({"q": q, "k": k, "v": v, "out": out}, {"pos": pos}, nthreads=2)
     scale = 0.3 * np.sqrt(d)                   # the reference divides by sqrt(d)
     want = reference_attention(q.astype(np.float64) * scale, k.astype(np.float64), v.astype(np.float64), pos)
     np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3)

@@ -40,7 +40,7 @@ import numpy as np
 import llvmlite.binding as llvm
 
 from codegen.llvm import render_llvm
-from codegen.loopir import Kernel, Load, Loop, Store, walk_exprs, walk_stmts
+from codegen.loopir import Kernel, Load, Loop, Store, plain, walk_exprs, walk_stmts
 from engine.build import Compiler, build, render
 
 NP_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32),
@@ -140,8 +140,9 @@ def threadable(kernel: Kernel) -> bool:
             if isinstance(s, Loop):
                 walk(s.body, id(s) if s.parallel and region is None else region)
 
-    walk(kernel.body, None)
-    if not any(isinstance(s, Loop) and s.parallel for s in walk_stmts(kernel.body)):
+    body = plain(kernel.body)               # Reduce and Attention as the loops the CPU runs
+    walk(body, None)
+    if not any(isinstance(s, Loop) and s.parallel for s in walk_stmts(body)):
         return False
     if any(len(r) > 1 or None in r for r in writes.values()):
         return False
