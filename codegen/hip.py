@@ -12,6 +12,7 @@ same mapped kernel gives the same body text on every target.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from . import loopir as L
@@ -40,8 +41,47 @@ def _const(e: L.Const) -> str:
 HW = {"lane": "vf_lane", "wave": "vf_wave", "thread": "threadIdx.x"}
 
 
+# C precedence of the infix operators the op table spells as "({a} OP {b})"; bitwise and logical
+# operators keep parentheses around their operands (as a careful writer, and clang, want)
+C_PREC = {"*": 13, "/": 13, "%": 13, "+": 12, "-": 12, "<": 10, "<=": 10, ">": 10, ">=": 10, "==": 9, "!=": 9}
+
+
+def _infix(e):
+    """The C operator of a Bin spelled infix, or None."""
+    if not isinstance(e, L.Bin):
+        return None
+    m = re.fullmatch(r"\(\{a\} (\S+) \{b\}\)", L.spelling(e.op, e.a.dtype, "c"))
+    return m.group(1) if m else None
+
+
+def _operand(e, op, right):
+    """``e`` as the left or right operand of infix ``op``: parenthesized unless precedence (and
+    left associativity) make that unnecessary."""
+    inner = _infix(e)
+    if inner in C_PREC and op in C_PREC and (C_PREC[inner] > C_PREC[op] or (C_PREC[inner] == C_PREC[op] and not right)):
+        return bare(e)
+    return expr(e)
+
+
+def bare(e) -> str:
+    """C for a Loop IR expression where nothing binds to it from outside (a statement, an index, a
+    function argument): no parentheses around the whole."""
+    op = _infix(e)
+    if op is not None:
+        return f"{_operand(e.a, op, False)} {op} {_operand(e.b, op, True)}"
+    if isinstance(e, L.Select):
+        return f"{bare(e.cond)} ? {bare(e.a)} : {bare(e.b)}"
+    return expr(e)
+
+
+def _args(template, *names):
+    """Whether each placeholder of ``template`` sits alone inside parentheses (a call argument)."""
+    return [bool(re.search(r"[(,] ?\{%s\}[,)]" % n, template)) for n in names]
+
+
 def expr(e) -> str:
-    """C expression for a Loop IR expression.  f16 values are converted to f32 by explicit Casts."""
+    """C expression for a Loop IR expression, parenthesized where it could bind to what is around
+    it.  f16 values are converted to f32 by explicit Casts."""
     if isinstance(e, L.Const):
         return _const(e)
     if isinstance(e, L.Sym):
@@ -51,28 +91,26 @@ def expr(e) -> str:
     if isinstance(e, L.Load):
         return f"{e.buf}[{bare(e.index)}]"
     if isinstance(e, L.Un):
-        return L.spelling(e.op, e.x.dtype, "c").format(x=expr(e.x))
+        t = L.spelling(e.op, e.x.dtype, "c")
+        (alone,) = _args(t, "x")
+        return t.format(x=bare(e.x) if alone else expr(e.x))
+    if isinstance(e, (L.Bin, L.Select)) and (_infix(e) or isinstance(e, L.Select)):
+        return f"({bare(e)})"
     if isinstance(e, L.Bin):
-        return L.spelling(e.op, e.a.dtype, "c").format(a=expr(e.a), b=expr(e.b))
-    if isinstance(e, L.Select):
-        return f"({expr(e.cond)} ? {expr(e.a)} : {expr(e.b)})"
+        t = L.spelling(e.op, e.a.dtype, "c")
+        a_alone, b_alone = _args(t, "a", "b")
+        return t.format(a=bare(e.a) if a_alone else expr(e.a), b=bare(e.b) if b_alone else expr(e.b))
     if isinstance(e, L.Cast):
         src, dst = e.x.dtype, e.dtype
         if src == dst:
             return expr(e.x)
         if src == "f16":
-            inner = f"vf_h2f({expr(e.x)})"
+            inner = f"vf_h2f({bare(e.x)})"
             return inner if dst == "f32" else f"({CTYPE[dst]})({inner})"
         if dst == "f16":
-            return f"vf_f2h({bare(e.x)})" if src == "f32" else f"vf_f2h((float)({expr(e.x)}))"
-        return f"({CTYPE[dst]})({expr(e.x)})"
+            return f"vf_f2h({bare(e.x)})" if src == "f32" else f"vf_f2h((float)({bare(e.x)}))"
+        return f"({CTYPE[dst]})({bare(e.x)})"
     raise TypeError(e)
-
-
-def bare(e) -> str:
-    """``expr(e)`` without the parentheses around the whole (for a statement or an index)."""
-    c = expr(e)
-    return c[1:-1] if isinstance(e, (L.Bin, L.Select)) and c.startswith("(") and c.endswith(")") else c
 
 
 # ------------------------------------------------------------------------------------ statements

@@ -94,9 +94,16 @@ def define_op(name, arity, c, llvm, compare=False) -> ScalarOp:
     return OPS[name]
 
 
+def op_table() -> dict:
+    """``OPS``, filled by the primitives' definitions (``dsl/primitives.py``) on first use."""
+    if not OPS:
+        import dsl.primitives  # noqa: F401
+    return OPS
+
+
 def spelling(op: str, dtype: str, renderer: str):
     """How ``renderer`` ("c" or "llvm") spells ``op`` on ``dtype`` operands; a clear error if it can't."""
-    table = getattr(OPS[op], renderer) if op in OPS else {}
+    table = getattr(OPS[op], renderer) if op in op_table() else {}
     if kind_of(dtype) not in table:
         raise NotImplementedError(f"op {op!r} has no {renderer} spelling for {dtype} operands: "
                                   f"add one to its definition in dsl/primitives.py")
@@ -141,7 +148,7 @@ class Bin:
 
     @property
     def dtype(self):
-        return "bool" if OPS[self.op].compare else self.a.dtype
+        return "bool" if op_table()[self.op].compare else self.a.dtype
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,19 @@ def test_const_and_cast_rendering():
     assert np.isclose(float(expr(L.Const(0.125, "f32"))[:-1]), 0.125)
 
 
+def test_expressions_carry_only_the_parentheses_c_needs():
+    from codegen.hip import bare, expr
+    a, b, c = (L.Sym(x, "f32") for x in "abc")
+    add, mul, sub = (lambda x, y, op=op: L.Bin(op, x, y) for op in ("add", "mul", "sub"))
+    assert bare(add(add(a, b), c)) == "a + b + c"                  # left to right, as the IR says
+    assert bare(add(a, add(b, c))) == "a + (b + c)"                # float addition does not reassociate
+    assert bare(mul(add(a, b), c)) == "(a + b) * c" and bare(sub(a, mul(b, c))) == "a - b * c"
+    assert expr(L.Un("neg", add(a, b))) == "(-(a + b))" and expr(L.Un("exp", add(a, b))) == "expf(a + b)"
+    assert expr(mul(L.Select(L.Bin("lt", a, b), a, b), c)) == "((a < b ? a : b) * c)"
+    i = L.Sym("i", "i32")
+    assert bare(L.Bin("and", L.Bin("eq", i, L.c(0)), L.Bin("lt", i, L.c(4)))) == "(i == 0) && (i < 4)"
+
+
 def test_emulated_wave64_runs_the_gfx906_kernel_text(kernels):
     """The NVIDIA wave-64 flavour (two warps per wave) renders gfx906's kernel text byte for byte;
     only the prelude differs, and there the cross-warp exchange uses a named barrier per wave."""
