@@ -291,7 +291,7 @@ def test_cuda_device_builds_through_the_shared_path(tmp_path, monkeypatch):
     def device():
         dev = CUDADevice.__new__(CUDADevice)
         dev.nvrtc = dev.drv = FakeNVRTC()
-        dev.target, dev._compiler, dev._functions = get_target("sm_90"), None, {}
+        dev.target, dev.arch, dev._compiler, dev._functions = get_target("sm_90"), "sm_90", None, {}
         return dev
     dev = device()
     cks = dev.compile_many(kernels)
@@ -309,6 +309,7 @@ def test_cuda_device_builds_through_the_shared_path(tmp_path, monkeypatch):
     wave64.target = get_target("sm_90_wave64")                              # a new target: a new compiler
     wave64.compile_many(kernels[:1])
     assert wave64.compiler.target.wave == 64 and len(wave64.nvrtc.compiled) == 1
+    assert wave64.nvrtc.compiled[0][1][0] == "--gpu-architecture=sm_90"     # the device's arch, not the flavour's name
 
 
 def test_cpu_compile_error_names_the_kernel_and_the_line():

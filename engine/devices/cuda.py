@@ -225,7 +225,7 @@ extern "C" __global__ void vf_fill(void* out, unsigned long long n, unsigned int
         """NVRTC for ``self.target`` (what :mod:`engine.build` compiles with); made again when the
         target changes."""
         if self._compiler is None or self._compiler.target != self.target:
-            self._compiler = NVRTCCompiler(self.nvrtc, self.target)
+            self._compiler = NVRTCCompiler(self.nvrtc, self.target, self.arch)
         return self._compiler
 
     def _nvrtc_compile(self, source, name):
@@ -241,11 +241,12 @@ extern "C" __global__ void vf_fill(void* out, unsigned long long n, unsigned int
 
 class NVRTCCompiler(Compiler):
     """HIP C++ (NVIDIA flavour, from ``target``'s prelude) to cubins with NVRTC, for the target's
-    ``sm_XX`` arch.  The cache identity is NVRTC's version, the arch and the options."""
+    ``arch`` (``sm_XX``: the device's; the target may be a flavour of it, such as the emulated wave
+    64).  The cache identity is NVRTC's version, the arch and the options."""
 
-    def __init__(self, nvrtc, target):
+    def __init__(self, nvrtc, target, arch):
         super().__init__()
-        self.nvrtc, self.target, self.arch = nvrtc, target, target.name
+        self.nvrtc, self.target, self.arch = nvrtc, target, arch
         self.includes = _cuda_include_dirs()
         self.options = [f"--gpu-architecture={self.arch}", "--std=c++17"]
         ver = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
