@@ -12,6 +12,7 @@ Every equation has exactly one output.  Shapes are static; runtime integers
 """
 from __future__ import annotations
 
+import linecache
 import os
 import sys
 from dataclasses import dataclass, field
@@ -74,7 +75,8 @@ class Eqn:
     inputs: list
     params: dict
     out: Var
-    source: str = ""              # "file.py:123" of the user's code that traced it
+    source: str = ""              # "stdlib/llama.py:21": the model's (or user's) line that traced it
+    scope: tuple = ()             # building-block functions it was traced inside: ("rms_norm",)
 
 
 @dataclass
@@ -129,29 +131,56 @@ def primitive(name, kind, rule, impl):
 _DSL_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-_STDLIB_DIR = os.path.join(os.path.dirname(_DSL_DIR), "stdlib")
+_ROOT = os.path.dirname(_DSL_DIR)
+# Modules of building blocks: an op traced inside one is attributed to the line that called it
+# (the model's line), and the block's function names become the op's ``scope``.
+BUILDING_BLOCKS = (os.path.join(_ROOT, "stdlib", "nn.py"),)
 MAX_ELEMENTS = 2 ** 31 - 1          # kernels index with 32-bit integers
 
 
-def _where(f):
-    fn = os.path.abspath(f.f_code.co_filename)
-    return fn, f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+def _relpath(fn):
+    """Project files relative to the project root (``stdlib/llama.py``), others to the cwd."""
+    if fn.startswith("<"):
+        return fn
+    return os.path.relpath(fn, _ROOT if fn.startswith(_ROOT + os.sep) else os.curdir)
+
+
+def _site():
+    """(source, scope, helper) of the op being traced: ``source`` is ``file:line`` of the innermost
+    frame outside ``dsl/`` and the building blocks; ``scope`` the building-block functions it was
+    traced inside, outermost first; ``helper`` the ``file:line`` inside the innermost of them."""
+    f, scope, helper = sys._getframe(1), [], None
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if fn in BUILDING_BLOCKS:
+            if not f.f_code.co_name.startswith("<"):
+                scope.append(f.f_code.co_name)
+            helper = helper or f"{_relpath(fn)}:{f.f_lineno}"
+        elif not fn.startswith(_DSL_DIR + os.sep):
+            return f"{_relpath(fn)}:{f.f_lineno}", tuple(reversed(scope)), helper
+        f = f.f_back
+    return helper or "<unknown>", tuple(reversed(scope)), None
 
 
 def user_source() -> str:
-    """``file:line`` of the innermost frame outside ``dsl/`` (the user's line).  When that line
-    is inside ``stdlib/`` (a building block), the caller outside it is named first:
-    ``model.py:12 (in stdlib/nn.py:39)``."""
-    f = sys._getframe(1)
-    inner = None
-    while f is not None:
-        fn, here = _where(f)
-        if not fn.startswith(_DSL_DIR + os.sep):
-            if not fn.startswith(_STDLIB_DIR + os.sep):
-                return here if inner is None else f"{here} (in {inner})"
-            inner = inner or here
-        f = f.f_back
-    return inner or "<unknown>"
+    """``file:line`` of the user's line (the innermost frame outside ``dsl/`` and the building
+    blocks), for error messages.  When the error happens inside a building block, its line
+    follows: ``model.py:12 (in stdlib/nn.py:39)``."""
+    src, _, helper = _site()
+    return src if helper is None else f"{src} (in {helper})"
+
+
+def source_text(eqn) -> str:
+    """The equation's source line with its text: ``stdlib/llama.py:21  q = linear(h, p["wq"])``
+    (just ``file:line`` when the file cannot be read)."""
+    path, _, line = eqn.source.rpartition(":")
+    if not path or not line.isdigit():
+        return eqn.source
+    full = path if os.path.isabs(path) else os.path.join(_ROOT, path)
+    if not os.path.exists(full):
+        full = os.path.abspath(path)
+    text = linecache.getline(full, int(line)).strip()
+    return f"{eqn.source}  {text}" if text else eqn.source
 
 
 def check_shape(shape, where):
@@ -184,13 +213,14 @@ def current_trace() -> Trace:
 def bind(prim: Primitive, *inputs, **params):
     """Apply ``prim`` to tracers/literals, check types, record the equation, return a Tracer."""
     from .array import Tracer
-    src = user_source()
+    src, scope, helper = _site()
+    where = src if helper is None else f"{src} (in {helper})"
     atoms = [x.var if isinstance(x, Tracer) else x for x in inputs]
     try:
         shape, dtype = prim.rule([(a.shape, a.dtype) for a in atoms], **params)
     except DSLError as e:
-        raise DSLError(f"{src}: {prim.name}: {e}") from None
+        raise DSLError(f"{where}: {prim.name}: {e}") from None
     out = Var(tuple(int(d) for d in shape), dtype)
-    check_shape(out.shape, f"{src}: {prim.name}")
-    current_trace().eqns.append(Eqn(prim, atoms, params, out, src))
+    check_shape(out.shape, f"{where}: {prim.name}")
+    current_trace().eqns.append(Eqn(prim, atoms, params, out, src, scope))
     return Tracer(out)

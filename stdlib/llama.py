@@ -24,13 +24,16 @@ def block(cfg: LlamaConfig, p, x, k_cache, v_cache, pos):
     q = q.reshape(T, hq, hd).transpose(1, 0, 2)                         # (hq, T, hd)
     k = k.reshape(T, hkv, hd).transpose(1, 0, 2)                        # (hkv, T, hd)
     v = v.reshape(T, hkv, hd).transpose(1, 0, 2)                        # (hkv, T, hd)
-    q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+    q = rope(q, pos, cfg.rope_theta)                                    # (hq, T, hd)
+    k = rope(k, pos, cfg.rope_theta)                                    # (hkv, T, hd)
     a, k_cache, v_cache = causal_attention(q, k_cache, v_cache, k, v, pos)   # (hq, T, hd)
     a = a.transpose(1, 0, 2).reshape(T, hq * hd)                        # (T, hq*hd)
     x = x + linear(a, p["wo"])                                          # (T, D)
 
     h = rms_norm(x, p["ffn_norm"], cfg.norm_eps)                        # (T, D)
-    x = x + linear(silu(linear(h, p["w_gate"])) * linear(h, p["w_up"]), p["w_down"])   # (T, D)
+    gate = silu(linear(h, p["w_gate"]))                                 # (T, F)
+    up = linear(h, p["w_up"])                                           # (T, F)
+    x = x + linear(gate * up, p["w_down"])                              # (T, D)
     return x, k_cache, v_cache
 
 

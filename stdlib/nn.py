@@ -58,6 +58,13 @@ def rope(x, pos, theta):
     return x * cos + rot * sin
 
 
+def kv_write(k_cache, v_cache, k, v, pos):
+    """Write k, v [Hkv, T, hd] at position ``pos`` into the caches [Hkv, S, hd]; returns them."""
+    k_cache = dsl.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), [0, pos, 0])
+    v_cache = dsl.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), [0, pos, 0])
+    return k_cache, v_cache
+
+
 def causal_attention(q, k_cache, v_cache, k, v, pos):
     """Write k, v at ``pos`` into the KV cache, then attend causally.
 
@@ -65,7 +72,6 @@ def causal_attention(q, k_cache, v_cache, k, v, pos):
     Query head h reads KV head h // (Hq // Hkv) (grouped-query attention).
     Returns (out f32 [Hq, T, hd], k_cache, v_cache).
     """
-    k_cache = dsl.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), [0, pos, 0])
-    v_cache = dsl.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), [0, pos, 0])
+    k_cache, v_cache = kv_write(k_cache, v_cache, k, v, pos)
     out = dsl.attention(q, k_cache, v_cache, pos, 1.0 / math.sqrt(q.shape[-1]))
     return out, k_cache, v_cache
