@@ -127,7 +127,8 @@ def decode_plan(model=None, context=512):
 
 def table(items, layers_once=True):
     """The report as text; kernels identical up to names (the same layer) are listed once."""
-    head = (f"{'kernel':<40} {'family':<11} {'VGPR':>4} {'SGPR':>4} {'LDS':>6} {'scr':>3} {'w/SIMD':>6} "
+    w = max([40] + [len(it.kernel.name) for it in items])
+    head = (f"{'kernel':<{w}} {'family':<11} {'VGPR':>4} {'SGPR':>4} {'LDS':>6} {'scr':>3} {'w/SIMD':>6} "
             f"{'code':>5} {'x4':>3} {'flat':>4} {'wait':>4} {'ds':>3} {'KB/call':>8} {'MFLOP':>7}  copies")
     rows, seen = [head, "-" * len(head)], {}
     for it in items:
@@ -138,7 +139,7 @@ def table(items, layers_once=True):
         r, c, k = it.res, it.loop_counts(), it.kernel
         lds = f"{r['lds_bytes']}+{it.hip.dynamic_lds}" if it.hip.dynamic_lds else str(r["lds_bytes"])
         seen[key] = [len(rows), 1]
-        rows.append([f"{k.name[:40]:<40} {k.family:<11} {r['vgprs']:>4} {r['sgprs']:>4} {lds:>6} "
+        rows.append([f"{k.name:<{w}} {k.family:<11} {r['vgprs']:>4} {r['sgprs']:>4} {lds:>6} "
                      f"{r['scratch_bytes']:>3} {r['waves_per_simd']:>6} {r['code_bytes']:>5} {c['dwordx4']:>3} "
                      f"{c['flat']:>4} {c['waitcnt']:>4} {c['ds']:>3} {k.bytes / 1e3:>8.1f} {k.flops / 1e6:>7.2f}"])
     for row, n in seen.values():

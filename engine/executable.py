@@ -8,7 +8,8 @@ Buffers: intermediates are allocated once and reused by every call.  Small
 inputs (token ids, positions) are copied into staging buffers, so the prepared
 launch plan stays valid; large inputs (weights, KV caches) are bound by
 address, and the plan is re-bound only when one of them moves.  A donated input
-that a ``dynamic_update_slice`` writes in place is returned as the output.
+that a ``dynamic_update_slice`` writes in place is returned as the output.  An output that
+is a reshape of a computed value is that value's buffer, returned with the output's shape.
 """
 from __future__ import annotations
 
@@ -116,9 +117,14 @@ class Executable:
         return self._buffers[name]
 
     def output_buffers(self):
-        """Device buffers of the outputs, in flattened order (None for literals)."""
+        """Device buffers of the outputs, in flattened order (None for literals), each with its
+        output's shape: an output that is a reshape of a computed value shares that value's memory."""
         by_name = dict(zip(self.plan.inputs, self._bound_refs or []))
-        return [None if o[0] == "lit" else by_name.get(o[1], self._buffers.get(o[1])) for o in self.plan.outputs]
+        out = []
+        for o in self.plan.outputs:
+            b = None if o[0] == "lit" else by_name.get(o[1], self._buffers.get(o[1]))
+            out.append(b if b is None or tuple(b.shape) == o[2] else b.reshape(o[2]))
+        return out
 
     def __call__(self, *leaves):
         if self.device is None:
@@ -131,8 +137,8 @@ class Executable:
                 outs.append(np.asarray(o[1], NP_DTYPES[o[2]]))
             elif o[1] in by_name:                      # a donated input updated in place
                 outs.append(by_name[o[1]])
-            else:
-                outs.append(self.device.to_host(self._buffers[o[1]]))
+            else:                                      # a view output: its base's buffer, reshaped
+                outs.append(self.device.to_host(self._buffers[o[1]]).reshape(o[2]))
         return unflatten(self.out_tree, outs)
 
 

@@ -41,7 +41,8 @@ class Graph:
     producer: dict = field(default_factory=dict)     # Var -> Eqn
     users: dict = field(default_factory=dict)        # Var -> [Eqn]
     order: dict = field(default_factory=dict)        # Eqn -> index
-    outputs: set = field(default_factory=set)
+    outputs: set = field(default_factory=set)        # values that leave the program in a buffer
+    views: dict = field(default_factory=dict)        # output -> the computed value whose buffer it reuses
 
     @classmethod
     def of(cls, prog):
@@ -52,12 +53,45 @@ class Graph:
             for a in e.inputs:
                 if isinstance(a, Var):
                     g.users.setdefault(a, []).append(e)
-        g.outputs = {o for o in prog.outputs if isinstance(o, Var)}
+        for o in prog.outputs:
+            base = view_base(g, o)
+            if base is not None:
+                g.views[o] = base
+        g.outputs = {g.views.get(o, o) for o in prog.outputs if isinstance(o, Var)}
         return g
 
     def kind(self, v):
         e = self.producer.get(v)
         return None if e is None else e.prim.kind
+
+
+def same_layout(e) -> bool:
+    """Is view ``e`` its input's row-major buffer under another shape (a reshape, or a size-1
+    axis added, dropped or moved)?"""
+    x = e.inputs[0] if e.inputs else None
+    if not isinstance(x, Var) or x.size != e.out.size:
+        return False
+    if e.prim.name == "reshape":
+        return True
+    if e.prim.name == "broadcast_in_dim":
+        return list(e.params["dims"]) == sorted(e.params["dims"])
+    if e.prim.name == "transpose":
+        moved = [p for p in e.params["perm"] if x.shape[p] != 1]
+        return moved == sorted(moved)
+    return False
+
+
+def view_base(g: Graph, v):
+    """The computed value whose buffer program output ``v`` can reuse with ``v``'s shape (no kernel,
+    no copy), through views that keep the layout; None when ``v`` is not such a view, or the
+    chain ends at a program input or an in-place update (those buffers belong to the caller)."""
+    base = v
+    while isinstance(base, Var) and base in g.producer and same_layout(g.producer[base]):
+        base = g.producer[base].inputs[0]
+    e = g.producer.get(base)
+    if base is v or e is None or e.prim.name == "dynamic_update_slice":
+        return None
+    return base
 
 
 def is_scalar_param(v):

@@ -23,6 +23,7 @@ from codegen import loopir as L
 from dsl.core import Lit, Var
 
 from .lower import LOWER, Builder, Unfusable, fresh, unravel
+from .naming import kernel_names
 from .partition import Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues
 
 
@@ -33,7 +34,7 @@ class Plan:
     kernels: list
     buffers: dict                  # name -> (shape, dtype); scalars have shape ()
     inputs: list                   # buffer name of each program input
-    outputs: list                  # per program output: ("buf", name) or ("lit", value, dtype)
+    outputs: list                  # per program output: ("buf", name, shape) or ("lit", value, dtype)
     scalars: list                  # names of i32 scalar inputs
     aliases: dict = field(default_factory=dict)   # DUS output buffer -> donated input it overwrites
     rules: frozenset = frozenset()
@@ -403,18 +404,19 @@ def _lower_all(lw) -> Plan:
             kernels.append(root_kernel(lw, r))
     if "horizontal" in lw.rules:
         kernels = merge_loops(kernels)
-    for i, k in enumerate(kernels):
-        k.name = f"k{i:03d}_{k.name}"
+    eqns = [sorted(set(k.ops), key=lw.g.order.get) for k in kernels]      # DSL ops, in program order
+    for k, es, name in zip(kernels, eqns, kernel_names(kernels, eqns, lw.names)):
+        k.name = name
         k.bytes = L.traffic(k)
-        eqns = sorted(set(k.ops), key=lw.g.order.get)             # DSL ops, in program order
-        k.eqns = tuple(eqns)
-        k.ops = tuple(describe(e) for e in eqns)
+        k.eqns = tuple(es)
+        k.ops = tuple(describe(e) for e in es)
     buffers = {}
     for v, n in lw.names.items():
         buffers.setdefault(n, (tuple(v.shape), v.dtype))
     outputs = []
-    for o in lw.prog.outputs:
-        outputs.append(("lit", o.value, o.dtype) if isinstance(o, Lit) else ("buf", lw.buffer_of(o)))
+    for o in lw.prog.outputs:           # a view output names its base's buffer, with its own shape
+        outputs.append(("lit", o.value, o.dtype) if isinstance(o, Lit) else
+                       ("buf", lw.buffer_of(lw.g.views.get(o, o)), tuple(o.shape)))
     scalars = [lw.names[v] for v in lw.prog.inputs if is_scalar_param(v)]
     return Plan(kernels, buffers, [lw.names[v] for v in lw.prog.inputs], outputs, scalars,
                 {lw.buffer_of(r): lw.buffer_of(o) for r, o in aliases.items()}, lw.rules)

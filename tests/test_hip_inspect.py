@@ -71,11 +71,11 @@ def test_inspect_cli():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "attention" in r.stdout and "contract" in r.stdout and "w/SIMD" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "k002", "--isa"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "layers_0_causal_attention", "--isa"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "s_endpgm" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "k000", "--source"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "layers_0_rms_norm_linear_wq_wk_wv",
+                        "--source"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "__shared__ vf_half act[576]" in r.stdout and "vf_dot8_h(" in r.stdout
     r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "nonexistent"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)

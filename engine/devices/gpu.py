@@ -50,6 +50,14 @@ class DeviceArray:
     def numpy(self):
         return self.device.to_host(self)
 
+    def reshape(self, shape):
+        """The same memory under another shape of as many elements; the view keeps ``self`` alive."""
+        view = _DeviceView(self.device, self.ptr, shape, self.dtype)
+        if view.nbytes != self.nbytes:
+            raise ValueError(f"cannot reshape {list(self.shape)} to {list(shape)}")
+        view.base = self
+        return view
+
     def __array__(self, dtype=None, copy=None):
         a = self.numpy()
         return a if dtype is None else a.astype(dtype)
@@ -62,6 +70,13 @@ class DeviceArray:
             self.device._free(self)
         except Exception:                                         # interpreter shutdown
             pass
+
+
+class _DeviceView(DeviceArray):
+    """A reshaped DeviceArray: the memory belongs to ``base`` and is not freed here."""
+
+    def __del__(self):
+        pass
 
 
 class ScalarSlots:

@@ -1,0 +1,118 @@
+"""Kernel names from the model's structure, not from counters.
+
+A name reads as the kernel does: the layer, then the building blocks and plain ops it
+runs, in program order, with the weights each ``linear`` reads::
+
+    layers_3_rms_norm_linear_w_gate_w_up_silu_mul      RMSNorm -> gate/up GEMVs -> SiLU * mul
+    layers_3_rope_kv_write                             RoPE on q and k, then the KV-cache write
+    layers_3_causal_attention
+    rms_norm_linear_embed                              the final norm and the (tied) LM head
+
+* the layer comes from the buffers a kernel touches (``params_layers_3_w_gate`` ->
+  ``layers_3``); a kernel that touches no layer's weights (attention reads the cache and q)
+  takes the layer of the kernels that computed its inputs, unless it reads a weight that
+  belongs to no layer (the final norm);
+* an op traced inside a ``stdlib/nn.py`` building block is named after the innermost block
+  (``Eqn.scope``); a plain op after its primitive; a plain ``dynamic_update_slice`` after the
+  buffer it writes; views, gathers and casts only move data and are named only when a kernel
+  does nothing else;
+* each word appears once, at its first op; names are at most ``MAX_LEN`` characters, valid C
+  identifiers, and unique within a plan (``_2`` only on a true clash).
+"""
+from __future__ import annotations
+
+import re
+
+MAX_LEN = 60
+_LAYER = re.compile(r"(?:^|_)((?:layers|layer|blocks|block|h)_\d+)(?:_|$)")
+_WORDS = {"reduce_sum": "sum", "reduce_max": "max", "select": "where", "dot": "matmul"}
+_QUIET = ("view", "index")                      # primitive kinds that only move data
+# names a kernel may not take: C/C++ keywords and the math functions a kernel calls
+_RESERVED = set("""auto break case char const continue default do double else enum extern float for goto if
+int long register return short signed sizeof static struct switch typedef union unsigned void volatile
+while bool true false class delete new operator private public template this throw try typename using
+virtual abs exp expf log logf sqrt sqrtf rsqrt rsqrtf sin sinf cos cosf tanh tanhf max min fmaxf fminf
+main""".split())
+
+
+def layer_of(name):
+    """``layers_3`` for a buffer name such as ``params_layers_3_w_gate``, else None."""
+    m = _LAYER.search(name)
+    return m.group(1) if m else None
+
+
+def weight_name(name):
+    """A weight's own name: ``params_layers_3_w_gate`` -> ``w_gate``, ``params_embed`` -> ``embed``."""
+    m = _LAYER.search(name)
+    if m and name[m.end():]:
+        return name[m.end():]
+    return name[len("params_"):] if name.startswith("params_") and len(name) > 7 else name
+
+
+def _word(e, buffers):
+    if e.scope:
+        return e.scope[-1]
+    if e.prim.name == "dynamic_update_slice" and e.out in buffers:
+        return weight_name(buffers[e.out])
+    return _WORDS.get(e.prim.name, e.prim.name)
+
+
+def _quiet(e):
+    return not e.scope and (e.prim.kind in _QUIET and e.prim.name != "dynamic_update_slice"
+                            or e.prim.name == "convert")
+
+
+def kernel_name(eqns, buffers, layer=None) -> str:
+    """The name of one kernel.
+
+    ``eqns``: the DSL equations fused into it, in program order; ``buffers``: Var -> buffer name
+    for its parameters (the weight of a contraction is looked up here); ``layer``: the layer
+    prefix (``layers_3``) or None.  Returns a C identifier of at most ``MAX_LEN`` characters."""
+    made = {e.out: e for e in eqns}
+    words = {}                                             # word -> weight names, in first-use order
+    for e in [e for e in eqns if not _quiet(e)] or eqns:
+        ws = words.setdefault(_word(e, buffers), [])
+        if e.prim.kind == "contract" and len(e.inputs) > 1:
+            w = e.inputs[1]
+            while w not in buffers and w in made and made[w].prim.kind == "view":   # w.T, w.astype
+                w = made[w].inputs[0]
+            if w in buffers and weight_name(buffers[w]) not in ws:
+                ws.append(weight_name(buffers[w]))
+    parts = [layer] if layer else []
+    parts += ["_".join([w] + ws) for w, ws in words.items()] or ["kernel"]
+    while len(parts) > 1 and len("_".join(parts)) > MAX_LEN:
+        parts.pop()
+    name = re.sub(r"[^A-Za-z0-9_]", "_", "_".join(parts))[:MAX_LEN].strip("_") or "kernel"
+    if name[0].isdigit():
+        name = "k_" + name
+    return name + "_k" if name in _RESERVED or name.startswith("vf_") else name
+
+
+def kernel_names(kernels, eqns, names) -> list:
+    """Names for every kernel of a plan, in launch order.
+
+    ``kernels``: Loop IR kernels (their ``params`` say which buffers they read and write);
+    ``eqns``: each kernel's DSL equations in program order; ``names``: Var -> buffer name."""
+    written = {p.name for k in kernels for p in k.params if p.role != "in"}
+    layer_of_buffer, out, used = {}, [], {}
+    for k, es in zip(kernels, eqns):
+        params = {p.name for p in k.params if p.kind == "buffer"}
+        bufs = {v: n for v, n in names.items() if n in params}
+        layers = [x for x in (layer_of(p) for p in sorted(params)) if x]
+        if layers:
+            layer = max(set(layers), key=layers.count)
+        elif any(p.role == "in" and p.kind == "buffer" and p.name not in written for p in k.params):
+            layer = None                                   # reads a weight outside every layer
+        else:
+            inherited = [layer_of_buffer.get(p.name) for p in k.params if p.role != "out"]
+            layer = next((x for x in inherited if x), None)
+        for p in k.params:
+            if p.role != "in":
+                layer_of_buffer[p.name] = layer
+        name = base = kernel_name(es, bufs, layer)
+        while name in used:
+            used[base] = used.get(base, 1) + 1
+            name = f"{base[:MAX_LEN - 4]}_{used[base]}"
+        used.setdefault(name, 1)
+        out.append(name)
+    return out

@@ -1,0 +1,132 @@
+"""Kernel names come from the model's structure; ops carry the model's source line and scope."""
+import re
+
+import numpy as np
+import pytest
+
+import dsl
+from dsl.core import source_text
+from fusion.naming import MAX_LEN, kernel_name, layer_of, weight_name
+from stdlib import nn
+
+IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def layer(n):
+    return [f"layers_{n}_rms_norm_linear_wq_wk_wv", f"layers_{n}_rope_kv_write", f"layers_{n}_causal_attention",
+            f"layers_{n}_linear_wo_add", f"layers_{n}_rms_norm_linear_w_gate_w_up_silu_mul",
+            f"layers_{n}_linear_w_down_add"]
+
+
+@pytest.fixture(scope="module")
+def plan():
+    from codegen.inspect import decode_plan
+    return decode_plan(context=64)
+
+
+def test_smollm2_decode_kernels_are_named_after_the_model(plan):
+    names = [k.name for k in plan.kernels]
+    assert names[:6] == layer(0)
+    assert names[18:24] == layer(3)
+    assert names[-1] == "rms_norm_linear_embed"
+    assert len(names) == 30 * 6 + 1
+    assert len(set(names)) == len(names)
+    for n in names:
+        assert IDENT.match(n) and len(n) <= MAX_LEN, n
+        assert not re.match(r"k\d{3}", n), n
+
+
+def test_ops_point_at_the_model_line_not_the_helper(plan):
+    k = plan.kernels[0]
+    texts = [source_text(e) for e in k.eqns if e.prim.name == "dot"]
+    assert [t.split("  ")[1] for t in texts] == [f'{x} = linear(h, p["w{x}"], p.get("b{x}"))' for x in "qkv"]
+    assert all(t.startswith("stdlib/llama.py:") for t in texts)
+    norm = [e for e in k.eqns if e.scope == ("rms_norm",)]
+    assert norm and all('rms_norm(x, p["attn_norm"]' in source_text(e) for e in norm)
+    ffn = [e for e in plan.kernels[4].eqns if e.scope == ("rms_norm",)]
+    assert ffn and all('p["ffn_norm"]' in source_text(e) for e in ffn)
+    writes = [e for e in plan.kernels[1].eqns if e.prim.name == "dynamic_update_slice"]
+    assert [e.scope for e in writes] == [("causal_attention", "kv_write")] * 2
+
+
+def test_user_program_names_and_scopes():
+    def f(x, g, w, b, y):
+        h = nn.rms_norm(x, g, 1e-5)                  # (4, 16)
+        z = dsl.exp(y) + 1.0                         # (4, 8): a plain elementwise kernel
+        return nn.silu(nn.linear(h, w, b)) + 1.0, z
+    rng = np.random.default_rng(0)
+    args = (rng.standard_normal((4, 16), np.float32), rng.standard_normal(16, np.float32),
+            rng.standard_normal((8, 16), np.float32), rng.standard_normal(8, np.float32),
+            rng.standard_normal((4, 8), np.float32))
+    lowered = dsl.jit(f).lower(*args)
+    c = lowered.compile()
+    assert sorted(k.name for k in c.plan.kernels) == ["exp_add", "rms_norm_linear_w_silu_add"]
+    eqns = lowered.program.eqns
+    assert eqns[0].scope == ("rms_norm",) and eqns[-1].scope == ()
+    assert eqns[0].source.endswith(f":{f.__code__.co_firstlineno + 1}")
+    assert "h = nn.rms_norm(x, g, 1e-5)" in source_text(eqns[0])
+    out, z = c(*args)
+    ref, zref = lowered.program.run(*args, compute_dtype="f64")
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(z, zref, rtol=1e-5)
+
+
+def test_names_are_unique_short_and_never_reserved_words():
+    f = dsl.jit(lambda a, b: (dsl.exp(a), dsl.exp(b)), fusion={"horizontal": False})
+    x = np.random.default_rng(1).standard_normal((3, 5), np.float32)
+    c = f.compile(x, x + 1)
+    assert [k.name for k in c.plan.kernels] == ["exp_k", "exp_k_2"]
+    a, b = c(x, x + 1)
+    np.testing.assert_allclose(a, np.exp(x), rtol=1e-6)
+    np.testing.assert_allclose(b, np.exp(x + 1), rtol=1e-6)
+
+    def long(x):
+        for _ in range(3):
+            x = dsl.tanh(dsl.sin(dsl.cos(dsl.exp(x)))) * 2.0 - 1.0
+            x = dsl.abs(x) / 3.0
+        return x
+    (k,) = dsl.jit(long).compile(x).plan.kernels
+    assert len(k.name) <= MAX_LEN and IDENT.match(k.name) and k.name.startswith("exp_cos_sin_tanh")
+
+
+def test_name_helpers():
+    assert layer_of("params_layers_12_w_gate") == "layers_12" and layer_of("params_embed") is None
+    assert weight_name("params_layers_12_w_gate") == "w_gate" and weight_name("params_lm_head") == "lm_head"
+    assert kernel_name([], {}) == "kernel"
+
+
+# ---------------------------------------------------------------- an output that is a view costs no kernel
+def test_decode_step_has_no_reshape_only_kernel(plan):
+    assert not [k.name for k in plan.kernels if {e.prim.name for e in k.eqns} <= {"reshape"}]
+    logits = plan.outputs[0]
+    assert logits[0] == "buf" and len(logits[2]) == 1 and plan.buffers[logits[1]][0] == (1, logits[2][0])
+
+
+def test_view_outputs_alias_their_base_buffer():
+    rng = np.random.default_rng()
+    x, w = rng.standard_normal((2, 8), np.float32), rng.standard_normal((3, 8), np.float32)
+
+    def f(x, w):
+        y = x @ w.T                                       # (2, 3): materialized by the matmul
+        s = dsl.sum(x * x, -1)                            # (2,)
+        return y.reshape(-1), y[None], s[:, None], y.T[None].reshape(3, 2)
+    lowered = dsl.jit(f).lower(x, w)
+    c = lowered.compile()
+    assert len(c.plan.kernels) == 3                       # matmul, sum, and the transpose (not a view)
+    assert [o[2] for o in c.plan.outputs] == [(6,), (1, 2, 3), (2, 1), (3, 2)]
+    assert c.plan.outputs[0][1] == c.plan.outputs[1][1]
+    for got, ref in zip(c(x, w), lowered.program.run(x, w, compute_dtype="f64")):
+        assert got.shape == ref.shape
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    bufs = c.output_buffers()
+    assert [b.shape for b in bufs] == [(6,), (1, 2, 3), (2, 1), (3, 2)]
+
+
+def test_view_of_an_input_still_copies():
+    x = np.random.default_rng().standard_normal((2, 3), np.float32)
+    c = dsl.jit(lambda x: x.reshape(6)).compile(x)
+    assert len(c.plan.kernels) == 1
+    out = c(x)
+    np.testing.assert_array_equal(out, x.reshape(6))
+    out[0] = 99.0
+    assert x[0, 0] != 99.0
