@@ -430,11 +430,14 @@ def hoist(body, env, readonly, taken, ours):
         cands = []
         for e in _loop_exprs(tuple(kept)):
             _invariants(e, lambda x: _movable(x, fixed, readonly, runs), cands)
-        for e in cands:
+        cands.sort(key=lambda x: sum(1 for _ in subexprs(x)))          # an inner value first
+        while cands:
+            e = cands.pop(0)
             name = local_name(e, taken)
             ours.add(name)
             pre.append(L.Declare(name, e.dtype, e))
             kept = [_replace_in(x, e, L.Sym(name, e.dtype)) for x in kept]
+            cands = [substitute(x, e, L.Sym(name, e.dtype)) for x in cands]
         out += pre
         out.append(replace(s, body=tuple(kept)))
     return tuple(out)
@@ -522,7 +525,7 @@ def share(body, taken, ours):
 
 # ------------------------------------------------------------------------------ 4. merge locals
 def merge_locals(body, ours):
-    """Our locals declared twice in a block with the same value become one."""
+    """Our locals declared twice in a block with the same value, or as copies, become one."""
     out, known, renames = [], {}, []      # known: init -> name, while nothing it reads is written
     for s in body:
         for old, new in renames:
@@ -530,6 +533,9 @@ def merge_locals(body, ours):
         s = map_node(s, lambda e: e, lambda b: merge_locals(b, ours))
         if isinstance(s, L.Declare) and s.name in ours and s.init in known:
             renames.append((L.Sym(s.name, s.dtype), L.Sym(known[s.init], s.dtype)))
+            continue
+        if isinstance(s, L.Declare) and s.name in ours and isinstance(s.init, L.Sym) and s.init.name in ours:
+            renames.append((L.Sym(s.name, s.dtype), s.init))           # a copy of another of ours
             continue
         written = names_written((s,))
         known = {e: n for e, n in known.items() if not names_read(e) & written}

@@ -130,3 +130,21 @@ def test_view_of_an_input_still_copies():
     np.testing.assert_array_equal(out, x.reshape(6))
     out[0] = 99.0
     assert x[0, 0] != 99.0
+
+
+def test_device_array_views_share_memory_and_never_free_it():
+    from engine.devices.gpu import DeviceArray
+    freed = []
+
+    class Fake:
+        def _free(self, a):
+            freed.append(a.ptr)
+    base = DeviceArray(Fake(), 4096, (1, 6), "f4")
+    view = base.reshape((6,))
+    assert view.shape == (6,) and view.ptr == base.ptr and view.nbytes == base.nbytes and view.base is base
+    with pytest.raises(ValueError, match="cannot reshape"):
+        base.reshape((7,))
+    del view
+    assert freed == []
+    del base
+    assert freed == [4096]
