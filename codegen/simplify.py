@@ -37,24 +37,44 @@ FULL = (I32_MIN, I32_MAX)
 
 
 # ------------------------------------------------------------------------------ generic traversal
+_KINDS = {}                          # node class -> ("expr" | "stmt" | None, its field names)
+
+
+def _kind(x):
+    cls = type(x)
+    if cls not in _KINDS:
+        if not is_dataclass(cls):
+            _KINDS[cls] = (None, ())
+        else:
+            names = tuple(f.name for f in fields(cls))
+            expr = "dtype" in names or hasattr(cls, "dtype")
+            _KINDS[cls] = ("stmt" if issubclass(cls, get_args(L.Stmt)) or not expr else "expr", names)
+    return _KINDS[cls]
+
+
 def is_stmt(x) -> bool:
-    return isinstance(x, get_args(L.Stmt)) or (is_dataclass(x) and not isinstance(x, type)
-                                               and not hasattr(x, "dtype"))
+    """A statement node: one of ``loopir.Stmt``, or a dataclass without a dtype."""
+    return _kind(x)[0] == "stmt"
 
 
 def is_expr(x) -> bool:
-    return is_dataclass(x) and not isinstance(x, type) and not is_stmt(x)
+    """An expression node: a dataclass with a dtype that is not a statement."""
+    return _kind(x)[0] == "expr"
 
 
 def _is_block(v) -> bool:
-    return isinstance(v, tuple) and bool(v) and all(is_stmt(x) for x in v)
+    """A tuple of statements (an unknown node kind inside one counts as a statement)."""
+    return isinstance(v, tuple) and bool(v) and all(_kind(x)[0] for x in v) and any(is_stmt(x) for x in v)
+
+
+def _values(node):
+    return ((n, getattr(node, n)) for n in _kind(node)[1])
 
 
 def map_node(node, fe, fb):
     """``node`` with each expression field rebuilt by ``fe`` and each nested block by ``fb``."""
     new = {}
-    for f in fields(node):
-        v = getattr(node, f.name)
+    for name, v in _values(node):
         if is_expr(v):
             nv = fe(v)
         elif _is_block(v):
@@ -64,15 +84,14 @@ def map_node(node, fe, fb):
         else:
             continue
         if nv is not v and nv != v:
-            new[f.name] = nv
+            new[name] = nv
     return replace(node, **new) if new else node
 
 
 def exprs_of(node):
     """The expression fields of a statement (not those of nested blocks)."""
     out = []
-    for f in fields(node):
-        v = getattr(node, f.name)
+    for _, v in _values(node):
         if is_expr(v):
             out.append(v)
         elif isinstance(v, tuple) and v and all(is_expr(x) for x in v):
@@ -81,14 +100,13 @@ def exprs_of(node):
 
 
 def blocks_of(node):
-    return [getattr(node, f.name) for f in fields(node) if _is_block(getattr(node, f.name))]
+    return [v for _, v in _values(node) if _is_block(v)]
 
 
 def subexprs(e):
     """``e`` and every sub-expression, parents first."""
     yield e
-    for f in fields(e):
-        v = getattr(e, f.name)
+    for _, v in _values(e):
         if is_expr(v):
             yield from subexprs(v)
 
@@ -105,9 +123,8 @@ def names_written(body) -> set:
     statement kinds count with every string they hold (conservative)."""
     out = set()
     for s in body:
-        for f in fields(s):
-            v = getattr(s, f.name)
-            if isinstance(v, str) and (not isinstance(s, (L.Declare, L.Array)) or f.name == "name"):
+        for name, v in _values(s):
+            if isinstance(v, str) and (not isinstance(s, (L.Declare, L.Array)) or name == "name"):
                 out.add(v)
         for b in blocks_of(s):
             out |= names_written(b)
@@ -123,7 +140,7 @@ def all_names(k) -> set:
 
     def visit(body):
         for s in body:
-            names.update(v for f in fields(s) if isinstance(v := getattr(s, f.name), str))
+            names.update(v for _, v in _values(s) if isinstance(v, str))
             for e in exprs_of(s):
                 names.update(names_read(e))
             for b in blocks_of(s):
@@ -272,14 +289,13 @@ def fold_expr(e, env):
 
 
 # ------------------------------------------------------------------------------ 1. fold
+_LOOP_CORE = ("var", "start", "stop", "body", "parallel")
+
+
 def _loop_extras_default(s) -> bool:
     """Only ``var, start, stop, body, parallel``: no hardware mapping recorded on the loop."""
-    for f in fields(s):
-        if f.name not in ("var", "start", "stop", "body", "parallel"):
-            default = f.default if f.default is not MISSING else MISSING
-            if default is MISSING or getattr(s, f.name) != default:
-                return False
-    return True
+    return all(f.name in _LOOP_CORE or (f.default is not MISSING and getattr(s, f.name) == f.default)
+               for f in fields(s))
 
 
 def _subst_block(body, var, value):
@@ -300,18 +316,13 @@ def fold(body, env):
         if isinstance(s, L.Loop):
             start, stop = fold_expr(s.start, env), fold_expr(s.stop, env)
             r0, r1 = value_range(start, env), value_range(stop, env)
-            if r0 and r1 and r1[1] <= r0[0]:
+            if r1[1] <= r0[0]:
                 continue                                               # never runs
             inline = not s.parallel and _loop_extras_default(s)
             if inline and (fold_expr(L.Bin("sub", stop, start), env) == L.Const(1, "i32")):
                 out += fold(_subst_block(s.body, s.var, start), env)    # runs once
                 continue
-            inner = dict(env)
-            if r0 and r1:
-                inner[s.var] = (r0[0], r1[1] - 1)
-            else:
-                inner.pop(s.var, None)
-            body2 = fold(s.body, inner)
+            body2 = fold(s.body, dict(env, **{s.var: (r0[0], r1[1] - 1)}))
             if not body2 and _loop_extras_default(s):
                 continue
             out.append(replace(s, start=start, stop=stop, body=body2))
@@ -392,10 +403,9 @@ def _invariants(e, ok, out, cond=False):
         if e not in out:
             out.append(e)
         return
-    for f in fields(e):
-        v = getattr(e, f.name)
+    for name, v in _values(e):
         if is_expr(v):
-            _invariants(v, ok, out, cond or isinstance(e, L.Select) and f.name in ("a", "b"))
+            _invariants(v, ok, out, cond or isinstance(e, L.Select) and name in ("a", "b"))
 
 
 def _loop_exprs(body):
@@ -414,12 +424,9 @@ def hoist(body, env, readonly, taken, ours):
             out.append(map_node(s, lambda e: e, lambda b: hoist(b, env, readonly, taken, ours)))
             continue
         r0, r1 = value_range(s.start, env), value_range(s.stop, env)
-        inner = dict(env)
-        if r0 and r1:
-            inner[s.var] = (r0[0], r1[1] - 1)
-        body2 = hoist(s.body, inner, readonly, taken, ours)
+        body2 = hoist(s.body, dict(env, **{s.var: (r0[0], r1[1] - 1)}), readonly, taken, ours)
         fixed = names_written(body2) | {s.var}
-        runs = bool(r0 and r1 and r0[1] < r1[0])
+        runs = r0[1] < r1[0]                                           # at least once: loads may move
         pre, kept = [], []
         for x in body2:                   # our locals whose value is the same every iteration
             if isinstance(x, L.Declare) and x.name in ours and _movable(x.init, fixed - {x.name}, readonly, runs):
@@ -458,10 +465,9 @@ def _occurrences(e, cands, cond=False):
     """Count the shareable sub-expressions of ``e`` outside Select arms."""
     if not cond and _shareable(e):
         cands[e] = cands.get(e, 0) + 1
-    for f in fields(e):
-        v = getattr(e, f.name)
+    for name, v in _values(e):
         if is_expr(v) and isinstance(v, _PURE):
-            _occurrences(v, cands, cond or isinstance(e, L.Select) and f.name in ("a", "b"))
+            _occurrences(v, cands, cond or isinstance(e, L.Select) and name in ("a", "b"))
 
 
 def _count(s, e, unconditional=False):
