@@ -34,6 +34,7 @@ from . import loopir as L
 
 I32_MIN, I32_MAX = -2 ** 31, 2 ** 31 - 1
 FULL = (I32_MIN, I32_MAX)
+CMP_OPS = ("lt", "le", "gt", "ge", "eq", "ne")      # the comparisons value ranges can decide
 
 
 # ------------------------------------------------------------------------------ generic traversal
@@ -261,7 +262,7 @@ def _by_range(e, env):
             rm, rr = value_range(e.a.a, env), value_range(e.a.b, env)
             if rm and rr and rm[0] >= 0 and 0 <= rr[0] and rr[1] < n:          # (a * n + b) / n
                 return e.a.a.a if e.op == "idiv" else e.a.b
-    if e.op in L.CMP_OPS and ra and rb:
+    if e.op in CMP_OPS and ra and rb:
         always = {"lt": ra[1] < rb[0], "le": ra[1] <= rb[0], "gt": ra[0] > rb[1], "ge": ra[0] >= rb[1],
                   "eq": ra[0] == ra[1] == rb[0] == rb[1], "ne": ra[1] < rb[0] or rb[1] < ra[0]}[e.op]
         never = {"lt": ra[0] >= rb[1], "le": ra[0] > rb[1], "gt": ra[1] <= rb[0], "ge": ra[1] < rb[0],
@@ -357,7 +358,7 @@ def local_name(e, taken):
         base = f"{_leaf(e)}_v"
     elif isinstance(e, L.Bin) and e.op in ("idiv", "mod") and _const(e.b):
         base = f"{_leaf(e)}_{'div' if e.op == 'idiv' else 'mod'}{e.b.value}"
-    elif isinstance(e, L.Bin) and e.op in L.CMP_OPS and _const(e.b):
+    elif isinstance(e, L.Bin) and e.op in CMP_OPS and _const(e.b):
         base = f"{_leaf(e)}_{e.op}{e.b.value}"
     elif e.dtype == "i32":
         base = f"{_leaf(e)}_idx"
@@ -458,7 +459,7 @@ def _replace_in(s, old, new):
 def _shareable(e):
     """What hand-written code would name: loads, clamps, math calls, index splits, conditions."""
     return isinstance(e, (L.Load, L.Un)) or _is_clamp(e) or isinstance(e, L.Cast) and isinstance(e.x, L.Load) \
-        or isinstance(e, L.Bin) and (e.op in ("idiv", "mod") or e.op in L.CMP_OPS)
+        or isinstance(e, L.Bin) and (e.op in ("idiv", "mod") or e.op in CMP_OPS)
 
 
 def _occurrences(e, cands, cond=False):
@@ -554,7 +555,9 @@ def merge_locals(body, ours):
 # ------------------------------------------------------------------------------ the pass
 def simplify(kernel):
     """The kernel with folded constants and indices, no one- or zero-trip loops, loop invariants
-    hoisted and common sub-expressions shared.  Same parameters, same results."""
+    hoisted and common sub-expressions shared.  Same parameters, same results; ``bytes`` is
+    re-estimated from the new body (``loopir.traffic``).  The pipeline runs it on every kernel
+    (``engine.pipeline.lower_program``)."""
     body = fold(kernel.body, {})
     taken, ours = all_names(kernel), set()
     readonly = {p.name for p in kernel.params if p.role == "in" and p.kind == "buffer"}
@@ -562,4 +565,6 @@ def simplify(kernel):
     body = hoist(body, {}, readonly, taken, ours)
     body = share(body, taken, ours)
     body = merge_locals(body, ours)
-    return replace(kernel, body=body)
+    out = replace(kernel, body=body)
+    out.bytes = L.traffic(out)                # the estimate follows the body (hoisted loads move less)
+    return out

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from codegen import loopir as L
-from codegen.simplify import simplify
 from dsl.core import Lit, Var
 
 from .lower import LOWER, Builder, Unfusable, fresh, unravel
@@ -406,7 +405,6 @@ def _lower_all(lw) -> Plan:
     if "horizontal" in lw.rules:
         kernels = merge_loops(kernels)
     eqns = [sorted(set(k.ops), key=lw.g.order.get) for k in kernels]      # DSL ops, in program order
-    kernels = [simplify(k) for k in kernels]
     for k, es, name in zip(kernels, eqns, kernel_names(kernels, eqns, lw.names)):
         k.name = name
         k.bytes = L.traffic(k)
