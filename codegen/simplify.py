@@ -343,9 +343,8 @@ def _leaf(e):
 
 
 def _is_clamp(e):
-    return isinstance(e, L.Bin) and e.op == "max" and isinstance(e.b, L.Bin) and e.b.op == "min" or \
-        isinstance(e, L.Bin) and e.op == "max" and isinstance(e.a, L.Const) and isinstance(e.b, L.Bin) \
-        and e.b.op == "min"
+    """``max(lo, min(x, hi))``."""
+    return isinstance(e, L.Bin) and e.op == "max" and isinstance(e.b, L.Bin) and e.b.op == "min"
 
 
 def local_name(e, taken):
