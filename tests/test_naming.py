@@ -148,3 +148,15 @@ def test_device_array_views_share_memory_and_never_free_it():
     assert freed == []
     del base
     assert freed == [4096]
+
+
+def test_greedy_decode_on_the_cpu_reads_the_argmax_through_its_view():
+    from engine.model import Model
+    from engine.weights import default_model_path, load_model
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    cfg, params, _ = load_model(default_model_path())
+    m = Model(cfg, params, context=32)
+    m.prefill(PROMPT_IDS)
+    ex = m.greedy_step.compile(m.params, np.zeros(1, np.int32), 0, 0, m.cache)
+    assert ex.plan.outputs[0][2] == (1,) and ex.plan.buffers[ex.plan.outputs[0][1]][0] == ()
+    assert [REFERENCE_IDS[0]] + m.decode_greedy(REFERENCE_IDS[0], 7) == REFERENCE_IDS[:8]
