@@ -88,28 +88,47 @@ def kernel_name(eqns, buffers, layer=None) -> str:
     return name + "_k" if name in _RESERVED or name.startswith("vf_") else name
 
 
+_UNKNOWN = "?"                                  # no weight says, and no input's kernel did
+
+
+def kernel_layers(kernels) -> list:
+    """The layer of each kernel (``layers_3`` or None), from the buffers it touches: its weights'
+    names; None when it reads a weight outside every layer (the final norm); else the one layer
+    that the kernels reading its outputs belong to (attention feeds layer 3's output projection);
+    else the layer of the kernels that computed its inputs."""
+    written = {p.name for k in kernels for p in k.params if p.role != "in"}
+    reads = [{p.name for p in k.params if p.role != "out" and p.kind == "buffer"} for k in kernels]
+    writes = [{p.name for p in k.params if p.role != "in"} for k in kernels]
+    layers = []
+    for k in kernels:
+        named = [x for x in (layer_of(p.name) for p in k.params if p.kind == "buffer") if x]
+        if named:
+            layers.append(max(sorted(set(named)), key=named.count))
+        elif any(n not in written for n in reads[len(layers)]):
+            layers.append(None)                            # reads a weight outside every layer
+        else:
+            layers.append(_UNKNOWN)
+    for i in reversed(range(len(kernels))):               # by the kernels that read its outputs
+        if layers[i] == _UNKNOWN:
+            users = {layers[j] for j in range(i + 1, len(kernels)) if reads[j] & writes[i]} - {_UNKNOWN}
+            if len(users) == 1 and None not in users:
+                layers[i] = users.pop()
+    for i in range(len(kernels)):                          # by the kernels that computed its inputs
+        if layers[i] == _UNKNOWN:
+            inputs = [layers[j] for j in range(i) if writes[j] & reads[i]]
+            layers[i] = next((x for x in reversed(inputs) if x not in (None, _UNKNOWN)), None)
+    return layers
+
+
 def kernel_names(kernels, eqns, names) -> list:
     """Names for every kernel of a plan, in launch order.
 
     ``kernels``: Loop IR kernels (their ``params`` say which buffers they read and write);
     ``eqns``: each kernel's DSL equations in program order; ``names``: Var -> buffer name."""
-    written = {p.name for k in kernels for p in k.params if p.role != "in"}
-    layer_of_buffer, out, used = {}, [], {}
-    for k, es in zip(kernels, eqns):
+    out, used = [], {}
+    for k, es, layer in zip(kernels, eqns, kernel_layers(kernels)):
         params = {p.name for p in k.params if p.kind == "buffer"}
-        bufs = {v: n for v, n in names.items() if n in params}
-        layers = [x for x in (layer_of(p) for p in sorted(params)) if x]
-        if layers:
-            layer = max(set(layers), key=layers.count)
-        elif any(p.role == "in" and p.kind == "buffer" and p.name not in written for p in k.params):
-            layer = None                                   # reads a weight outside every layer
-        else:
-            inherited = [layer_of_buffer.get(p.name) for p in k.params if p.role != "out"]
-            layer = next((x for x in inherited if x), None)
-        for p in k.params:
-            if p.role != "in":
-                layer_of_buffer[p.name] = layer
-        name = base = kernel_name(es, bufs, layer)
+        name = base = kernel_name(es, {v: n for v, n in names.items() if n in params}, layer)
         while name in used:
             used[base] = used.get(base, 1) + 1
             name = f"{base[:MAX_LEN - 4]}_{used[base]}"
