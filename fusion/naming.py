@@ -10,8 +10,8 @@ runs, in program order, with the weights each ``linear`` reads::
 
 * the layer comes from the buffers a kernel touches (``params_layers_3_w_gate`` ->
   ``layers_3``); a kernel that touches no layer's weights (attention reads the cache and q)
-  takes the layer of the kernels that computed its inputs, unless it reads a weight that
-  belongs to no layer (the final norm);
+  takes the layer of the kernels that read its outputs, else of those that computed its
+  inputs, unless it reads a weight that belongs to no layer (the final norm): ``kernel_layers``;
 * an op traced inside a ``stdlib/nn.py`` building block is named after the innermost block
   (``Eqn.scope``); a plain op after its primitive; a plain ``dynamic_update_slice`` after the
   buffer it writes; views, gathers and casts only move data and are named only when a kernel
