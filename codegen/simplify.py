@@ -218,7 +218,7 @@ def _fold_const(e):
 
 def _identity(e):
     """x + 0, 0 + x, x - 0, x * 1, 1 * x, 0 * x, x / 1, x % 1, (x / n) * n + x % n (i32);
-    a + (b + c) and (x + c1) + c2 with the constants last."""
+    a + (b + c) and (x + c1) + c2 with the constants last, as ``x + c`` or ``x - c`` (c > 0)."""
     if not isinstance(e, L.Bin) or e.dtype != "i32":
         return None
     a, b, op = e.a, e.b, e.op
@@ -231,12 +231,21 @@ def _identity(e):
     if op == "add" and isinstance(a, L.Bin) and a.op == "mul" and isinstance(a.a, L.Bin) and a.a.op == "idiv" \
             and isinstance(b, L.Bin) and b.op == "mod" and a.a.a == b.a and _const(b.b) and a.b == a.a.b == b.b:
         return b.a                                                    # (x / n) * n + x % n
-    if op == "add" and isinstance(b, L.Bin) and b.op == "add" and _const(b.b) and not _const(a):
-        return L.Bin("add", L.Bin("add", a, b.a), b.b)               # a + (b + c) -> (a + b) + c
-    if op in ("add", "sub") and _const(b) and isinstance(a, L.Bin) and a.op == "add" and _const(a.b):
-        c = a.b.value + (b.value if op == "add" else -b.value)
-        return L.Bin("add", a.a, L.Const(c, "i32")) if c else a.a
+    if op == "add" and isinstance(b, L.Bin) and b.op in ("add", "sub") and _const(b.b) and not _const(a):
+        return L.Bin(b.op, L.Bin("add", a, b.a), b.b)                # a + (b + c) -> (a + b) + c
+    if op in ("add", "sub") and _const(b):                            # x + c1 + c2 -> x + c, x + -c -> x - c
+        x, c = _offset(e)
+        out = x if c == 0 else L.Bin("add" if c > 0 else "sub", x, L.Const(abs(c), "i32"))
+        return out if out != e else None
     return None
+
+
+def _offset(e):
+    """(x, c) with ``e`` = x + c, folding nested constant offsets."""
+    if isinstance(e, L.Bin) and e.op in ("add", "sub") and _const(e.b) and e.dtype == "i32":
+        x, c = _offset(e.a)
+        return x, c + (e.b.value if e.op == "add" else -e.b.value)
+    return e, 0
 
 
 def _by_range(e, env):
@@ -255,8 +264,8 @@ def _by_range(e, env):
         n = e.b.value
         if ra and 0 <= ra[0] and ra[1] < n:
             return L.Const(0, "i32") if e.op == "idiv" else e.a
-        if isinstance(e.a, L.Bin) and e.a.op == "mul" and _const(e.a.b, n) and ra and ra[0] >= 0:
-            return e.a.a if e.op == "idiv" else L.Const(0, "i32")               # (a * n) / n
+        if isinstance(e.a, L.Bin) and e.a.op == "mul" and _const(e.a.b, n):
+            return e.a.a if e.op == "idiv" else L.Const(0, "i32")               # (a * n) / n, exact
         if isinstance(e.a, L.Bin) and e.a.op == "add" and isinstance(e.a.a, L.Bin) and e.a.a.op == "mul" \
                 and _const(e.a.a.b, n):
             rm, rr = value_range(e.a.a, env), value_range(e.a.b, env)

@@ -241,7 +241,7 @@ def test_unknown_statement_kinds_are_traversed():
 def random_index(rng, names, depth):
     if depth == 0 or rng.random() < 0.25:
         return sym(rng.choice(names)) if rng.random() < 0.7 else c(int(rng.integers(-3, 9)))
-    op = rng.choice(["add", "sub", "mul", "idiv", "mod", "min", "max", "clamp", "split", "select"])
+    op = rng.choice(["add", "sub", "mul", "idiv", "mod", "min", "max", "clamp", "split", "unscale", "select"])
     a = random_index(rng, names, depth - 1)
     if op in ("idiv", "mod"):
         return b(op, a, c(int(rng.integers(1, 9))))
@@ -252,6 +252,10 @@ def random_index(rng, names, depth):
     if op == "split":                          # (a / n) * n + a % n, as unravel and linear_index write it
         n = c(int(rng.integers(1, 9)))
         return b("add", b("mul", b("idiv", a, n), n), b("mod", a, n))
+    if op == "unscale":                        # (a * n + b) / n and % n, b sometimes in [0, n)
+        n = c(int(rng.integers(1, 9)))
+        b_ = random_index(rng, names, depth - 1) if rng.random() < 0.5 else c(int(rng.integers(0, n.value)))
+        return b(rng.choice(["idiv", "mod"]), b("add", b("mul", a, n), b_) if rng.random() < 0.7 else b("mul", a, n), n)
     if op == "select":
         return L.Select(b("lt", a, random_index(rng, names, depth - 1)), a, random_index(rng, names, depth - 1))
     return b(op, a, random_index(rng, names, depth - 1))
