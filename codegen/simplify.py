@@ -38,6 +38,7 @@ CMP_OPS = ("lt", "le", "gt", "ge", "eq", "ne")      # the comparisons value rang
 
 
 # ------------------------------------------------------------------------------ generic traversal
+_PURE = (L.Const, L.Sym, L.Load, L.Un, L.Bin, L.Select, L.Cast)    # what may move or be shared
 _KINDS = {}                          # node class -> ("expr" | "stmt" | None, its field names)
 
 
@@ -119,17 +120,23 @@ def substitute(e, old, new):
     return map_node(e, lambda x: substitute(x, old, new), lambda b: b)
 
 
-def names_written(body) -> set:
-    """Every name a block may write or define: locals, loop variables, buffers, arrays.  Unknown
-    statement kinds count with every string they hold (conservative)."""
+def _strings(node) -> set:
+    """Every string a statement holds, with those of the nodes inside it that are not pure
+    expressions (a ``Reduce``'s accumulators): the names it may define or write."""
     out = set()
-    for s in body:
-        for name, v in _values(s):
-            if isinstance(v, str) and (not isinstance(s, (L.Declare, L.Array)) or name == "name"):
-                out.add(v)
-        for b in blocks_of(s):
-            out |= names_written(b)
+    for _, v in _values(node):
+        for x in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, str):
+                out.add(x)
+            elif is_dataclass(x) and not isinstance(x, _PURE):
+                out |= _strings(x)
     return out
+
+
+def names_written(body) -> set:
+    """Every name a block may write or define: locals, loop variables, accumulators, buffers,
+    arrays (conservatively, every string its statements hold)."""
+    return set().union(*(_strings(s) for s in body))
 
 
 def names_read(e) -> set:
@@ -137,13 +144,14 @@ def names_read(e) -> set:
 
 
 def all_names(k) -> set:
+    """Names taken in a kernel: parameters, and everything its statements define or read."""
     names = {p.name for p in k.params}
 
     def visit(body):
         for s in body:
-            names.update(v for _, v in _values(s) if isinstance(v, str))
+            names.update(_strings(s))
             for e in exprs_of(s):
-                names.update(names_read(e))
+                names.update(x for y in subexprs(e) for x in (names_read(y) if isinstance(y, _PURE) else ()))
             for b in blocks_of(s):
                 visit(b)
     visit(k.body)
@@ -381,9 +389,6 @@ def local_name(e, taken):
 
 
 # ------------------------------------------------------------------------------ 2. hoist
-_PURE = (L.Const, L.Sym, L.Load, L.Un, L.Bin, L.Select, L.Cast)
-
-
 def _movable(e, fixed, readonly, may_fault):
     """Pure, reads nothing in ``fixed`` (names written in the loop), loads only read-only buffers,
     divides only by nonzero constants; with ``may_fault`` False, no loads at all."""
@@ -405,24 +410,32 @@ def _worth(e):
                for x in subexprs(e))
 
 
-def _invariants(e, ok, out, cond=False):
-    """Maximal sub-expressions of ``e`` that ``ok`` accepts and are worth a local, outside Select
-    arms when they load."""
-    if ok(e) and _worth(e) and not (cond and any(isinstance(x, L.Load) for x in subexprs(e))):
+def _invariants(e, ok, out, may_fault, cond=False):
+    """Maximal sub-expressions of ``e`` that ``ok(x, may_fault)`` accepts and that are worth a
+    local; loads only where ``e`` is surely evaluated and outside Select arms."""
+    if ok(e, may_fault and not cond) and _worth(e):
         if e not in out:
             out.append(e)
         return
     for name, v in _values(e):
         if is_expr(v):
-            _invariants(v, ok, out, cond or isinstance(e, L.Select) and name in ("a", "b"))
+            _invariants(v, ok, out, may_fault, cond or isinstance(e, L.Select) and name in ("a", "b"))
 
 
-def _loop_exprs(body):
-    """Expressions anywhere in a block, with nested loops' bounds."""
+def _loop_exprs(body, env, sure=True):
+    """(expression, always evaluated when the block runs) for every expression in a block:
+    a nested loop's body counts only if the loop runs at least once; the bodies of other
+    statements (``If``, a ``Reduce``'s values, kinds unknown here) never do."""
     for s in body:
-        yield from exprs_of(s)
-        for b in blocks_of(s):
-            yield from _loop_exprs(b)
+        plain = isinstance(s, (L.Loop, L.Declare, L.Assign, L.Store, L.Array))
+        for e in exprs_of(s):
+            yield e, sure and (plain or isinstance(e, _PURE))
+        if isinstance(s, L.Loop):
+            r0, r1 = value_range(s.start, env), value_range(s.stop, env)
+            yield from _loop_exprs(s.body, dict(env, **{s.var: (r0[0], r1[1] - 1)}), sure and r0[1] < r1[0])
+        else:
+            for b in blocks_of(s):
+                yield from _loop_exprs(b, env, False)
 
 
 def hoist(body, env, readonly, taken, ours):
@@ -444,8 +457,8 @@ def hoist(body, env, readonly, taken, ours):
                 kept.append(x)
         fixed = names_written(tuple(kept)) | {s.var}
         cands = []
-        for e in _loop_exprs(tuple(kept)):
-            _invariants(e, lambda x: _movable(x, fixed, readonly, runs), cands)
+        for e, sure in _loop_exprs(tuple(kept), dict(env, **{s.var: (r0[0], r1[1] - 1)})):
+            _invariants(e, lambda x, may: _movable(x, fixed, readonly, may), cands, runs and sure)
         cands.sort(key=lambda x: sum(1 for _ in subexprs(x)))          # an inner value first
         while cands:
             e = cands.pop(0)

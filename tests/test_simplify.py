@@ -83,7 +83,8 @@ def execute(body, env, mem):
     for s in body:
         if isinstance(s, L.Loop):
             for i in range(evaluate(s.start, env, mem), evaluate(s.stop, env, mem)):
-                execute(s.body, dict(env, **{s.var: i}), mem)
+                env[s.var] = i                 # one scope: assignments to outer locals stay
+                execute(s.body, env, mem)
         elif isinstance(s, (L.Declare, L.Assign)):
             env[s.name] = evaluate(s.init if isinstance(s, L.Declare) else s.value, env, mem)
         elif isinstance(s, L.Array):
@@ -93,7 +94,26 @@ def execute(body, env, mem):
             if not 0 <= i < a.size:
                 raise IndexError(f"store {s.buf}[{i}] out of bounds ({a.size})")
             a.reshape(-1)[i] = evaluate(s.value, env, mem)
-        else:
+        elif isinstance(s, L.Reduce):
+            for a in s.accs:
+                env[a.name] = a.init.value
+                if a.arg:
+                    env[a.arg] = 0
+            for i in range(evaluate(s.start, env, mem), evaluate(s.stop, env, mem)):
+                env[s.var] = i
+                for a in s.accs:
+                    v = evaluate(a.value, env, mem)
+                    if a.op == "add":
+                        env[a.name] += v
+                    elif v > env[a.name]:
+                        env[a.name] = v
+                        if a.arg:
+                            env[a.arg] = i
+        elif isinstance(s, L.If):
+            execute(s.then if evaluate(s.cond, env, mem) else s.orelse, env, mem)
+        elif isinstance(s, L.Attention):
+            execute(L.expand_attention(s), env, mem)
+        elif not isinstance(s, (L.Comment, L.Barrier)):
             raise TypeError(s)
 
 
