@@ -355,7 +355,7 @@ def _leaf(e):
         if isinstance(x, L.Load):
             return re.sub(r"^params_", "", x.buf)
         if isinstance(x, L.Sym):
-            return x.name
+            return re.sub(r"_\d+$", "", x.name) or x.name          # without the lowering's counter
     return "c"
 
 
