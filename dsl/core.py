@@ -146,28 +146,28 @@ def _relpath(fn):
 
 
 def _site():
-    """(source, scope, helper) of the op being traced: ``source`` is ``file:line`` of the innermost
+    """(source, scope, inner) of the op being traced: ``source`` is ``file:line`` of the innermost
     frame outside ``dsl/`` and the building blocks; ``scope`` the building-block functions it was
-    traced inside, outermost first; ``helper`` the ``file:line`` inside the innermost of them."""
-    f, scope, helper = sys._getframe(1), [], None
+    traced inside, outermost first; ``inner`` the ``file:line`` inside the innermost of them."""
+    f, scope, inner = sys._getframe(1), [], None
     while f is not None:
         fn = os.path.abspath(f.f_code.co_filename)
         if fn in BUILDING_BLOCKS:
             if not f.f_code.co_name.startswith("<"):
                 scope.append(f.f_code.co_name)
-            helper = helper or f"{_relpath(fn)}:{f.f_lineno}"
+            inner = inner or f"{_relpath(fn)}:{f.f_lineno}"
         elif not fn.startswith(_DSL_DIR + os.sep):
-            return f"{_relpath(fn)}:{f.f_lineno}", tuple(reversed(scope)), helper
+            return f"{_relpath(fn)}:{f.f_lineno}", tuple(reversed(scope)), inner
         f = f.f_back
-    return helper or "<unknown>", tuple(reversed(scope)), None
+    return inner or "<unknown>", tuple(reversed(scope)), None
 
 
 def user_source() -> str:
     """``file:line`` of the user's line (the innermost frame outside ``dsl/`` and the building
     blocks), for error messages.  When the error happens inside a building block, its line
     follows: ``model.py:12 (in stdlib/nn.py:39)``."""
-    src, _, helper = _site()
-    return src if helper is None else f"{src} (in {helper})"
+    src, _, inner = _site()
+    return src if inner is None else f"{src} (in {inner})"
 
 
 def source_text(eqn) -> str:
@@ -213,8 +213,8 @@ def current_trace() -> Trace:
 def bind(prim: Primitive, *inputs, **params):
     """Apply ``prim`` to tracers/literals, check types, record the equation, return a Tracer."""
     from .array import Tracer
-    src, scope, helper = _site()
-    where = src if helper is None else f"{src} (in {helper})"
+    src, scope, inner = _site()
+    where = src if inner is None else f"{src} (in {inner})"
     atoms = [x.var if isinstance(x, Tracer) else x for x in inputs]
     try:
         shape, dtype = prim.rule([(a.shape, a.dtype) for a in atoms], **params)
