@@ -10,19 +10,19 @@ Four steps, each a short function over the IR:
 2. ``hoist``: pure expressions that do not depend on a loop's variable, nor on anything written
    inside the loop, are computed once before it, into a ``Declare``d local.
 3. ``share``: a load, clamp, math call, index split (``x / n``, ``x % n``) or condition repeated
-   in one statement or across consecutive
-   statements of one block is computed once, into a local named after what it holds, when
-   nothing in between writes what it reads.
+   in one statement or across consecutive statements of one block is computed once, into a
+   local named after what it holds, when nothing in between writes what it reads.
 4. identical locals declared in one block, with nothing in between writing what they read,
    become one.
 
 The passes rebuild nodes generically (``dataclasses.fields``/``replace``): statement and
-expression kinds added to ``codegen/loopir.py`` are traversed without changes here; only the
-kinds named below are moved or rewritten.  What is never done: a parallel loop is never
-removed (it is the kernel's mapping to threads); a load inside one arm of a ``Select`` is
-never made unconditional; a loop whose body is only accumulator updates keeps that shape
-(renderers turn it into a parallel reduction); a load is hoisted only from buffers the kernel
-never writes.
+expression kinds added to ``codegen/loopir.py`` are traversed without changes here (their
+expressions fold; the names they hold count as written).  What is never done: a loop with a
+hardware mapping (``map``, ``split``) is never inlined; a parallel loop is never removed; a
+load never becomes unconditional (it moves only out of a loop that surely runs, from code
+that surely runs in it: not from a ``Select`` arm, an ``If`` body or a ``Reduce``'s values),
+and only from buffers the kernel never writes; a loop whose body is only accumulator updates
+keeps that shape.
 """
 from __future__ import annotations
 
