@@ -374,3 +374,27 @@ def test_decode_step_has_no_index_noise_and_no_one_trip_loop():
             if isinstance(s, L.Loop) and not s.parallel:
                 assert not (isinstance(s.start, L.Const) and isinstance(s.stop, L.Const)
                             and s.stop.value - s.start.value <= 1), (k.name, s.var)
+
+
+def test_typed_statements_keep_loads_conditional_and_accumulators_in_place():
+    g, x, out = buf("g", 4), buf("x", 64), buf("out", 64, role="out")
+    j, k = sym("j"), sym("k")
+    inv = L.Un("exp", L.Load("g", c(1), F))
+    guarded = L.If(b("lt", j, c(8)), (L.Store("out", j, inv),))
+    red = L.Reduce("k", c(0), c(8), (L.Acc("s", "add", b("mul", L.Load("x", b("add", b("mul", j, c(8)), k), F),
+                                                               L.Load("g", c(2), F))),))
+    after = L.Store("out", j, b("add", L.Load("out", j, F), L.Un("sqrt", sym("s", F))))
+    body = (L.Loop("j", c(0), c(8), (guarded, red, after), parallel=True),)
+    params = [g, x, out]
+    k_ = simplify(kernel(body, params))
+    hoisted = [s.init for s in k_.body if isinstance(s, L.Declare)]
+    assert not any(isinstance(e, L.Load) for h in hoisted for e in _subexprs(h)), hoisted   # no load moved
+    assert L.Un("sqrt", sym("s", F)) not in hoisted                    # the accumulator is defined in the loop
+    rng = np.random.default_rng()
+    mem = {"g": rng.standard_normal(4), "x": rng.standard_normal(64), "out": rng.standard_normal(64)}
+    np.testing.assert_array_equal(run(k_, mem, {})["out"], run(kernel(body, params), mem, {})["out"])
+
+
+def _subexprs(e):
+    from codegen.simplify import subexprs
+    return list(subexprs(e))
