@@ -100,7 +100,9 @@ def _per_thread(body):
 
 
 def _generic(body, t):
-    single = not all(isinstance(s, L.Comment) or (isinstance(s, L.Loop) and s.parallel) for s in body)
+    # locals computed before the loops (a clamped position, hoisted by the simplifier) are computed
+    # by every thread; anything else outside a parallel loop runs on one workgroup
+    single = not all(isinstance(s, (L.Comment, L.Declare)) or (isinstance(s, L.Loop) and s.parallel) for s in body)
     if single:
         body = _cooperative(body)
         grid, how = 1, "one workgroup: reductions block-wide, results stored by thread 0"

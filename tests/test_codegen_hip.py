@@ -218,3 +218,16 @@ def test_nvidia_wave_width_is_checked():
         prelude(get_target("sm_90", wave=64))
     with pytest.raises(ValueError, match="at most 15 waves"):
         prelude(get_target("sm_90_wave64", attention_block=1024))
+
+
+def test_elementwise_loops_fill_the_grid_when_locals_are_hoisted_before_them():
+    """A KV-cache write computes its clamped position once, before the loop: every thread may
+    compute such a local, so the loop still spreads over a grid of workgroups."""
+    import dsl
+    from engine.pipeline import lower_program
+    cache, upd = np.random.randn(8, 512, 128).astype("f4"), np.random.randn(8, 64, 128).astype("f4")
+    f = dsl.jit(lambda c, u, pos: dsl.dynamic_update_slice(c, u * 2.0, [0, pos, 0]), donate_argnums=(0,))
+    (k,) = [k for k in lower_program(f.lower(cache, upd, 3)).kernels]
+    assert any(isinstance(s, L.Declare) for s in k.body)                  # the hoisted clamp
+    h = render_hip(k, "gfx906")
+    assert h.grid[0] == 8 * 64 * 128 // 256 and "blockIdx.x * VF_BLOCK + threadIdx.x" in h.source
