@@ -19,7 +19,9 @@ loop of each loop nest only runs its own contiguous chunk of iterations
 Lowering: mutable locals (``Declare``) and local ``Array``s are allocas in the
 entry block (mem2reg/SROA promote them); loops are header/body/latch with an
 i32 induction variable; float arithmetic carries fast-math flags without
-``nnan``/``ninf`` (masked softmax relies on -inf); max/min are ``maxnum``/``minnum``;
+``nnan``/``ninf`` (masked softmax relies on -inf); float max/min are
+``llvm.maximum``/``llvm.minimum`` (NaN-propagating, like numpy; a ``maxnum``
+reduction without ``nnan`` crashes LLVM 22's loop vectorizer);
 ``idiv``/``mod`` are signed i32 ``sdiv``/``srem`` (C semantics, truncating);
 ``tanh`` and ``logistic`` are composed from ``llvm.exp``.
 """

@@ -56,6 +56,30 @@ class Tracer:
     __hash__ = object.__hash__
     __getitem__ = lambda a, idx: getitem(a, idx)
 
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """numpy ufuncs on traced values (``np.exp(x)``, ``np.maximum(x, 0)``) map to DSL ops;
+        anything else raises a DSLError naming the user's line and the DSL function to use."""
+        f = _UFUNCS.get(ufunc.__name__) if method == "__call__" else None
+        if f is None or kwargs:
+            what = f"numpy.{ufunc.__name__}" + (f".{method}" if method != "__call__" else "")
+            extra = f" with {', '.join(kwargs)}=" if f is not None else ""
+            raise DSLError(f"{user_source()}: {what}{extra} is not supported on traced values; "
+                           f"{_ALTERNATIVES.get(f'{ufunc.__name__}.{method}', _ALTERNATIVES.get(ufunc.__name__, _USE_DSL))}")
+        return f(*inputs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        """numpy functions on traced values (``np.sum``, ``np.reshape``, ``np.where`` ...) map to
+        DSL functions; anything else raises a DSLError naming the user's line."""
+        f = _FUNCTIONS.get(func.__name__)
+        if f is None:
+            raise DSLError(f"{user_source()}: numpy.{func.__name__} is not supported on traced values; "
+                           f"{_ALTERNATIVES.get(func.__name__, _USE_DSL)}")
+        try:
+            return f(*args, **kwargs)
+        except TypeError as e:
+            raise DSLError(f"{user_source()}: numpy.{func.__name__} on a traced value: {e}; "
+                           f"call dsl.{f.__name__} instead") from None
+
     def astype(self, dtype):
         return astype(self, dtype)
 
@@ -330,9 +354,12 @@ def argmax(x, axis=-1):
 
 
 def mean(x, axis=None, keepdims=False):
+    """Mean over ``axis``; integer inputs give f32, f16 inputs are summed in f32 and give f16."""
     x = asarray(x)
     axes = range(x.ndim) if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     n = int(np.prod([x.shape[normalize_axis(a, x.ndim)] for a in axes]))
+    if x.dtype == "f16":        # sum in f32 (the sum may pass 65504 while the mean fits), scale, round back
+        return astype(sum(astype(x, "f32"), axis, keepdims) * (1.0 / n), "f16")
     return sum(x, axis, keepdims) * (1.0 / n)
 
 
@@ -386,3 +413,32 @@ def attention(q, k, v, pos, scale):
     h // (Hq // Hkv).  Returns f32 [Hq, T, D].  Softmax accumulates in float32.
     """
     return bind(P["attention"], q, k, v, asarray(pos, "i32"), scale=float(scale))
+
+
+# ----------------------------------------------------------------------------- numpy interoperability
+_USE_DSL = "use the dsl functions (dsl.exp, dsl.maximum, dsl.where, dsl.sum, ...) inside a traced function"
+_UFUNCS = {
+    "exp": exp, "log": log, "sqrt": sqrt, "sin": sin, "cos": cos, "tanh": tanh,
+    "negative": neg, "absolute": abs, "fabs": abs, "add": add, "subtract": sub, "multiply": mul,
+    "divide": div, "true_divide": div, "maximum": maximum, "minimum": minimum,
+    "fmax": maximum, "fmin": minimum, "matmul": matmul,
+    "less": lambda a, b: _binary("lt", a, b), "less_equal": lambda a, b: _binary("le", a, b),
+    "greater": lambda a, b: _binary("gt", a, b), "greater_equal": lambda a, b: _binary("ge", a, b),
+    "equal": lambda a, b: _binary("eq", a, b), "not_equal": lambda a, b: _binary("ne", a, b),
+    "logical_and": logical_and, "logical_or": logical_or,
+}
+_FUNCTIONS = {
+    "sum": sum, "max": max, "amax": max, "mean": mean, "argmax": argmax, "reshape": reshape,
+    "transpose": transpose, "swapaxes": swapaxes, "expand_dims": expand_dims, "concatenate": concatenate,
+    "where": where, "take": take, "matmul": matmul, "broadcast_to": broadcast_to,
+}
+_ALTERNATIVES = {
+    "add.reduce": "use dsl.sum(x, axis)", "maximum.reduce": "use dsl.max(x, axis)",
+    "square": "write x * x", "power": "write x * x, or dsl.exp(y * dsl.log(x))",
+    "reciprocal": "write 1.0 / x", "floor_divide": "convert to i32 and use //-free arithmetic, or dsl.div",
+    "exp2": "use dsl.exp(x * 0.6931471805599453)", "log2": "use dsl.log(x) * 1.4426950408889634",
+    "log1p": "use dsl.log(1.0 + x)", "expm1": "use dsl.exp(x) - 1.0", "tan": "use dsl.sin(x) / dsl.cos(x)",
+    "min": "use -dsl.max(-x)", "amin": "use -dsl.max(-x)", "argmin": "use dsl.argmax(-x)",
+    "dot": "use x @ w or dsl.dot_t", "clip": "use dsl.minimum(dsl.maximum(x, lo), hi)",
+    "logical_not": "use dsl.where(c, False, True)", "sign": "use dsl.where(x > 0, 1.0, 0.0) - dsl.where(x < 0, 1.0, 0.0)",
+}

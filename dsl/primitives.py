@@ -10,7 +10,7 @@ import numpy as np
 
 from codegen import loopir as L
 
-from .core import DTYPES, DSLError, FLOATS, NP_DTYPES, primitive
+from .core import DTYPES, DSLError, FLOATS, NP_DTYPES, primitive, promote
 
 
 def _np(dtype):
@@ -158,10 +158,12 @@ elementwise("sub", _binary_rule, _cast_like(np.subtract), api="sub",
 elementwise("mul", _binary_rule, _cast_like(np.multiply), api="mul",
             float=("({a} * {b})", "fmul"), int=("({a} * {b})", "mul nsw"))
 elementwise("div", _float_binary_rule, _cast_like(np.divide), float=("({a} / {b})", "fdiv"))   # dsl.div: ints -> f32
+# CPU: llvm.maximum/minimum propagate NaN like numpy; llvm.maxnum in a loop-carried reduction
+# without `nnan` makes LLVM 22's loop vectorizer abort the process or miscompile gathers
 elementwise("max", _binary_rule, _cast_like(np.maximum), api="maximum",
-            float=("fmaxf({a}, {b})", "llvm.maxnum"), int=("max({a}, {b})", "llvm.smax"))
+            float=("fmaxf({a}, {b})", "llvm.maximum"), int=("max({a}, {b})", "llvm.smax"))
 elementwise("min", _binary_rule, _cast_like(np.minimum), api="minimum",
-            float=("fminf({a}, {b})", "llvm.minnum"), int=("min({a}, {b})", "llvm.smin"))
+            float=("fminf({a}, {b})", "llvm.minimum"), int=("min({a}, {b})", "llvm.smin"))
 elementwise("idiv", _binary_rule, _idiv, float=("({a} / {b})", "fdiv"), int=("({a} / {b})", "sdiv"))
 elementwise("mod", _binary_rule, np.fmod, float=("fmodf({a}, {b})", "frem"), int=("({a} % {b})", "srem"))
 _C_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
@@ -355,7 +357,8 @@ def _dot_rule(avals, *, trans_b):
         raise DSLError(f"contracting dims differ: {list(sa)} @ {list(sb)}{'^T' if trans_b else ''}")
     if da not in FLOATS or db not in FLOATS:
         raise DSLError(f"needs float operands, got {da} and {db}")
-    return tuple(sa[:-1]) + (n,), "f32" if "f32" in (da, db) else promote(da, db)
+    # like JAX: the result has the promoted operand dtype (f16 @ f16 -> f16); kernels accumulate in f32
+    return tuple(sa[:-1]) + (n,), promote(da, db)
 
 
 def _dot_impl(a, b, *, trans_b):

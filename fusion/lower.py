@@ -70,7 +70,8 @@ class Builder:
         ctx = self.ctx
         if v in self.accs:
             assert self.at_rows(idx, v.shape[:-1] + (0,)) or idx[-1] == self.n_idx, "contraction index"
-            return self.accs[v]
+            acc = self.accs[v]              # f32; an f16 result is rounded before its epilogue uses it
+            return acc if acc.dtype == v.dtype else L.Cast(acc, v.dtype)
         if v in ctx.materialized or v not in ctx.g.producer:
             return self.load(v, idx)
         e = ctx.g.producer[v]
@@ -89,9 +90,13 @@ class Builder:
             d == 1 or i == r for i, r, d in zip(idx, self.row_idx, shape))
 
     def row_scalar(self, v, e, idx):
+        """The reduction ``v`` as a scalar computed once per row, before the loop that reads it.
+
+        It is computed at ``v``'s own index: the row variables, except 0 along the size-1 dims
+        of ``v`` (where the consumer's row variable may range wider than ``v``)."""
         if not self.at_rows(idx, v.shape):
             raise Unfusable(v)
-        idx = self.row_idx
+        idx = tuple(L.c(0) if d == 1 else r for r, d in zip(self.row_idx, v.shape))
         if v in self.row_syms:
             return self.row_syms[v]
         (x,) = e.inputs

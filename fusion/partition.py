@@ -116,15 +116,50 @@ def materialize(g: Graph, rules) -> set:
             m.add(e.inputs[0])
         if "reduce" not in rules and kind == "reduce" and isinstance(e.inputs[0], Var):
             m.add(e.inputs[0])
+    return cap_depth(g, m)
+
+
+MAX_INLINE_DEPTH = 48       # ops inlined into one expression; deeper chains are split into kernels
+
+
+def cap_depth(g: Graph, m: set) -> set:
+    """Materialize every value whose inlined expression would be more than ``MAX_INLINE_DEPTH``
+    ops deep, so lowering, Loop IR and the renderers stay shallow for chains of any length
+    (and each kernel's expression stays a size a compiler handles quickly).  Updates ``m``."""
+    depth = {}
+    for e in g.prog.eqns:
+        d = 1 + max((depth.get(a, 0) for a in e.inputs if isinstance(a, Var)), default=0)
+        if e.out in m:
+            d = 0
+        elif d > MAX_INLINE_DEPTH:
+            m.add(e.out)
+            d = 0
+        depth[e.out] = d
     return m
 
 
 def _depends_on(g: Graph, v, region, memo):
-    if not isinstance(v, Var) or v in region:
-        return isinstance(v, Var)
-    if v not in memo:
-        e = g.producer.get(v)
-        memo[v] = e is not None and any(_depends_on(g, a, region, memo) for a in e.inputs)
+    """Does ``v`` read (through any chain of producers) a value of ``region``?  Iterative."""
+    if not isinstance(v, Var):
+        return False
+    stack = [v]
+    while stack:
+        x = stack[-1]
+        if x in memo:
+            stack.pop()
+            continue
+        if x in region:
+            memo[x] = True
+            stack.pop()
+            continue
+        e = g.producer.get(x)
+        ins = [a for a in e.inputs if isinstance(a, Var)] if e is not None else []
+        todo = [a for a in ins if a not in memo and a not in region]
+        if todo:
+            stack += todo
+            continue
+        memo[x] = any(a in region or memo[a] for a in ins)
+        stack.pop()
     return memo[v]
 
 
@@ -149,6 +184,8 @@ def epilogue_region(g: Graph, c: Var):
         for e in later:
             if e.out in region or e.prim.kind != "elementwise" or e.out.shape != c.shape:
                 continue
+            if len(region) >= MAX_INLINE_DEPTH // 2:    # keeps the epilogue expression shallow
+                break
             if not any(a in region for a in e.inputs if isinstance(a, Var)):
                 continue
             memo, new = {}, []

@@ -113,7 +113,9 @@ class Lowering:
 
     def alias_dus(self, items):
         """Write a dynamic_update_slice in place when its operand is donated (or a dead
-        intermediate) and nothing launched later reads the operand."""
+        intermediate) and nothing launched later reads the operand.  An update (or offset)
+        computed from the operand is materialized first (``Unfusable``), so the in-place
+        kernel never reads rows it has already overwritten."""
         where = {r: i for i, it in enumerate(items) for r in it[2]}
         readers = {}
         for i, it in enumerate(items):
@@ -125,10 +127,13 @@ class Lowering:
             e = self.g.producer[r]
             if e.prim.name != "dynamic_update_slice":
                 continue
-            o = e.inputs[0]
+            o, *rest = e.inputs
             ok_owner = (o in self.donated) or (o in self.g.producer and o not in self.g.outputs)
             later = [x for i, x in readers.get(o, []) if x is not r and i >= where[r]]
             if ok_owner and o not in self.g.outputs and not later and o not in aliases.values():
+                for u in rest:          # hazard rule: the update must not read the rows it overwrites
+                    if isinstance(u, Var) and u is not o and u not in self.materialized and o in self.deps(u):
+                        raise Unfusable(u)          # materialize it first, then write in place
                 aliases[r] = o
         return aliases
 

@@ -200,3 +200,28 @@ def test_errors_in_stdlib_blocks_name_the_callers_line():
         return nn.linear(x, w)          # w has the wrong inner dimension
     with pytest.raises(DSLError, match=r"test_dsl.py:\d+ \(in .*stdlib/nn.py:\d+\): dot"):
         dsl.jit(bad)(randn(2, 3), randn(4, 5))
+
+
+def test_numpy_ufuncs_and_functions_on_traced_values():
+    x = randn(3, 4)
+
+    def f(x):
+        y = np.exp(x) + np.maximum(x, 0.5) * np.tanh(np.abs(x)) - np.sqrt(np.abs(x) + 1.0)
+        return np.sum(np.where(x > 0, y, -y), axis=-1), np.mean(np.reshape(np.negative(y), (4, 3)), axis=0)
+    want = dsl.jit(f).lower(x).program.run(x, compute_dtype="f64")
+    ax = np.abs(x.astype(np.float64))
+    y = np.exp(x.astype(np.float64)) + np.maximum(x, 0.5) * np.tanh(ax) - np.sqrt(ax + 1.0)
+    np.testing.assert_allclose(want[0], np.sum(np.where(x > 0, y, -y), -1), rtol=1e-6)
+    for got, w in zip(dsl.jit(f)(x), want):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call, hint", [
+    (lambda x: np.power(x, 2), "x * x"), (lambda x: np.sort(x), "dsl functions"),
+    (lambda x: np.add.reduce(x), "dsl.sum"), (lambda x: np.exp(x, out=x), "out="),
+])
+def test_unsupported_numpy_calls_name_the_line_and_the_dsl_function(call, hint):
+    with pytest.raises(dsl.DSLError) as e:
+        dsl.jit(call)(randn(4))
+    msg = str(e.value)
+    assert "\n" not in msg and "test_dsl.py:" in msg and hint in msg

@@ -251,3 +251,68 @@ def test_floor_of_negative_and_halfway_values():
     x = np.concatenate([randn(61) * 3, np.array([-2.5, -2.0, -0.5, 0.5, 2.0, 2.5], np.float32)])
     check(lambda x: dsl.floor(x) * 2.0, x)
     check(lambda x: dsl.floor(x.astype("f16")), x, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- classes found by random programs
+@pytest.mark.parametrize("view", ["T", "reshape", "take"])
+def test_reduction_over_size_one_dims_fused_into_a_view_stays_in_bounds(view):
+    ids = np.zeros(5, np.int32)
+    post = {"T": lambda y, i: y.T, "reshape": lambda y, i: y.reshape(2, 2), "take": lambda y, i: dsl.take(y, i)}[view]
+    check(lambda x, i: post(x + dsl.sum(x, -1, keepdims=True), i), randn(1, 4), ids)
+    check(lambda x, i: post(x * dsl.max(x, 0, keepdims=True)[:, :1], i), randn(1, 4), ids)
+
+
+@pytest.mark.parametrize("n", [72, 73, 88, 95, 1000])
+def test_max_reductions_of_any_length_compile(n):
+    """maxnum reductions without nnan made LLVM's loop vectorizer abort the process."""
+    check(lambda x: dsl.max(x), randn(n))
+    check(lambda x: dsl.argmax(x, -1), randn(3, n))
+    check(lambda x: dsl.maximum(x, 0.0).sum(-1), randn(3, n))
+
+
+@pytest.mark.parametrize("rules", [{}, {"reduce": False}])
+def test_max_over_non_trailing_axes(rules):
+    x = np.zeros((7, 2, 2), np.float32)
+    x[6] = randn(2, 2)
+    check(lambda x: dsl.max(x, axis=(0, 2)), x, fusion=rules)
+    check(lambda x: dsl.max(x, axis=(0, 2), keepdims=True) - x, randn(7, 2, 2), fusion=rules)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_f16_matmul_gives_f16_accumulated_in_f32(fused):
+    x, w = randn(3, 64, dtype=np.float16), randn(64, 5, dtype=np.float16)
+    assert dsl.jit(lambda x, w: x @ w).lower(x, w).program.outputs[0].dtype == "f16"
+    rules = None if fused else {"epilogue": False}
+    check(lambda x, w: x @ w, x, w, rtol=2e-3, atol=2e-3, fusion=rules)
+    check(lambda x, w: x @ w + 1.0, x, w, rtol=2e-3, atol=2e-3, fusion=rules)
+    check(lambda x, w: dsl.dot_t(x, w.T) * 0.5 - x[:, :5], x, w, rtol=2e-3, atol=2e-3, fusion=rules)
+
+
+def test_in_place_update_that_reads_its_own_buffer():
+    """The update reads rows of the donated buffer that the same kernel overwrites."""
+    def f(x, p):
+        return dsl.dynamic_update_slice(x, x[0:3] * 2.0 + x[1:4], [p, 0])
+    for p in (0, 1, 2, 3):
+        check(f, randn(6, 4), p, donate=(0,))
+    check(lambda x: dsl.dynamic_update_slice(x, x[1:3, 0:2].T * x[2:4, 2:4] + 1.0, [0, 1]), randn(5, 4), donate=(0,))
+
+
+def test_f16_mean_accumulates_in_f32():
+    x = (rng.random((3, 2000)) * 100 + 50).astype(np.float16)         # row sums pass 65504
+    c = check(lambda x: dsl.mean(x, -1), x, rtol=2e-3)
+    assert c.program.outputs[0].dtype == "f16"
+    check(lambda x: dsl.mean(x, axis=(0, 1), keepdims=True) - x, x, rtol=2e-3, atol=0.2)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_chains_of_thousands_of_ops(backend):
+    def f(x, w):
+        y = x @ w
+        for i in range(2500):
+            y = dsl.tanh(y * 1.001 + 0.01) if i % 2 else y + x[:, :1]
+        return y + dsl.sum(y, -1, keepdims=True)
+    x, w = randn(2, 8), randn(8, 8, scale=0.3)
+    jf = dsl.jit(f, backend=backend)
+    low = jf.lower(x, w)
+    assert dsl.parse_ir(low.as_text()).as_text() == low.as_text()
+    np.testing.assert_allclose(jf(x, w), low.program.run(x, w, compute_dtype="f64")[0], rtol=1e-3, atol=1e-3)
