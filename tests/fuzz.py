@@ -1,0 +1,544 @@
+"""Random DSL programs against the float64 reference interpreter.
+
+    python -m tests.fuzz -n 10000 --seed S [--jobs 2] [--backend cpu]
+
+A program is a list of ops whose parameters are *relative* (fractions in [0, 1)
+that pick axes, sizes, operands): they are resolved against the shapes at hand
+when the program is written out as Python source.  So any op can be dropped
+and any input dim shrunk and the rest still makes a valid program, which is
+what shrinking needs.  The source written out is exactly what runs: it is
+``exec``'d, traced with ``dsl.jit`` and compiled for the backend.
+
+Each program is classified:
+
+* ok: every output agrees with the float64 interpreter (``compute_dtype="f64"``)
+  cast to the dtype the kernel writes, or with the same interpreter run in the
+  stored dtypes (f16 rounding of an ill-conditioned chain is not a kernel bug),
+  within tolerances that grow with the dtype's epsilon and with the op chain;
+* mismatch: some output does not;
+* exception: anything raised other than a ``DSLError`` while tracing;
+* crash: the process died (programs run in child processes, batch by batch;
+  after a crash the rest of the batch is rerun).
+
+Every failure is shrunk (ops dropped, input dims shrunk, outputs dropped) while
+it persists and printed as a runnable script.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+UNARY = {
+    "neg": "-{a}", "abs": "dsl.abs({a})", "tanh": "dsl.tanh({a})", "sigmoid": "dsl.sigmoid({a})",
+    "sin": "dsl.sin({a})", "cos": "dsl.cos({a})", "exp": "dsl.exp(dsl.minimum({a}, 3.0))",
+    "log": "dsl.log(dsl.abs({a}) + 0.5)", "sqrt": "dsl.sqrt(dsl.abs({a}) + 0.25)",
+    "rsqrt": "dsl.rsqrt(dsl.abs({a}) + 0.5)", "np_exp": "np.exp(dsl.tanh({a}))",
+}
+BINARY = {
+    "add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / (dsl.abs({b}) + 0.5)",
+    "maximum": "dsl.maximum({a}, {b})", "minimum": "dsl.minimum({a}, {b})", "np_max": "np.maximum({a}, {b})",
+}
+OPS = (list(UNARY) + list(BINARY) * 2 +
+       ["where", "astype", "reduce", "reduce", "argmax", "reshape", "transpose", "slice", "concat",
+        "expand", "index", "take", "matmul", "matmul", "dus", "scalar"])
+FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
+
+
+# ----------------------------------------------------------------------------- programs
+def random_program(rng):
+    """A random program: input specs and ops (op name, operand picks, parameters in [0, 1))."""
+    nd = int(rng.integers(1, 4))
+    base = [int(rng.choice([1, 2, 3, 4, 5, 7, 8, 16, 33, 64, 73])) for _ in range(nd)]
+    inputs = []
+    for _ in range(int(rng.integers(1, 3))):
+        shape = [d if rng.random() < 0.7 else 1 for d in base]
+        inputs.append({"shape": shape, "dtype": "f16" if rng.random() < 0.3 else "f32"})
+    frac = lambda n: (np.floor(rng.random(n) * 1000) / 1000).tolist()  # noqa: E731  (in [0, 1))
+    ops = [{"op": str(rng.choice(OPS)), "pick": frac(3), "p": frac(4)}
+           for _ in range(int(rng.integers(2, 14)))]
+    return {"inputs": inputs, "ops": ops, "donate": bool(rng.random() < 0.3),
+            "fusion": {r: False for r in ("elementwise", "reduce", "prologue", "epilogue", "horizontal")
+                       if rng.random() < 0.07}}
+
+
+class Writer:
+    """Resolves a program's ops against the shapes of traced values, writing one source line each."""
+
+    def __init__(self, prog):
+        self.prog, self.lines, self.vals, self.names, self.extra = prog, [], [], [], []
+        self.args, self.arg_lines, self.ns = [], [], None
+        self.terminal, self.donated = [], None
+
+    # values ---------------------------------------------------------------
+    def emit(self, code):
+        name = f"v{len(self.lines)}"
+        val = eval(code, self.ns)
+        self.ns[name] = val
+        self.lines.append(f"{name} = {code}")
+        return name, val
+
+    def new_input(self, shape, dtype, kind="normal", hi=0):
+        name = f"x{len(self.args)}"
+        shape = tuple(int(d) for d in shape)
+        if kind == "ids":
+            make = f"rng.integers(-1, {hi + 1}, {shape}).astype('i4')"
+        elif kind == "int":
+            make = f"int(rng.integers(-1, {hi + 2}))"
+        else:
+            make = f"(rng.standard_normal({shape}) * 0.7 + 0.1).astype('{ 'f2' if dtype == 'f16' else 'f4' }')"
+        self.args.append(name)
+        self.arg_lines.append(f"{name} = {make}")
+        from dsl.array import Tracer
+        from dsl.core import Var
+        self.ns[name] = Tracer(Var(() if kind == "int" else shape, dtype))
+        return name
+
+    def pick(self, f, pred=lambda v: True):
+        cands = [i for i, v in enumerate(self.vals) if v is not None and pred(v[1])]
+        # mostly the latest values, so ops chain (f ** 3 favours the end)
+        return self.vals[cands[len(cands) - 1 - min(int(f ** 3 * len(cands)), len(cands) - 1)]] if cands else None
+
+    # one op -----------------------------------------------------------------
+    def op(self, o):
+        import dsl
+        name, pk, p = o["op"], o["pick"], o["p"]
+        fl = lambda v: v.dtype in ("f16", "f32")  # noqa: E731
+        a = self.pick(pk[0], fl)
+        if a is None:
+            return None
+        an, av = a
+        if name in UNARY:
+            return self.emit(UNARY[name].format(a=an))
+        if name in BINARY or name == "where":
+            b = self.pick(pk[1], lambda v: fl(v) and _broadcastable(v.shape, av.shape))
+            bn = b[0] if b is not None and p[0] < 0.8 else repr(round(p[1] * 4 - 2, 2) or 0.5)
+            if name == "where":
+                c = self.pick(pk[2], lambda v: fl(v) and _broadcastable(v.shape, av.shape))
+                cn = c[0] if c is not None else "0.25"
+                cmp = ["<", ">", ">=", "<="][int(p[2] * 4)]
+                return self.emit(f"dsl.where({an} {cmp} {bn}, {an}, {cn})")
+            return self.emit(BINARY[name].format(a=an, b=bn))
+        if name == "astype":
+            return self.emit(f"{an}.astype('{'f32' if av.dtype == 'f16' else 'f16'}')")
+        if name == "scalar":
+            return self.emit(f"{an} * {round(p[0] * 3 - 1.5, 2) or 0.5} + {round(p[1] - 0.5, 2)}")
+        nd = av.ndim
+        if name in ("reduce", "argmax"):
+            if nd == 0:
+                return None
+            if name == "argmax":
+                ax = int(p[0] * nd)
+                i_name, _ = self.emit(f"dsl.argmax({an}, {ax - nd if p[1] < 0.5 else ax})")
+                self.terminal.append(i_name)
+                return None
+            fn = ["sum", "max", "mean"][int(p[0] * 3)]
+            axes = [i for i in range(nd) if (p[1] * 2 ** (i + 1)) % 1 < 0.5] or [nd - 1]
+            axis = "None" if p[2] < 0.15 else (str(axes[0]) if len(axes) == 1 else str(tuple(axes)))
+            keep = p[3] < 0.5
+            scale = " * 0.1" if fn == "sum" else ""
+            return self.emit(f"dsl.{fn}({an}, axis={axis}{', keepdims=True' if keep else ''}){scale}")
+        if name == "reshape":
+            if nd == 0:
+                return self.emit(f"{an}.reshape(1, 1)")
+            shape = list(av.shape)
+            i = int(p[0] * nd)
+            if p[1] < 0.35 and i + 1 < nd:                       # merge two dims
+                shape[i:i + 2] = [shape[i] * shape[i + 1]]
+            elif p[1] < 0.7:                                     # split a dim
+                f = next((f for f in (2, 3, 4, 7, 8, 11) if shape[i] % f == 0 and shape[i] > f), None)
+                if f is None:
+                    shape.insert(i, 1)
+                else:
+                    shape[i:i + 1] = [f, shape[i] // f]
+            else:
+                shape = [d for d in shape if d != 1] if 1 in shape else shape[:i] + [1] + shape[i:]
+            return self.emit(f"{an}.reshape({tuple(shape)})")
+        if name == "transpose":
+            if nd < 2:
+                return None
+            perm = list(np.argsort([(p[j % 4] * 7.31 * (j + 1)) % 1 for j in range(nd)]))
+            return self.emit(f"{an}.transpose({tuple(int(x) for x in perm)})" if p[3] < 0.8 else f"{an}.T")
+        if name == "slice":
+            if nd == 0:
+                return None
+            i, n = int(p[0] * nd), av.shape[int(p[0] * nd)]
+            lo = int(p[1] * n)
+            hi = lo + 1 + int(p[2] * (n - lo - 1))
+            idx = ", ".join([":"] * i + [f"{lo}:{hi}"])
+            return self.emit(f"{an}[{idx}]")
+        if name == "index":
+            if nd == 0:
+                return None
+            i = int(p[0] * av.shape[0])
+            return self.emit(f"{an}[{i}]" if p[1] < 0.5 else f"{an}[None, ..., {-1 - int(p[2] * av.shape[-1])}:]")
+        if name == "expand":
+            return self.emit(f"dsl.expand_dims({an}, {int(p[0] * (nd + 1)) - (nd + 1) * (p[1] < 0.5)})")
+        if name == "concat":
+            if nd == 0:
+                return None
+            ax = int(p[0] * nd)
+            b = self.pick(pk[1], lambda v: v.ndim == nd and v.dtype == av.dtype and all(
+                x == y for k, (x, y) in enumerate(zip(v.shape, av.shape)) if k != ax))
+            bn = b[0] if b is not None else an
+            return self.emit(f"dsl.concatenate([{an}, {bn}], axis={ax})")
+        if name == "take":
+            if nd == 0:
+                return None
+            ids = self.new_input([1 + int(p[0] * 4)] * (1 + (p[1] < 0.3)), "i32", "ids", av.shape[0] - 1)
+            return self.emit(f"dsl.take({an}, {ids})")
+        if name == "matmul":
+            if nd < 1:
+                return None
+            k = av.shape[-1]
+            n = [1, 3, 8, 16, 40][int(p[0] * 5)]
+            wd = "f16" if p[1] < 0.4 else "f32"
+            if p[2] < 0.5:
+                w = self.new_input((n, k), wd)
+                return self.emit(f"dsl.dot_t({an}, {w}) * {round(1 / np.sqrt(k), 4)}")
+            w = self.new_input((k, n), wd)
+            return self.emit(f"({an} @ {w}) * {round(1 / np.sqrt(k), 4)}")
+        if name == "dus":
+            if self.donated is None:
+                return None
+            dn, dv = self.donated
+            u = self.pick(pk[1], lambda v: fl(v) and v.ndim == dv.ndim and all(
+                x <= y for x, y in zip(v.shape, dv.shape)))
+            if u is None:
+                return None
+            un, uv = u
+            if uv.dtype != dv.dtype:
+                un = f"{un}.astype('{dv.dtype}')"
+            pos = self.new_input((), "i32", "int", dv.shape[0] - uv.shape[0])
+            starts = [pos] + [str(int(p[j % 4] * (dv.shape[j] - uv.shape[j] + 1))) for j in range(1, dv.ndim)]
+            name_, val = self.emit(f"dsl.dynamic_update_slice({dn}, {un}, [{', '.join(starts)}])")
+            self.donated = (name_, val)
+            return None
+        raise ValueError(f"unknown op {name}")
+
+    def write(self, outputs=None):
+        """Trace the program (resolving every op); returns the source of ``f`` and its inputs."""
+        import dsl
+        from dsl.core import _TRACES, Trace
+        self.ns = {"dsl": dsl, "np": np}
+        trace = Trace()
+        _TRACES.append(trace)
+        try:
+            for spec in self.prog["inputs"]:
+                n = self.new_input(spec["shape"], spec["dtype"])
+                self.vals.append((n, self.ns[n]))
+            if self.prog["donate"]:
+                self.donated = self.vals[0]
+            for o in self.prog["ops"]:
+                self.vals.append(self.op(o))
+        finally:
+            _TRACES.pop()
+        live = [v for v in self.vals if v is not None]
+        outs = [live[-1][0]] + self.terminal + [v[0] for v in live[len(self.prog["inputs"]):-1][-3:-2]]
+        if self.donated is not None and self.donated[0] != self.vals[0][0]:
+            outs.append(self.donated[0])
+        outs = list(dict.fromkeys(outs))
+        if outputs is not None:
+            outs = [o for i, o in enumerate(outs) if i in outputs] or outs[:1]
+        body = _dead_code_free(self.lines, outs)
+        donate = self.prog["donate"] and self.donated is not None and self.donated[0] in outs
+        return {"args": self.args, "arg_lines": self.arg_lines, "body": body, "outs": outs,
+                "donate": donate, "fusion": self.prog["fusion"]}
+
+
+def _broadcastable(a, b):
+    """Does ``a`` broadcast to ``b`` (the result keeps ``b``'s shape)?"""
+    return len(a) <= len(b) and all(x in (1, y) for x, y in zip(a[::-1], b[::-1]))
+
+
+def _dead_code_free(lines, outs):
+    need, keep = set(outs), []
+    for line in reversed(lines):
+        name, code = line.split(" = ", 1)
+        if name in need:
+            keep.append(line)
+            need |= {t for t in _names(code)}
+    return keep[::-1]
+
+
+def _names(code):
+    import re
+    return set(re.findall(r"\b[vx]\d+\b", code))
+
+
+def source(w, seed):
+    """A runnable script reproducing the program ``w`` (a ``Writer.write()`` result)."""
+    used = set(w["outs"]) | {n for line in w["body"] for n in _names(line)}
+    args = [a for a in w["args"] if a in used] or w["args"][:1]
+    lines = ["import numpy as np", "import dsl", "", "", f"def f({', '.join(args)}):"]
+    lines += [f"    {line}" for line in w["body"]]
+    lines.append(f"    return {', '.join(w['outs'])}{',' if len(w['outs']) == 1 else ''}")
+    lines += ["", "", f"rng = np.random.default_rng({seed})"]
+    lines += [line for line in w["arg_lines"] if line.split(" = ")[0] in args]
+    opts = []
+    if w["donate"]:
+        opts.append("donate_argnums=(0,)")
+    if w["fusion"]:
+        opts.append(f"fusion={w['fusion']!r}")
+    lines.append(f"args = [{', '.join(args)}]")
+    lines.append(f"jf = dsl.jit(f{', ' if opts else ''}{', '.join(opts)})")
+    lines.append("want = jf.lower(*args).program.run(*args, compute_dtype='f64')")
+    lines.append("got = jf(*[np.copy(a) if isinstance(a, np.ndarray) else a for a in args])")
+    lines.append("for g, r in zip(got, want):")
+    lines.append("    print(np.max(np.abs(np.asarray(g, np.float64) - r)), g.dtype, g.shape)")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- running one program
+def run_source(src, backend="cpu"):
+    """Run a script written by ``source``; returns (status, detail)."""
+    import dsl
+    from dsl.core import DSLError
+    ns = {}
+    head, _, _ = src.partition("jf = dsl.jit(")
+    try:
+        exec(head, ns)
+        opts = src.split("jf = dsl.jit(f", 1)[1].split("\n", 1)[0][:-1]
+        jf = eval(f"dsl.jit(ns_f{opts}, backend={backend!r})", {"dsl": dsl, "ns_f": ns["f"]})
+        args = ns["args"]
+        low = jf.lower(*args)
+    except DSLError as e:
+        return "invalid", str(e)
+    except Exception as e:                                   # noqa: BLE001
+        return "exception", f"{type(e).__name__} while tracing: {e}"
+    try:
+        want = low.program.run(*args, compute_dtype="f64")
+        native = _run_native(low.program, args)
+        got = jf(*[np.copy(a) if isinstance(a, np.ndarray) else a for a in args])
+        got = dsl.tree_flatten(got)[0]
+    except DSLError as e:
+        return "exception", f"DSLError after tracing: {e}"
+    except Exception as e:                                   # noqa: BLE001
+        return "exception", f"{type(e).__name__}: {str(e)[:300]}"
+    if native is None:
+        return "ok", "ill-conditioned (non-finite in stored dtypes)"
+    nops = len(low.program.eqns)
+    values = list(low.program.inputs) + [e.out for e in low.program.eqns]
+    low_precision = "f16" if any(v.dtype == "f16" for v in values) else "f32"
+    for i, (g, w, n, v) in enumerate(zip(got, want, native, low.program.outputs)):
+        bad = _compare(np.asarray(g), w, n, v.dtype if v.dtype not in FLOAT_TOL else low_precision, nops)
+        if bad:
+            return "mismatch", f"output {i} ({v.dtype}{list(v.shape)}): {bad}"
+    return "ok", ""
+
+
+def _run_native(prog, args):
+    """The interpreter in the stored dtypes; None when some value is not finite or beyond f16 range."""
+    from dsl.core import NP_DTYPES, Lit
+    env = {v: np.asarray(a).astype(NP_DTYPES[v.dtype]) for v, a in zip(prog.inputs, args)}
+    read = lambda a: np.asarray(a.value, NP_DTYPES[a.dtype]) if isinstance(a, Lit) else env[a]  # noqa: E731
+    with np.errstate(all="ignore"):
+        for e in prog.eqns:
+            out = np.asarray(e.prim.impl(*[read(a) for a in e.inputs], **e.params)).astype(NP_DTYPES[e.out.dtype])
+            if out.dtype.kind == "f" and not (np.all(np.isfinite(out)) and np.all(np.abs(out) < 3e4)):
+                return None
+            env[e.out] = out
+    return [read(o) for o in prog.outputs]
+
+
+def _compare(g, want, native, dtype, nops):
+    """'' when ``g`` agrees with the f64 reference or the stored-dtype run, else what differs."""
+    if dtype in ("i32", "bool"):
+        if np.array_equal(g, want.astype(g.dtype)) or np.array_equal(g, native):
+            return ""
+        return f"{int(np.sum(g != want))} of {g.size} differ"
+    eps = FLOAT_TOL[dtype] * (2 + nops)
+    g = g.astype(np.float64)
+    scale = np.max(np.abs(want)) + 1.0 if want.size else 1.0
+    for ref in (want.astype(np.float64), native.astype(np.float64)):
+        err = np.abs(g - ref)
+        if np.all(err <= eps * (np.abs(ref) + 0.1 * scale)) and np.array_equal(np.isnan(g), np.isnan(ref)):
+            return ""
+    err = np.abs(g - want)
+    i = np.unravel_index(np.nanargmax(np.where(np.isnan(err), np.inf, err)), g.shape) if g.ndim else ()
+    return f"max error {float(np.nanmax(err)):.3g} at {list(i)}: got {g[i]!r}, want {float(want[i])!r}"
+
+
+def program_source(seed, index, prog=None, outputs=None):
+    rng = np.random.default_rng([seed, index])
+    prog = prog or random_program(rng)
+    return source(Writer(prog).write(outputs), seed * 100003 + index), prog
+
+
+# ----------------------------------------------------------------------------- shrinking
+def shrink(prog, status, check, seed, index, budget=150):
+    """Drop ops and outputs, shrink input dims, while ``check(src) == status``."""
+    best = prog
+    best_src = program_source(seed, index, best)[0]
+
+    def attempt(cand, outputs=None):
+        nonlocal best, best_src, budget
+        if budget <= 0:
+            return False
+        budget -= 1
+        try:
+            src = program_source(seed, index, cand, outputs)[0]
+        except Exception:                                    # noqa: BLE001
+            return False
+        if src != best_src and check(src) == status:
+            best, best_src = cand, src
+            return True
+        return False
+
+    progress = True
+    while progress and budget > 0:
+        progress = False
+        for i in range(len(best["ops"]) - 1, -1, -1):
+            if i < len(best["ops"]):
+                progress |= attempt({**best, "ops": best["ops"][:i] + best["ops"][i + 1:]})
+        for k in range(len(best["inputs"])):
+            for j, d in enumerate(best["inputs"][k]["shape"]):
+                for nd in sorted({1, d // 2, d - 1} - {d, 0}):
+                    ins = [dict(x, shape=list(x["shape"])) for x in best["inputs"]]
+                    ins[k]["shape"][j] = nd
+                    if attempt({**best, "inputs": ins}):
+                        progress = True
+                        break
+        if best["fusion"]:
+            progress |= attempt({**best, "fusion": {}})
+        if best["donate"]:
+            progress |= attempt({**best, "donate": False})
+    for o in range(4):                                       # a single output, if that still fails
+        if attempt(best, [o]):
+            return best_src
+    return best_src
+
+
+# ----------------------------------------------------------------------------- processes
+def worker(seed, indices, backend, shrink_failures):
+    """Child process: run programs, one JSON line per program (``start`` first, so a crash is known)."""
+    from dsl.core import DSLError
+    abort_at = os.environ.get("VEGAFUSE_FUZZ_ABORT_AT")         # tests the crash isolation
+    for i in indices:
+        print(json.dumps({"start": i}), flush=True)
+        if abort_at is not None and int(abort_at) == i:
+            os.abort()
+        try:                      # writing the program traces it: DSL errors show up here first
+            src, prog = program_source(seed, i)
+        except DSLError as e:
+            print(json.dumps({"index": i, "status": "invalid", "detail": str(e)}), flush=True)
+            continue
+        except Exception as e:                               # noqa: BLE001
+            rec = {"index": i, "status": "exception", "detail": f"while tracing: {type(e).__name__}: {e}",
+                   "repro": f"# program {i} of seed {seed}: python -c 'import tests.fuzz as F; "
+                            f"print(F.program_source({seed}, {i}))'"}
+            print(json.dumps(rec), flush=True)
+            continue
+        status, detail = run_source(src, backend)
+        rec = {"index": i, "status": status, "detail": detail}
+        if status in ("mismatch", "exception") and shrink_failures:
+            rec["repro"] = shrink(prog, status, lambda s: run_source(s, backend)[0], seed, i)
+        elif status in ("mismatch", "exception"):
+            rec["repro"] = src
+        print(json.dumps(rec), flush=True)
+
+
+def _child(seed, indices, backend, shrink_failures):
+    cmd = [sys.executable, "-m", "tests.fuzz", "--worker", "--seed", str(seed), "--backend", backend,
+           "--indices", ",".join(map(str, indices))] + ([] if shrink_failures else ["--no-shrink"])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def shrink_crash(seed, index, backend, budget=40):
+    """Shrink a crashing program, each candidate in its own process."""
+    def check(src):
+        p = subprocess.run([sys.executable, "-c", "import sys, tests.fuzz as F; print(F.run_source(sys.stdin.read(), "
+                            f"{backend!r})[0])"], input=src, capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return "crash" if p.returncode < 0 or p.returncode not in (0, 1) else "ran"
+    src, prog = program_source(seed, index)
+    return shrink(prog, "crash", check, seed, index, budget)
+
+
+def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, progress=True, start=0):
+    """Run programs ``start .. start+n-1`` of ``seed``; returns ({status: count}, failures, seconds)."""
+    t0 = time.time()
+    pending = [list(range(b, min(b + batch, start + n))) for b in range(start, start + n, batch)]
+    counts = {"ok": 0, "invalid": 0, "mismatch": 0, "exception": 0, "crash": 0}
+    failures, running, done = [], [], 0
+    while pending or running:
+        while pending and len(running) < jobs:
+            idx = pending.pop(0)
+            running.append((_child(seed, idx, backend, shrink_failures), idx))
+        proc, idx = running.pop(0)
+        out, err = proc.communicate()
+        seen, current = set(), None
+        for line in out.splitlines():
+            if not line.startswith("{"):
+                continue
+            rec = json.loads(line)
+            if "start" in rec:
+                current = rec["start"]
+                continue
+            seen.add(rec["index"])
+            counts[rec["status"]] += 1
+            if rec["status"] in ("mismatch", "exception"):
+                failures.append(rec)
+        rest = [i for i in idx if i not in seen]
+        if rest:
+            if current is not None and current in rest:
+                counts["crash"] += 1
+                tail = err.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+                rec = {"index": current, "status": "crash", "detail": tail[0][:300]}
+                if shrink_failures:
+                    rec["repro"] = shrink_crash(seed, current, backend)
+                else:
+                    rec["repro"] = program_source(seed, current)[0]
+                failures.append(rec)
+                rest.remove(current)
+            if rest:
+                pending.insert(0, rest)
+        done = sum(counts.values())
+        if progress:
+            print(f"\r{done}/{n} programs: {_summary(counts)}  ({time.time() - t0:.0f} s)", end="",
+                  file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return counts, failures, time.time() - t0
+
+
+def _summary(c):
+    return (f"ok {c['ok'] + c['invalid']}, mismatches {c['mismatch']}, exceptions {c['exception']}, "
+            f"crashes {c['crash']}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=1000, help="programs to run")
+    ap.add_argument("--seed", type=int, default=None, help="seed (default: a fresh one, printed)")
+    ap.add_argument("--start", type=int, default=0, help="index of the first program")
+    ap.add_argument("--jobs", type=int, default=2, help="child processes")
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--batch", type=int, default=50, help="programs per child process")
+    ap.add_argument("--no-shrink", action="store_true", help="print failures as generated")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--indices", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2 ** 31)
+    if a.worker:
+        worker(seed, [int(i) for i in a.indices.split(",") if i], a.backend, not a.no_shrink)
+        return 0
+    print(f"seed {seed}, {a.n} programs, backend {a.backend}, {a.jobs} jobs", file=sys.stderr)
+    counts, failures, secs = run_many(a.n, seed, a.jobs, a.backend, a.batch, not a.no_shrink, start=a.start)
+    print(f"{a.n} programs: {_summary(counts)} ({secs:.0f} s)")
+    print(f"({counts['invalid']} of the ok were invalid programs rejected with a DSLError)")
+    for f in sorted(failures, key=lambda r: r["index"]):
+        print(f"\n# --- program {f['index']} (seed {seed}): {f['status']}: {f['detail']}")
+        print(f.get("repro", ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

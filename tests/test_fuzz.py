@@ -1,0 +1,46 @@
+"""Random DSL programs against the float64 interpreter (``python -m tests.fuzz`` at scale)."""
+import numpy as np
+
+from tests import fuzz
+
+
+def _run(n, seed, start=0):
+    counts, failures, secs = fuzz.run_many(n, seed, jobs=2, batch=60, progress=False, start=start)
+    report = "\n".join(f"program {f['index']}: {f['status']}: {f['detail']}\n{f.get('repro', '')}" for f in failures)
+    assert not failures, f"seed {seed}:\n{report}"
+    assert sum(counts.values()) == n and counts["ok"] >= n * 0.9, counts
+    return secs
+
+
+def test_fixed_seed_programs_match_the_float64_interpreter():
+    _run(180, 20261201)
+
+
+def test_fresh_seed_programs_match_the_float64_interpreter():
+    seed = int(np.random.SeedSequence().entropy % 2 ** 31)
+    print(f"fuzz seed {seed}: rerun with python -m tests.fuzz -n 120 --seed {seed}")
+    _run(120, seed)
+
+
+def test_a_crashing_program_is_recorded_and_the_batch_goes_on(monkeypatch):
+    monkeypatch.setenv("VEGAFUSE_FUZZ_ABORT_AT", "3")
+    counts, failures, _ = fuzz.run_many(8, 5, jobs=1, batch=8, progress=False, shrink_failures=False)
+    assert counts["crash"] == 1 and sum(counts.values()) == 8
+    assert [f["index"] for f in failures] == [3] and "def f(" in failures[0]["repro"]
+
+
+def test_shrinking_keeps_the_failure_and_prints_a_runnable_script():
+    src, prog = fuzz.program_source(7, 0, {
+        "inputs": [{"shape": [8, 16], "dtype": "f32"}], "donate": False, "fusion": {},
+        "ops": [{"op": "tanh", "pick": [0, 0, 0], "p": [0, 0, 0, 0]},
+                {"op": "reduce", "pick": [0, 0, 0], "p": [0.5, 0.9, 0.5, 0.9]},
+                {"op": "exp", "pick": [0, 0, 0], "p": [0, 0, 0, 0]}]})
+    assert "dsl.max(" in src
+
+    def fails(s):                   # a stand-in failure: any program that still takes a max
+        return "mismatch" if "dsl.max(" in s else "ok"
+    small = fuzz.shrink(prog, "mismatch", fails, 7, 0)
+    assert "dsl.max(" in small and "dsl.exp" not in small and "dsl.tanh" not in small
+    assert "(1, 1)" in small or "(1,)" in small                 # input dims shrunk
+    ns = {}
+    exec(small.replace("print(", "(lambda *a: None)("), ns)    # the reproduction runs as written
