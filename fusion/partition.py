@@ -235,7 +235,7 @@ def epilogue_region(g: Graph, c: Var):
 
 def plan_epilogues(g: Graph, m: set, rules) -> dict:
     """Apply the epilogue rule: {root: [contractions fused under it]}; updates ``m``."""
-    epi, taken = {}, set()
+    epi, taken, claimed = {}, set(), set()
     for e in g.prog.eqns:
         c = e.out
         if e.prim.kind != "contract" or c in taken:
@@ -245,8 +245,9 @@ def plan_epilogues(g: Graph, m: set, rules) -> dict:
             taken.add(c)
             continue
         root, contracts, region = epilogue_region(g, c)
-        if any(x in taken for x in contracts):
+        if any(x in taken for x in contracts) or region & claimed:     # a value has one epilogue
             root, contracts, region = c, [c], {c}
+        claimed |= region
         for x in region:
             if x is not root:
                 m.discard(x)

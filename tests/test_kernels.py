@@ -316,3 +316,12 @@ def test_chains_of_thousands_of_ops(backend):
     low = jf.lower(x, w)
     assert dsl.parse_ir(low.as_text()).as_text() == low.as_text()
     np.testing.assert_allclose(jf(x, w), low.program.run(x, w, compute_dtype="f64")[0], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("same_activation", [True, False])
+def test_two_contractions_that_are_not_siblings_meet_in_one_epilogue(same_activation):
+    x, w1, w2 = randn(2, 8), randn(5, 8), randn(8, 5)
+    if same_activation:
+        check(lambda x, w1, w2: -dsl.rsqrt(dsl.abs(dsl.dot_t(x, w1)) + 0.5) - x @ w2, x, w1, w2)
+    else:
+        check(lambda x, w1, w2: dsl.dot_t(dsl.concatenate([x, x], 1)[:, 4:12], w1) + dsl.tanh(x) @ w2, x, w1, w2)
