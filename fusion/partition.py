@@ -116,20 +116,22 @@ def materialize(g: Graph, rules) -> set:
             m.add(e.inputs[0])
         if "reduce" not in rules and kind == "reduce" and isinstance(e.inputs[0], Var):
             m.add(e.inputs[0])
-    return cap_depth(g, m)
+    return m
 
 
 MAX_INLINE_DEPTH = 48       # ops inlined into one expression; deeper chains are split into kernels
 
 
-def cap_depth(g: Graph, m: set) -> set:
+def cap_depth(g: Graph, m: set, epilogues=()) -> set:
     """Materialize every value whose inlined expression would be more than ``MAX_INLINE_DEPTH``
     ops deep, so lowering, Loop IR and the renderers stay shallow for chains of any length
-    (and each kernel's expression stays a size a compiler handles quickly).  Updates ``m``."""
+    (and each kernel's expression stays a size a compiler handles quickly).  Values of an
+    epilogue region (``epilogues``, at most ``MAX_INLINE_DEPTH // 2`` each) stay inlined.
+    Updates ``m``."""
     depth = {}
     for e in g.prog.eqns:
         d = 1 + max((depth.get(a, 0) for a in e.inputs if isinstance(a, Var)), default=0)
-        if e.out in m:
+        if e.out in m or e.out in epilogues:
             d = 0
         elif d > MAX_INLINE_DEPTH:
             m.add(e.out)
@@ -234,7 +236,8 @@ def epilogue_region(g: Graph, c: Var):
 
 
 def plan_epilogues(g: Graph, m: set, rules) -> dict:
-    """Apply the epilogue rule: {root: [contractions fused under it]}; updates ``m``."""
+    """Apply the epilogue rule: {root: [contractions fused under it]}; updates ``m``, then caps
+    the depth of inlined expressions (``cap_depth``)."""
     epi, taken, claimed = {}, set(), set()
     for e in g.prog.eqns:
         c = e.out
@@ -254,5 +257,6 @@ def plan_epilogues(g: Graph, m: set, rules) -> dict:
         taken.update(contracts)
         m.add(root)
         epi[root] = contracts
+    cap_depth(g, m, claimed)            # after the epilogues: their roots cut the residual stream
     return epi
 
