@@ -156,7 +156,7 @@ def _reduce_update(s, a, pad):
     if a.op == "add":
         return [f"{pad}{a.name} += {v};"]
     if a.op == "max":
-        return [f"{pad}{a.name} = {'fmaxf' if a.dtype == 'f32' else 'max'}({a.name}, {v});"]
+        return [f"{pad}{a.name} = {'vf_max' if a.dtype == 'f32' else 'max'}({a.name}, {v});"]
     return [f"{pad}if ({expr(a.value)} > {a.name}) {{ {a.name} = {v}; {a.arg} = {s.var}; }}"]
 
 

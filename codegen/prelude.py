@@ -26,12 +26,15 @@ _DEFINES = r"""#define VF_WAVE {wave}
 #define VF_UNROLL_K _Pragma("unroll {unroll}")
 """
 
-_COMMON = r"""__device__ __forceinline__ float vf_wave_sum(float v) {{
+_COMMON = r"""// max and min as numpy computes them: NaN when either operand is NaN (fmaxf and fminf drop it)
+__device__ __forceinline__ float vf_max(float a, float b) {{ return a != a || b != b ? a + b : fmaxf(a, b); }}
+__device__ __forceinline__ float vf_min(float a, float b) {{ return a != a || b != b ? a + b : fminf(a, b); }}
+__device__ __forceinline__ float vf_wave_sum(float v) {{
   for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
   return v;
 }}
 __device__ __forceinline__ float vf_wave_max(float v) {{
-  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v = fmaxf(v, vf_shfl_xor(v, m));
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v = vf_max(v, vf_shfl_xor(v, m));
   return v;
 }}
 // block-wide reductions through LDS (every thread gets the result)
@@ -64,7 +67,7 @@ __device__ __forceinline__ float vf_block_max(float v, float* red) {{
   if (threadIdx.x % VF_WAVE == 0) red[threadIdx.x / VF_WAVE] = v;
   __syncthreads();
   v = -VF_INF;
-  for (int w = 0; w < VF_WAVES; ++w) v = fmaxf(v, red[w]);
+  for (int w = 0; w < VF_WAVES; ++w) v = vf_max(v, red[w]);
   return v;
 }}
 """

@@ -158,12 +158,12 @@ elementwise("sub", _binary_rule, _cast_like(np.subtract), api="sub",
 elementwise("mul", _binary_rule, _cast_like(np.multiply), api="mul",
             float=("({a} * {b})", "fmul"), int=("({a} * {b})", "mul nsw"))
 elementwise("div", _float_binary_rule, _cast_like(np.divide), float=("({a} / {b})", "fdiv"))   # dsl.div: ints -> f32
-# CPU: llvm.maximum/minimum propagate NaN like numpy; llvm.maxnum in a loop-carried reduction
-# without `nnan` makes LLVM 22's loop vectorizer abort the process or miscompile gathers
+# NaN propagates like numpy: llvm.maximum/minimum on the CPU (llvm.maxnum in a loop-carried reduction
+# without `nnan` also makes LLVM 22's loop vectorizer abort or miscompile gathers), vf_max/vf_min on GPUs
 elementwise("max", _binary_rule, _cast_like(np.maximum), api="maximum",
-            float=("fmaxf({a}, {b})", "llvm.maximum"), int=("max({a}, {b})", "llvm.smax"))
+            float=("vf_max({a}, {b})", "llvm.maximum"), int=("max({a}, {b})", "llvm.smax"))
 elementwise("min", _binary_rule, _cast_like(np.minimum), api="minimum",
-            float=("fminf({a}, {b})", "llvm.minimum"), int=("min({a}, {b})", "llvm.smin"))
+            float=("vf_min({a}, {b})", "llvm.minimum"), int=("min({a}, {b})", "llvm.smin"))
 elementwise("idiv", _binary_rule, _idiv, float=("({a} / {b})", "fdiv"), int=("({a} / {b})", "sdiv"))
 elementwise("mod", _binary_rule, np.fmod, float=("fmodf({a}, {b})", "frem"), int=("({a} % {b})", "srem"))
 _C_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}

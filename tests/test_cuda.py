@@ -112,6 +112,12 @@ def test_elementwise_large():
     check(lambda x, y: dsl.tanh(x * y + 1.0) - dsl.sigmoid(y) * dsl.exp(x * 0.1), randn(4096, 2048), randn(2048))
 
 
+def test_max_min_propagate_nan_like_numpy():
+    x, y = randn(300, 257), randn(300, 257)
+    x[3, 5], y[7, 11], x[9] = np.nan, np.nan, np.nan
+    check(lambda x, y: dsl.maximum(x, y) - dsl.minimum(y, x) + dsl.max(x, -1, keepdims=True), x, y)
+
+
 def test_rmsnorm_and_softmax_rows():
     x = randn(2048, 4096)
     x[7] = -np.inf
