@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import loopir as L
 from .mapping import map_kernel
@@ -139,6 +139,8 @@ def _for(var, head, stop, step, pad):
 
 
 def _loop(s, pad):
+    if s.unroll:
+        return [f"{pad}#pragma unroll {s.unroll}"] + _loop(replace(s, unroll=0), pad)
     if s.map == "serial":
         return [_for(s.var, bare(s.start), expr(s.stop), "++", pad).replace(f"{s.var} ++", f"++{s.var}")]
     key = "wave_split" if s.map == "wave" and s.split > 1 else s.map
@@ -151,7 +153,7 @@ def _reduce_update(s, a, pad):
     """One iteration's update of accumulator ``a`` of ``s``."""
     if s.vector > 1:                              # act[k] * w[row * K + k], checked by the mapping
         w, act = (x.x if isinstance(x, L.Cast) else x for x in (a.value.b, a.value.a))
-        return [f"{pad}{a.name} = {VECTOR_DOT[w.dtype]}({a.name}, {w.buf} + ({bare(w.index)}), {act.buf} + {s.var});"]
+        return [f"{pad}{a.name} = {VECTOR_DOT[w.dtype]}({a.name}, {w.buf} + {bare(w.index)}, {act.buf} + {s.var});"]
     v = bare(a.value)
     if a.op == "add":
         return [f"{pad}{a.name} += {v};"]

@@ -192,6 +192,7 @@ class Loop:
     parallel: bool = False        # iterations are independent (the CPU splits them across threads)
     map: str = "serial"           # MAPS: the GPU unit that takes the iterations
     split: int = 1                # map="wave": waves per iteration (uniform trip count for barriers)
+    unroll: int = 0               # GPU unroll hint (loads in flight), recorded by the mapping; 0: the compiler's choice
 
 
 @dataclass(frozen=True)

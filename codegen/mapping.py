@@ -218,7 +218,10 @@ def _contract_rows(body, t, info):
             dt = act_dtype(t, K)
             st = s.body[0]
             value = L.Cast(st.value, dt) if dt != "f32" else st.value
-            out += [replace(s, map="block", body=(L.Store(st.buf, st.index, value),)), L.Barrier()]
+            # the fill is latency-bound (one global load per thread per trip): unrolled, several loads
+            # are in flight (measured on an H200: O/down projections 2906 -> 3131 GB/s)
+            out += [replace(s, map="block", unroll=t.prologue_unroll, body=(L.Store(st.buf, st.index, value),)),
+                    L.Barrier()]
             info["act_dtype"], info["K"] = dt, K
         elif isinstance(s, L.Array):
             arrays.add(s.name)

@@ -43,6 +43,7 @@ class Target:
     compute_units: int = 60      # CUs / SMs: GEMV grids are capped at compute_units * blocks_per_cu
     blocks_per_cu: int = 8       # workgroups resident per CU that a GEMV grid aims for
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
+    prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
     attention_block: int = 1024  # threads of an attention workgroup: its waves split the context
     prefetch: bool = False       # L2-prefetch each wave's first weight row before the GEMV prologue
                                  # (measured on an H200 alone: 3414 against 3996 GB/s for gate/up, so off)

@@ -187,7 +187,7 @@ def profile(dev, ex, tps):
     kinds = {}
     for launch, us in zip(ex._plan_run.launches, times):
         k = launch.ck.kernel
-        kind = re.sub(r"\d+", "#", k.name.split("_", 1)[1])
+        kind = re.sub(r"\d+", "#", k.name)                 # layers_3_linear_wo_add -> layers_#_linear_wo_add
         n, t, b = kinds.get(kind, (0, 0.0, 0))
         kinds[kind] = (n + 1, t + us, b + k.bytes)
     total = sum(times)

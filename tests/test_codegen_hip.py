@@ -231,3 +231,11 @@ def test_elementwise_loops_fill_the_grid_when_locals_are_hoisted_before_them():
     assert any(isinstance(s, L.Declare) for s in k.body)                  # the hoisted clamp
     h = render_hip(k, "gfx906")
     assert h.grid[0] == 8 * 64 * 128 // 256 and "blockIdx.x * VF_BLOCK + threadIdx.x" in h.source
+
+
+def test_gemv_prologue_fill_is_unrolled_and_weights_address_from_the_row_pointer():
+    k = _gemv(1536, 256, rms=True)
+    src = render_hip(k, "gfx906").body
+    fill = src.index("act[")
+    assert "#pragma unroll 8" in src[:fill]                      # loads of the fill in flight
+    assert re.search(r"vf_dot8_h\(\w+, \w+ \+ row \* 1536 \+ k\d*, act \+ k\d*\)", src)

@@ -16,7 +16,8 @@ except Exception as e:                                   # no driver, no GPU, no
 
 import dsl  # noqa: E402
 from codegen.hip import render_hip  # noqa: E402
-from codegen.prelude import prelude  # noqa: E402
+from codegen.prelude import act_dtype, prelude  # noqa: E402
+from codegen.targets import get_target  # noqa: E402
 from stdlib import nn  # noqa: E402
 from tests.test_kernels import reference_attention  # noqa: E402
 
@@ -37,14 +38,19 @@ def randn(*shape, dtype=np.float32, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
-def check(f, *args, rtol=1e-3, atol=1e-3, donate=()):
+def check(f, *args, rtol=1e-3, atol=1e-3, donate=(), gemv_k=None):
+    """``f`` on the GPU against the float64 interpreter.  ``gemv_k``: the GEMV's K; where the target
+    keeps the activation in LDS as f16 (gfx906's v_dot2_f32_f16, so the emulated wave 64 too),
+    each product carries a relative error up to 2^-11, and the tolerance widens to 1e-2."""
     jf = dsl.jit(f, backend="cuda", donate_argnums=donate)
     low = jf.lower(*args)
     want = low.program.run(*dsl.tree_flatten(list(args))[0], compute_dtype="f64")
     got = [np.asarray(g) for g in dsl.tree_flatten(jf(*args))[0]]
+    c = jf.compile(*args)
+    if gemv_k and act_dtype(get_target(c.device.target.maps_like or "sm_90"), gemv_k) == "f16":
+        rtol, atol = max(rtol, 1e-2), max(atol, 1e-2)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.astype(np.float64), w, rtol=rtol, atol=atol)
-    c = jf.compile(*args)
     if c.device.target.emulated_wave:                    # what ran is gfx906's kernel text
         for ck in c.kernels:
             assert ck.hip.body == render_hip(ck.kernel, "gfx906").body, ck.kernel.name
@@ -129,7 +135,8 @@ def test_rmsnorm_and_softmax_rows():
 @pytest.mark.parametrize("n,k", [(18944, 3584), (4096, 8960), (1536, 8960), (151936, 1536)])
 def test_gemv_with_prologue_and_epilogue(n, k):
     x, g, w, r = randn(1, k), randn(k), randn(n, k, dtype=np.float16, scale=0.05), randn(1, n)
-    check(lambda x, g, w, r: r + nn.silu(nn.linear(nn.rms_norm(x, g, 1e-5), w)), x, g, w, r, rtol=2e-3, atol=2e-3)
+    check(lambda x, g, w, r: r + nn.silu(nn.linear(nn.rms_norm(x, g, 1e-5), w)), x, g, w, r, rtol=2e-3, atol=2e-3,
+          gemv_k=k)
 
 
 def test_qkv_siblings_with_bias_split_over_waves():
@@ -140,13 +147,13 @@ def test_qkv_siblings_with_bias_split_over_waves():
     def qkv(x, g, ws, bs):
         h = nn.rms_norm(x, g, 1e-5)
         return [nn.linear(h, w, b) for w, b in zip(ws, bs)]
-    c = check(qkv, x, g, ws, bs, rtol=2e-3, atol=2e-3)
+    c = check(qkv, x, g, ws, bs, rtol=2e-3, atol=2e-3, gemv_k=3584)
     assert [k.family for k in c.plan.kernels] == ["contract"]
 
 
 def test_gate_up_siblings_and_matmul_rows():
     x, wg, wu = randn(8, 1536), randn(8960, 1536, dtype=np.float16, scale=0.05), randn(8960, 1536, dtype=np.float16, scale=0.05)
-    check(lambda x, a, b: nn.silu(nn.linear(x, a)) * nn.linear(x, b), x, wg, wu, rtol=2e-3, atol=2e-3)
+    check(lambda x, a, b: nn.silu(nn.linear(x, a)) * nn.linear(x, b), x, wg, wu, rtol=2e-3, atol=2e-3, gemv_k=1536)
 
 
 @pytest.mark.parametrize("hq,hkv,t,pos,S", [(28, 4, 1, 3000, 4096), (12, 2, 16, 100, 512)])
