@@ -236,6 +236,6 @@ def test_elementwise_loops_fill_the_grid_when_locals_are_hoisted_before_them():
 def test_gemv_prologue_fill_is_unrolled_and_weights_address_from_the_row_pointer():
     k = _gemv(1536, 256, rms=True)
     src = render_hip(k, "gfx906").body
-    fill = src.index("act[")
+    fill = src.index("  act[k")
     assert "#pragma unroll 8" in src[:fill]                      # loads of the fill in flight
     assert re.search(r"vf_dot8_h\(\w+, \w+ \+ row \* 1536 \+ k\d*, act \+ k\d*\)", src)
