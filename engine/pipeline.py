@@ -10,7 +10,7 @@ The passes, in order (each a short function over one IR):
     typecheck  every equation re-checked by its primitive's rule
     partition  which values live in memory, by the fusion rules    fusion/partition.py
     lower      -> Loop IR kernels                   fusion/lower.py, fusion/schedule.py
-    simplify   Loop IR -> Loop IR                   codegen/simplify.py (when present)
+    simplify   Loop IR -> Loop IR                   codegen/simplify.py
     render     -> LLVM IR (CPU) or HIP C++ (GPUs)   engine/build.py
     build      compile + code cache, one per kernel distinct up to names   engine/build.py
     executable buffers and the launch plan          engine/executable.py
@@ -21,21 +21,16 @@ disassembler (gfx906: ``llvm-objdump``; the CPU: llvmlite's assembly).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 from codegen.loopir import format_kernel
+from codegen.simplify import simplify
 from dsl.core import DSLError, Lit, Program, Var
 from engine.build import build, render, text_of
 from engine.executable import Executable, get_device
 from fusion import build_plan, enabled_rules
 
-if importlib.util.find_spec("codegen.simplify") is not None:
-    from codegen.simplify import simplify
-else:                                          # the Loop IR simplifier is optional
-    def simplify(kernel):
-        return kernel
 
 
 def compile_program(f, args=(), traced=None) -> Executable:
