@@ -8,7 +8,7 @@ runs, in program order, with the weights each ``linear`` reads::
     layers_3_causal_attention
     rms_norm_linear_embed                              the final norm and the (tied) LM head
 
-* the layer comes from the buffers a kernel touches (``params_layers_3_w_gate`` ->
+* the layer comes from the weights a kernel reads (``params_layers_3_w_gate`` ->
   ``layers_3``); a kernel that touches no layer's weights (attention reads the cache and q)
   takes the layer of the kernels that read its outputs, else of those that computed its
   inputs, unless it reads a weight that belongs to no layer (the final norm): ``kernel_layers``;
@@ -32,7 +32,7 @@ _RESERVED = set("""auto break case char const continue default do double else en
 int long register return short signed sizeof static struct switch typedef union unsigned void volatile
 while bool true false class delete new operator private public template this throw try typename using
 virtual abs exp expf log logf sqrt sqrtf rsqrt rsqrtf sin sinf cos cosf tanh tanhf max min fmaxf fminf
-main""".split())
+main and or not xor bitand bitor compl and_eq or_eq xor_eq not_eq floor floorf fmodf""".split())
 
 
 def layer_of(name):
@@ -91,6 +91,49 @@ def kernel_name(eqns, buffers, layer=None) -> str:
 _UNKNOWN = "?"                                  # no weight says, and no input's kernel did
 
 
+_TARGET = re.compile(r"([A-Za-z_]\w*)\s*(?:[-+*/@]?=)(?!=)")      # `q = ...`, `x += ...`
+_LAYER_DEPTH = 6                                # producers searched back for a layer's weights
+
+
+def _nearest_layer(graph, v, names):
+    """The layer of the weights nearest to ``v`` among the program inputs it is computed from
+    (the highest layer at the nearest depth), or None."""
+    level, seen = [v], {v}
+    for _ in range(_LAYER_DEPTH):
+        found, nxt = [], []
+        for x in level:
+            e = graph.producer.get(x)
+            if e is None:
+                found += [layer_of(names[x])] if x in names else []
+                continue
+            for a in e.inputs:
+                if hasattr(a, "shape") and a not in seen and hasattr(a, "size"):
+                    seen.add(a)
+                    nxt.append(a)
+        found = [f for f in found if f]
+        if found:
+            return max(found, key=lambda f: int(f.rsplit("_", 1)[1]))
+        level = nxt
+    return None
+
+
+def buffer_name(graph, v, names) -> str:
+    """The name of the buffer that holds the computed value ``v``: the model's variable when
+    ``v`` is what its source line assigns (``q = linear(h, p["wq"])`` -> ``q``), else its
+    primitive, after the layer whose weights it is computed from: ``layers_3_q``, ``layers_3_x``,
+    ``layers_3_mul``.  ``graph``: ``fusion.partition.Graph``; ``names``: Var -> buffer name of
+    the buffers named so far (the program's inputs at least).  Not unique: the caller adds a suffix."""
+    from dsl.core import source_text
+    e = graph.producer[v]
+    base = _WORDS.get(e.prim.name, e.prim.name)
+    if e.source and not any(u.source == e.source for u in graph.users.get(v, [])):
+        m = _TARGET.match(source_text(e).partition("  ")[2])
+        base = m.group(1) if m else base
+    layer = _nearest_layer(graph, v, names)
+    name = re.sub(r"[^A-Za-z0-9_]", "_", f"{layer}_{base}" if layer else base)
+    return name + "_" if name in _RESERVED or name.startswith("vf_") or name[0].isdigit() else name
+
+
 def kernel_layers(kernels) -> list:
     """The layer of each kernel (``layers_3`` or None), from the buffers it touches: its weights'
     names; None when it reads a weight outside every layer (the final norm); else the one layer
@@ -100,8 +143,8 @@ def kernel_layers(kernels) -> list:
     reads = [{p.name for p in k.params if p.role != "out" and p.kind == "buffer"} for k in kernels]
     writes = [{p.name for p in k.params if p.role != "in"} for k in kernels]
     layers = []
-    for k in kernels:
-        named = [x for x in (layer_of(p.name) for p in k.params if p.kind == "buffer") if x]
+    for k in kernels:                                     # the layers of the weights it reads
+        named = [x for x in (layer_of(p.name) for p in k.params if p.kind == "buffer" and p.name not in written) if x]
         if named:
             layers.append(max(sorted(set(named)), key=named.count))
         elif any(n not in written for n in reads[len(layers)]):

@@ -23,7 +23,7 @@ from codegen import loopir as L
 from dsl.core import Lit, Var
 
 from .lower import LOWER, Builder, Unfusable, fresh, unravel
-from .naming import kernel_names
+from .naming import buffer_name, kernel_names
 from .partition import Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues
 
 
@@ -62,10 +62,15 @@ class Lowering:
         self.used = used
 
     def buffer_of(self, v):
+        """The buffer name of ``v``: an input's name, or the model's name for a computed value
+        (``fusion.naming.buffer_name``: ``layers_3_q``), unique within the plan."""
         if v not in self.names:
-            e = self.g.producer[v]
-            base = sanitize(e.prim.name)
-            n = f"{base}_{len(self.names)}"
+            n = base = buffer_name(self.g, v, self.names)
+            i = 1
+            while n in self.used:
+                i += 1
+                n = f"{base}_{i}"
+            self.used.add(n)
             self.names[v] = n
         return self.names[v]
 

@@ -160,3 +160,30 @@ def test_greedy_decode_on_the_cpu_reads_the_argmax_through_its_view():
     ex = m.greedy_step.compile(m.params, np.zeros(1, np.int32), 0, 0, m.cache)
     assert ex.plan.outputs[0][2] == (1,) and ex.plan.buffers[ex.plan.outputs[0][1]][0] == ()
     assert [REFERENCE_IDS[0]] + m.decode_greedy(REFERENCE_IDS[0], 7) == REFERENCE_IDS[:8]
+
+
+def test_buffers_are_named_after_the_model_variables(plan):
+    """The buffers between kernels carry the model's variable and layer, not counters."""
+    params = {k.name: [p.name for p in k.params if not p.name.startswith("params_")] for k in plan.kernels}
+    assert params["layers_3_rms_norm_linear_wq_wk_wv"][-3:] == ["layers_3_q", "layers_3_k", "layers_3_v"]
+    assert "layers_3_attention" in params["layers_3_causal_attention"]
+    assert params["layers_3_linear_w_down_add"] == ["layers_3_mul", "layers_3_x", "layers_3_x_2"]
+    assert params["rms_norm_linear_embed"][-1] == "logits"
+    names = [p.name for k in plan.kernels for p in k.params]
+    assert not [n for n in names if re.fullmatch(r"[a-z_]+_\d{3,}", n)]          # no add_400-style counters
+
+
+def test_buffer_names_avoid_c_words_and_clashes():
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((4, 8)).astype("f4"), rng.standard_normal((4, 8)).astype("f4")
+
+    def f(x, y):
+        int = dsl.exp(x) @ y.T          # noqa: A001  (a C keyword as the model's variable)
+        a = dsl.logical_or(x > 0, y > 0)
+        return int * 2.0, a, int + 1.0
+    c = dsl.jit(f).compile(x, y)
+    names = [p.name for k in c.plan.kernels for p in k.params]
+    assert "int_" in names and "int" not in names and "or" not in names
+    got = c(x, y)
+    np.testing.assert_allclose(got[0], (np.exp(x.astype(np.float64)) @ y.T) * 2.0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[1], (x > 0) | (y > 0))
