@@ -100,7 +100,8 @@ class Inspected:
 
     def isa(self):
         if self._isa is None:
-            self._isa = self.code.isa(self.symbol)
+            # layers that differ only in names share one code object, built as "canonical"
+            self._isa = self.code.isa(self.symbol).replace(f"<{self.symbol}", f"<{self.kernel.name}")
         return self._isa
 
     def loop_counts(self):

@@ -42,7 +42,8 @@ class Executable:
     # ------------------------------------------------------------------ reporting
     def fusion_report(self) -> str:
         """One line per kernel: its family and the DSL ops fused into it (with their source lines)."""
-        lines = [f"{len(self.plan.kernels)} kernels (rules on: {', '.join(sorted(self.plan.rules)) or 'none'})"]
+        n = len(self.plan.kernels)
+        lines = [f"{n} kernel{'' if n == 1 else 's'} (rules on: {', '.join(sorted(self.plan.rules)) or 'none'})"]
         for k in self.plan.kernels:
             ops = ", ".join(e.prim.name for e in k.eqns)
             lines.append(f"{k.name:<44} {k.family:<11} {k.bytes / 1e3:9.1f} kB  {ops}")
