@@ -530,10 +530,11 @@ def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, pro
             if rest:
                 pending.insert(0, rest)
         done = sum(counts.values())
-        if progress:
-            print(f"\r{done}/{n} programs: {_summary(counts)}  ({time.time() - t0:.0f} s)", end="",
-                  file=sys.stderr, flush=True)
-    if progress:
+        if progress:                        # one updating line on a terminal, a line per batch in a log
+            tty = sys.stderr.isatty()
+            print(f"{chr(13) if tty else ''}{done}/{n} programs: {_summary(counts)}  ({time.time() - t0:.0f} s)",
+                  end="" if tty else "\n", file=sys.stderr, flush=True)
+    if progress and sys.stderr.isatty():
         print(file=sys.stderr)
     return counts, failures, time.time() - t0
 
@@ -550,7 +551,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=None, help="seed (default: a fresh one, printed)")
     ap.add_argument("--start", type=int, default=0, help="index of the first program")
     ap.add_argument("--jobs", type=int, default=2, help="child processes")
-    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--backend", default="cpu", help="backend the programs run on (default cpu)")
     ap.add_argument("--batch", type=int, default=50, help="programs per child process")
     ap.add_argument("--no-shrink", action="store_true", help="print failures as generated")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
