@@ -496,17 +496,18 @@ def substitute(body, values):
     return rewrite(body, ex)
 
 
-def drop_unit_loops(body):
-    """Loops of one trip become their body with the loop variable replaced by its start."""
+def drop_unit_loops(body, keep_parallel=False):
+    """Loops of one trip become their body with the loop variable replaced by its start
+    (``keep_parallel``: except parallel loops, such as a GEMV's output rows when N is 1)."""
     out = []
     for s in body:
         if isinstance(s, Loop) and isinstance(s.start, Const) and isinstance(s.stop, Const) \
-                and s.stop.value - s.start.value == 1:
-            out += drop_unit_loops(substitute(s.body, {s.var: s.start}))
+                and s.stop.value - s.start.value == 1 and not (keep_parallel and s.parallel):
+            out += drop_unit_loops(substitute(s.body, {s.var: s.start}), keep_parallel)
         elif isinstance(s, Loop):
-            out.append(replace(s, body=drop_unit_loops(s.body)))
+            out.append(replace(s, body=drop_unit_loops(s.body, keep_parallel)))
         elif isinstance(s, If):
-            out.append(If(s.cond, drop_unit_loops(s.then), drop_unit_loops(s.orelse)))
+            out.append(If(s.cond, drop_unit_loops(s.then, keep_parallel), drop_unit_loops(s.orelse, keep_parallel)))
         else:
             out.append(s)
     return tuple(out)

@@ -39,7 +39,7 @@ def map_kernel(k: L.Kernel, t: Target) -> L.Kernel:
         if m.launch.bounds == "VF_ATT_BLOCK":
             m = replace(m, launch=_attention(m.body, t)[1])
         return m
-    body = L.drop_unit_loops(k.body)
+    body = L.drop_unit_loops(k.body, keep_parallel=k.family == "contract")
     if k.family == "contract":
         body, launch = _contract(body, t)
     elif any(isinstance(s, L.Attention) for s in body):
@@ -213,6 +213,8 @@ def _contract_rows(body, t, info):
             segs = []
         out += comments
         comments = []
+        if isinstance(s, L.Store) and s.buf in arrays:         # K = 1: the fill without its loop
+            s = L.Loop(f"{s.buf}_k", L.c(0), L.c(1), (s,))
         if isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays:
             info["act"], K = s.body[0].buf, s.stop.value
             dt = act_dtype(t, K)

@@ -240,3 +240,19 @@ def test_gemv_prologue_fill_is_unrolled_and_weights_address_from_the_row_pointer
     fill = src.index("  act[k")
     assert "#pragma unroll 8" in src[:fill]                      # loads of the fill in flight
     assert re.search(r"vf_dot8_h\(\w+, \w+ \+ row \* 1536 \+ k\d*, act \+ k\d*\)", src)
+
+
+@pytest.mark.parametrize("sa,sb,dt", [((4, 8), (8, 1), "f4"), ((3, 1), (1, 4), "f4"), ((1, 1), (1, 1), "f2")])
+def test_matmuls_with_a_unit_n_or_k_map_and_compile(sa, sb, dt):
+    """N = 1 keeps its row loop (a wave per row); K = 1 fills the activation without a loop."""
+    import dsl
+    from engine.devices.rocm import HipUnavailable, compile_hip
+    from engine.pipeline import lower_program
+    a, b = np.random.randn(*sa).astype(dt), np.random.randn(*sb).astype(dt)
+    for k in lower_program(dsl.jit(lambda a, b: a @ b).lower(a, b)).kernels:
+        h = render_hip(k, "gfx906")
+        assert "row" in h.body and "act[" in h.body
+        try:
+            compile_hip(h.source, k.name)
+        except HipUnavailable:
+            pass

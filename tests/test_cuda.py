@@ -186,3 +186,8 @@ def test_smollm2_greedy_ids_match_the_reference():
     m.reset()                                   # the device-side loop: argmax and feedback on the GPU
     m.prefill(ids)
     assert [REFERENCE_IDS[0]] + m.decode_greedy(REFERENCE_IDS[0], 19) == REFERENCE_IDS
+
+
+@pytest.mark.parametrize("sa,sb", [((4, 8), (8, 1)), ((3, 1), (1, 4)), ((1, 1), (1, 1)), ((1, 16), (16, 1))])
+def test_matmul_with_unit_dims(sa, sb):
+    check(lambda a, b: a @ b + 1.0, randn(*sa), randn(*sb))
