@@ -120,24 +120,39 @@ def materialize(g: Graph, rules) -> set:
 
 
 MAX_INLINE_DEPTH = 48       # ops inlined into one expression; deeper chains are split into kernels
+MAX_INLINE_SIZE = 256       # ops in one inlined expression tree, a shared value counted at each use:
+                            # bounds the doubling of `x = x * sigmoid(x)` chains (compile time, code size)
 
 
 def cap_depth(g: Graph, m: set, epilogues=()) -> set:
     """Materialize every value whose inlined expression would be more than ``MAX_INLINE_DEPTH``
-    ops deep, so lowering, Loop IR and the renderers stay shallow for chains of any length
+    ops deep or hold more than ``MAX_INLINE_SIZE`` ops (shared values repeat), so lowering, Loop IR and the renderers stay shallow for chains of any length
     (and each kernel's expression stays a size a compiler handles quickly).  Values of an
     epilogue region (``epilogues``, at most ``MAX_INLINE_DEPTH // 2`` each) stay inlined.
     Updates ``m``."""
-    depth = {}
+    depth, size = {}, {}
     for e in g.prog.eqns:
-        d = 1 + max((depth.get(a, 0) for a in e.inputs if isinstance(a, Var)), default=0)
+        ins = [a for a in e.inputs if isinstance(a, Var)]
+        d = 1 + max((depth.get(a, 0) for a in ins), default=0)
+        n = 1 + sum(size.get(a, 0) for a in ins)
         if e.out in m or e.out in epilogues:
-            d = 0
-        elif d > MAX_INLINE_DEPTH:
+            d = n = 0
+        elif d > MAX_INLINE_DEPTH or n > MAX_INLINE_SIZE:
             m.add(e.out)
-            d = 0
-        depth[e.out] = d
+            d = n = 0
+        depth[e.out], size[e.out] = d, n
     return m
+
+
+def _tree_size(g: Graph, v, region) -> int:
+    """Ops in ``v``'s expression with the values of ``region`` inlined (a shared one at each use)."""
+    memo = {}
+
+    def size(x):
+        if x not in memo:
+            memo[x] = 1 + sum(size(a) for a in g.producer[x].inputs if isinstance(a, Var) and a in region)
+        return memo[x]
+    return size(v)
 
 
 def _depends_on(g: Graph, v, region, memo):
@@ -199,6 +214,8 @@ def epilogue_region(g: Graph, c: Var):
                 elif _depends_on(g, a, region, memo):
                     break
             else:
+                if _tree_size(g, e.out, region | set(new)) > MAX_INLINE_SIZE:
+                    continue
                 region.add(e.out)
                 region.update(new)
                 contracts += new

@@ -325,3 +325,18 @@ def test_two_contractions_that_are_not_siblings_meet_in_one_epilogue(same_activa
         check(lambda x, w1, w2: -dsl.rsqrt(dsl.abs(dsl.dot_t(x, w1)) + 0.5) - x @ w2, x, w1, w2)
     else:
         check(lambda x, w1, w2: dsl.dot_t(dsl.concatenate([x, x], 1)[:, 4:12], w1) + dsl.tanh(x) @ w2, x, w1, w2)
+
+
+def test_shared_values_do_not_blow_up_compile_time():
+    """Each step reads the previous value twice: inlined as a tree it doubles every step, so the
+    partition cuts it into kernels once a tree passes MAX_INLINE_SIZE ops (also in an epilogue)."""
+    def chain(x, w):
+        y = x @ w.T
+        for _ in range(24):
+            y = y * dsl.sigmoid(y)
+        z = x[:, :8]
+        for _ in range(24):
+            z = z * dsl.tanh(z) + z * 0.5
+        return y, z
+    c = check(chain, randn(2, 64), randn(16, 64, scale=0.2), rtol=1e-4, atol=1e-5)
+    assert len(c.plan.kernels) > 3                      # cut, where 2**24-op trees would not finish
