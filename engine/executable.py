@@ -132,12 +132,15 @@ class Executable:
             return unflatten(self.out_tree, self.program.run(*leaves))
         by_name = self.bind(*leaves)
         self._plan_run()
+        donated = set(self.plan.aliases.values())
         outs = []
         for o in self.plan.outputs:
             if o[0] == "lit":
                 outs.append(np.asarray(o[1], NP_DTYPES[o[2]]))
-            elif o[1] in by_name:                      # a donated input updated in place
+            elif o[1] in donated:                      # a donated input updated in place
                 outs.append(by_name[o[1]])
+            elif o[1] in by_name:                      # an input returned as it is: a copy of its own
+                outs.append(np.array(self.device.to_host(by_name[o[1]]), copy=True).reshape(o[2]))
             else:                                      # a view output: its base's buffer, reshaped
                 outs.append(self.device.to_host(self._buffers[o[1]]).reshape(o[2]))
         return unflatten(self.out_tree, outs)

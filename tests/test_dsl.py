@@ -225,3 +225,18 @@ def test_unsupported_numpy_calls_name_the_line_and_the_dsl_function(call, hint):
         dsl.jit(call)(randn(4))
     msg = str(e.value)
     assert "\n" not in msg and "test_dsl.py:" in msg and hint in msg
+
+
+def test_an_input_returned_as_it_is_is_a_fresh_array():
+    rng = np.random.default_rng()
+    f = dsl.jit(lambda x: (x + 1, x))
+    a = rng.standard_normal(4).astype("f4")
+    _, kept = f(a)
+    f(rng.standard_normal(4).astype("f4"))                 # reuses the staging buffer
+    np.testing.assert_array_equal(kept, a)
+    g = dsl.jit(lambda x: (x, x))
+    big = rng.standard_normal(100000).astype("f4")
+    p, q = g(big)
+    assert p is not big and q is not big and p is not q
+    p[0] = 7.0
+    assert q[0] == big[0] != 7.0
