@@ -373,6 +373,8 @@ primitive("dot", "contract", _dot_rule, _dot_impl)
 
 # ----------------------------------------------------------------------------- decode attention
 def _attention_rule(avals, *, scale):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise DSLError(f"scale must be a number, got {scale!r}")
     (sq, dq), (sk, dk), (sv, dv), (sp, dp) = avals
     if len(sq) != 3 or len(sk) != 3 or sk != sv:
         raise DSLError(f"needs q [Hq,T,D], k and v [Hkv,S,D]; got {list(sq)}, {list(sk)}, {list(sv)}")

@@ -26,7 +26,7 @@ import sys
 
 from codegen.loopir import format_kernel
 from codegen.simplify import simplify
-from dsl.core import DSLError, Lit, Program, Var
+from dsl.core import DTYPES, DSLError, Lit, Program, Var, check_shape
 from engine.build import build, render, text_of
 from engine.executable import Executable, get_device
 from fusion import build_plan, enabled_rules
@@ -61,6 +61,14 @@ def _type(v) -> str:
     return f"{v.dtype}[{','.join(str(d) for d in v.shape)}]"
 
 
+def _check_type(v, where):
+    """A dtype the kernels have (not f64, which only the interpreter computes in) and a shape they
+    can index: no zero-size dims, at most 2**31 - 1 elements."""
+    if v.dtype not in DTYPES:
+        raise DSLError(f"{where}: dtype {v.dtype} is not supported by the kernels; use one of {', '.join(DTYPES)}")
+    check_shape(v.shape, where)
+
+
 def typecheck(program: Program) -> None:
     """Check ``program`` as the tracer would have built it: every equation's inputs are defined
     before it, its primitive's shape/dtype rule accepts them, and gives the recorded output
@@ -68,6 +76,8 @@ def typecheck(program: Program) -> None:
 
     Raises ``DSLError`` naming the equation's source line (or its index) and the mismatch."""
     defined = set(program.inputs)
+    for j, v in enumerate(program.inputs):
+        _check_type(v, f"program input {j}")
     for i, e in enumerate(program.eqns):
         where = f"{e.source or f'equation {i}'}: {e.prim.name}"
         for a in e.inputs:
@@ -83,6 +93,7 @@ def typecheck(program: Program) -> None:
         if (tuple(shape), dtype) != (e.out.shape, e.out.dtype):
             raise DSLError(f"{where}: output recorded as {_type(e.out)} but the rule gives "
                            f"{dtype}[{','.join(str(d) for d in shape)}]; record the rule's type")
+        _check_type(e.out, where)
         if e.out in defined:
             raise DSLError(f"{where}: its output {_type(e.out)} is already defined; give each equation a new Var")
         defined.add(e.out)

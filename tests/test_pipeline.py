@@ -341,3 +341,14 @@ def test_debug_level_4_prints_gfx906_isa(tmp_path, monkeypatch):
     assert text.startswith(f"vegafuse: {len(plan.kernels)} kernel") and "on hip" in text
     assert f'extern "C" __global__' in text and k.name in text                 # the HIP source
     assert "v_dot2_f32_f16" in text and "s_endpgm" in text                     # gfx906 ISA
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("{ lambda a:f64[2,3] ; let b:f64[2,3] = exp a in ( b ) }", "f64 is not supported"),
+    ("{ lambda a:f32[2,3] ; let b:f32[0,3] = slice[limit=(1,3), start=(1,0)] a in ( b ) }", "zero-size"),
+    ("{ lambda a:f32[4294967297] ; let b:f32[4294967297] = exp a in ( b ) }", "32 bits"),
+])
+def test_typecheck_rejects_what_no_kernel_can_run(text, msg):
+    from engine.pipeline import typecheck
+    with pytest.raises(DSLError, match=msg):
+        typecheck(dsl.parse_ir(text))
