@@ -421,7 +421,7 @@ _UFUNCS = {
     "exp": exp, "log": log, "sqrt": sqrt, "sin": sin, "cos": cos, "tanh": tanh,
     "negative": neg, "absolute": abs, "fabs": abs, "add": add, "subtract": sub, "multiply": mul,
     "divide": div, "true_divide": div, "maximum": maximum, "minimum": minimum,
-    "fmax": maximum, "fmin": minimum, "matmul": matmul,
+    "matmul": matmul,          # (np.fmax and np.fmin ignore NaN; dsl.maximum propagates it: not mapped)
     "less": lambda a, b: _binary("lt", a, b), "less_equal": lambda a, b: _binary("le", a, b),
     "greater": lambda a, b: _binary("gt", a, b), "greater_equal": lambda a, b: _binary("ge", a, b),
     "equal": lambda a, b: _binary("eq", a, b), "not_equal": lambda a, b: _binary("ne", a, b),

@@ -32,7 +32,16 @@ _RESERVED = set("""auto break case char const continue default do double else en
 int long register return short signed sizeof static struct switch typedef union unsigned void volatile
 while bool true false class delete new operator private public template this throw try typename using
 virtual abs exp expf log logf sqrt sqrtf rsqrt rsqrtf sin sinf cos cosf tanh tanhf max min fmaxf fminf
-main and or not xor bitand bitor compl and_eq or_eq xor_eq not_eq floor floorf fmodf""".split())
+main and or not xor bitand bitor compl and_eq or_eq xor_eq not_eq floor floorf fmodf asm inline restrict
+threadIdx blockIdx blockDim gridDim warpSize size_t""".split())
+
+
+def c_safe(name: str) -> str:
+    """``name`` as an identifier the generated C may declare: a trailing ``_`` when it is a C/C++
+    word, a name the kernels call, or in the prelude's (``vf_``, ``VF_``) or the compiler's
+    (``__``, ``_Float16``) space."""
+    reserved = name in _RESERVED or name.startswith(("vf_", "VF_", "__")) or re.match(r"_[A-Z]", name)
+    return name + "_" if reserved else name
 
 
 def layer_of(name):
@@ -85,7 +94,7 @@ def kernel_name(eqns, buffers, layer=None) -> str:
     name = re.sub(r"[^A-Za-z0-9_]", "_", "_".join(parts))[:MAX_LEN].strip("_") or "kernel"
     if name[0].isdigit():
         name = "k_" + name
-    return name + "_k" if name in _RESERVED or name.startswith("vf_") else name
+    return name + "_k" if c_safe(name) != name else name
 
 
 _UNKNOWN = "?"                                  # no weight says, and no input's kernel did
@@ -131,7 +140,7 @@ def buffer_name(graph, v, names) -> str:
         base = m.group(1) if m else base
     layer = _nearest_layer(graph, v, names)
     name = re.sub(r"[^A-Za-z0-9_]", "_", f"{layer}_{base}" if layer else base)
-    return name + "_" if name in _RESERVED or name.startswith("vf_") or name[0].isdigit() else name
+    return "_" + name if name[0].isdigit() else c_safe(name)
 
 
 def kernel_layers(kernels) -> list:

@@ -23,7 +23,7 @@ from codegen import loopir as L
 from dsl.core import Lit, Var
 
 from .lower import LOWER, Builder, Unfusable, fresh, unravel
-from .naming import buffer_name, kernel_names
+from .naming import buffer_name, c_safe, kernel_names
 from .partition import Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues
 
 
@@ -54,7 +54,7 @@ class Lowering:
         self.names = {}
         used = set()
         for v, n in zip(prog.inputs, input_names):
-            n = sanitize(n)
+            n = c_safe(sanitize(n))
             while n in used:
                 n += "_"
             used.add(n)

@@ -256,3 +256,19 @@ def test_matmuls_with_a_unit_n_or_k_map_and_compile(sa, sb, dt):
             compile_hip(h.source, k.name)
         except HipUnavailable:
             pass
+
+
+def test_arguments_named_like_c_words_or_prelude_names_still_compile():
+    import dsl
+    from engine.devices.rocm import HipUnavailable, compile_hip
+    from engine.pipeline import lower_program
+
+    def g(int, threadIdx, VF_BLOCK, expf, const, _Float16, asm, vf_x):     # noqa: A002
+        return int * threadIdx + VF_BLOCK * expf + const * _Float16 + asm * vf_x
+    args = [np.random.randn(8).astype("f4") for _ in range(8)]
+    (k,) = lower_program(dsl.jit(g).lower(*args)).kernels
+    assert [p.name for p in k.params][:3] == ["int_", "threadIdx_", "VF_BLOCK_"]
+    try:
+        compile_hip(render_hip(k, "gfx906").source, k.name)
+    except HipUnavailable:
+        pass
