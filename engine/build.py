@@ -53,6 +53,11 @@ class Compiler:
         """Symbol of the kernel function in the compiled code."""
         return "canonical"
 
+    def holds(self, code: bytes, entry: str) -> bool:
+        """Is ``code`` plausibly this compiler's output with symbol ``entry``?  A cache entry that
+        passes its checksum but fails this (another kernel's object, garbage) is rebuilt."""
+        return True
+
     def disassemble(self, binary: "Binary") -> str | None:
         """The machine code as text, where the target has a disassembler; else None."""
         return None
@@ -128,6 +133,12 @@ def compile_source(compiler: Compiler, source: str, name: str, cache: CodeCache 
     key = {**compiler.identity, "source": source}
     t0 = time.perf_counter()
     code, hit = cache.get_or_build(key, lambda: compiler.compile(source, name))
+    if hit and not compiler.holds(code, compiler.entry(source)):         # a wrong entry: rebuild it
+        code, hit = compiler.compile(source, name), False
+        try:
+            cache.put(key, code)
+        except OSError:
+            pass
     return Binary(code, source, name, compiler.entry(source), hit, 0.0 if hit else time.perf_counter() - t0)
 
 

@@ -352,3 +352,28 @@ def test_typecheck_rejects_what_no_kernel_can_run(text, msg):
     from engine.pipeline import typecheck
     with pytest.raises(DSLError, match=msg):
         typecheck(dsl.parse_ir(text))
+
+
+def test_a_cpu_cache_entry_with_the_wrong_object_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """An entry that passes its checksum but holds another kernel's object, or garbage, would
+    crash the JIT when loaded: it is rebuilt instead."""
+    from engine import codecache
+    from engine.build import compile_source, render
+    from engine.executable import get_device
+    from engine.pipeline import lower_program
+    monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path))
+    x = np.random.default_rng().standard_normal(7).astype("f4")
+    dev = get_device("cpu")
+    srcs = [render(lower_program(dsl.jit(fn).lower(x)).kernels, dev.compiler)[0]
+            for fn in (lambda x: dsl.exp(x) * 2.0 + 1.0, lambda x: dsl.sin(x) - 3.0)]
+    first = [compile_source(dev.compiler, s.text, s.kernel.name) for s in srcs]
+    files = sorted(tmp_path.glob("objects/*/*.bin"))
+    assert len(files) == 2 and not any(b.cache_hit for b in first)
+    files[0].write_bytes(files[1].read_bytes())                   # another kernel's object
+    files[1].write_bytes(codecache.pack_entry(b"garbage"))         # a checksummed garbage payload
+    again = [compile_source(dev.compiler, s.text, s.kernel.name) for s in srcs]
+    assert not any(b.cache_hit for b in again)
+    assert [b.code for b in again] == [b.code for b in first]
+    assert all(dev.compiler.holds(b.code, b.entry) for b in again)
+    third = [compile_source(dev.compiler, s.text, s.kernel.name) for s in srcs]
+    assert all(b.cache_hit for b in third)                        # the rebuilt entries were stored

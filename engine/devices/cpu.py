@@ -612,6 +612,11 @@ class LLVMCompiler(Compiler):
             mod.verify()
         return mod, tm
 
+    def holds(self, code: bytes, entry: str) -> bool:
+        """An ELF object whose symbol table names ``entry`` (loading anything else into the JIT
+        could crash the process)."""
+        return code[:4] == b"\x7fELF" and entry.encode() + b"\0" in code
+
     def compile(self, source: str, name: str) -> bytes:
         """Object code of ``source``; a RuntimeError naming kernel ``name`` and LLVM's first
         complaint (with its line) if the IR does not parse or verify."""
