@@ -556,7 +556,9 @@ def serial_reduce(r: Reduce):
         decls.append(Declare(a.name, a.dtype, a.init))
         if a.op == "argmax":
             decls.append(Declare(a.arg, "i32", Const(0, "i32")))
-            upd.append(Assign(a.arg, Select(Bin("gt", a.value, acc), v, Sym(a.arg, "i32"))))
+            # the first NaN wins, as in numpy: a value beats the best so far, or is the first NaN
+            better = Bin("or", Bin("gt", a.value, acc), Bin("and", Bin("ne", a.value, a.value), Bin("eq", acc, acc)))
+            upd.append(Assign(a.arg, Select(better, v, Sym(a.arg, "i32"))))
             upd.append(Assign(a.name, Bin("max", acc, a.value)))
         else:
             upd.append(Assign(a.name, Bin(a.op, acc, a.value)))

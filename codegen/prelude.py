@@ -48,18 +48,24 @@ __device__ __forceinline__ float vf_block_sum(float v, float* red) {{
   return v;
 }}
 // argmax over the block: the larger value wins, ties go to the smaller index
+// does (ov, oi) win an argmax against (v, i)?  NaN is the largest value, as in numpy; ties go to
+// the smaller index
+__device__ __forceinline__ bool vf_argmax_better(float ov, int oi, float v, int i) {{
+  const bool onan = ov != ov, nan = v != v;
+  return onan != nan ? onan : (onan || ov == v) ? oi < i : ov > v;
+}}
 __device__ __forceinline__ void vf_block_argmax(float* v, int* i, float* red, int* redi) {{
   for (int m = VF_WAVE / 2; m > 0; m >>= 1) {{
     const float ov = vf_shfl_xor(*v, m);
     const int oi = vf_shfl_xor_i(*i, m);
-    if (ov > *v || (ov == *v && oi < *i)) {{ *v = ov; *i = oi; }}
+    if (vf_argmax_better(ov, oi, *v, *i)) {{ *v = ov; *i = oi; }}
   }}
   __syncthreads();
   if (threadIdx.x % VF_WAVE == 0) {{ red[threadIdx.x / VF_WAVE] = *v; redi[threadIdx.x / VF_WAVE] = *i; }}
   __syncthreads();
   *v = red[0]; *i = redi[0];
   for (int w = 1; w < VF_WAVES; ++w)
-    if (red[w] > *v || (red[w] == *v && redi[w] < *i)) {{ *v = red[w]; *i = redi[w]; }}
+    if (vf_argmax_better(red[w], redi[w], *v, *i)) {{ *v = red[w]; *i = redi[w]; }}
 }}
 __device__ __forceinline__ float vf_block_max(float v, float* red) {{
   v = vf_wave_max(v);

@@ -191,3 +191,10 @@ def test_smollm2_greedy_ids_match_the_reference():
 @pytest.mark.parametrize("sa,sb", [((4, 8), (8, 1)), ((3, 1), (1, 4)), ((1, 1), (1, 1)), ((1, 16), (16, 1))])
 def test_matmul_with_unit_dims(sa, sb):
     check(lambda a, b: a @ b + 1.0, randn(*sa), randn(*sb))
+
+
+def test_argmax_picks_the_first_nan_like_numpy():
+    x = randn(64, 3001)
+    x[1, 5], x[2, 0], x[3, 3000], x[3, 7], x[4] = np.nan, np.nan, np.nan, np.nan, np.nan
+    got = np.asarray(dsl.jit(lambda x: dsl.argmax(x, -1), backend="cuda")(x))
+    np.testing.assert_array_equal(got, np.argmax(x, -1))

@@ -340,3 +340,12 @@ def test_shared_values_do_not_blow_up_compile_time():
         return y, z
     c = check(chain, randn(2, 64), randn(16, 64, scale=0.2), rtol=1e-4, atol=1e-5)
     assert len(c.plan.kernels) > 3                      # cut, where 2**24-op trees would not finish
+
+
+def test_argmax_picks_the_first_nan_like_numpy():
+    x = randn(6, 37)
+    x[1, 5], x[2, 0], x[3, 30], x[3, 7], x[4] = np.nan, np.nan, np.nan, np.nan, np.nan
+    for axis in (-1, 0):
+        got = np.asarray(dsl.jit(lambda x: dsl.argmax(x, axis))(x))
+        np.testing.assert_array_equal(got, np.argmax(x, axis))
+    assert int(np.asarray(dsl.jit(lambda x: dsl.argmax(x.reshape(-1)))(x))) == int(np.argmax(x))
