@@ -159,9 +159,11 @@ def _reduce_update(s, a, pad):
         return [f"{pad}{a.name} += {v};"]
     if a.op == "max":
         return [f"{pad}{a.name} = {'vf_max' if a.dtype == 'f32' else 'max'}({a.name}, {v});"]
-    better = (f"vf_argmax_better({v}, {s.var}, {a.name}, {a.arg})" if a.dtype == "f32"     # NaN wins, as in numpy
-              else f"{expr(a.value)} > {a.name}")
-    return [f"{pad}if ({better}) {{ {a.name} = {v}; {a.arg} = {s.var}; }}"]
+    if a.dtype != "f32":
+        return [f"{pad}if ({expr(a.value)} > {a.name}) {{ {a.name} = {v}; {a.arg} = {s.var}; }}"]
+    # k only grows: a larger value wins, and the first NaN (not <=, while the best is no NaN yet)
+    return [f"{pad}if (!({expr(a.value)} <= {a.name}) && {a.name} == {a.name}) {{ {a.name} = {v}; {a.arg} = {s.var}; }}"
+            "   // the first NaN wins, as in numpy"]
 
 
 def _reduce(s, pad):
