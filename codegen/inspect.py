@@ -118,7 +118,11 @@ def decode_plan(model=None, context=512):
     from engine.weights import default_model_path, load_model
     from stdlib import llama
     cfg, params, _ = load_model(model or default_model_path())
-    cache = [(np.zeros((cfg.n_kv_heads, context, cfg.head_dim), np.float32),) * 2 for _ in range(cfg.n_layers)]
+    if context > cfg.max_seq_len:
+        raise ValueError(f"--context {context} is beyond the model's {cfg.max_seq_len} positions")
+    # only the caches' shapes matter for tracing: one array, broadcast, stands for every layer's
+    kv = np.broadcast_to(np.float32(0), (cfg.n_kv_heads, context, cfg.head_dim))
+    cache = [(kv, kv) for _ in range(cfg.n_layers)]
 
     def step(params, tokens, pos, last, cache):
         return llama.forward(cfg, params, tokens, pos, last, cache)
@@ -167,6 +171,8 @@ def main(argv=None):
             raise ValueError(f"--context must be at least 1, got {args.context}")
         if args.kernel is not None and not args.kernel.strip():
             raise ValueError("--kernel needs a name (or a unique part of one)")
+        if (args.source or args.isa) and args.kernel is None:
+            raise ValueError("--source and --isa print one kernel: name it with --kernel NAME")
         target = get_target(args.target, **({"max_waves_per_simd": 0} if args.no_occupancy_cap else {}))
         if target.vendor != "amd":
             raise ValueError(f"--target {args.target}: inspect compiles through hiprtc for AMD targets "

@@ -382,6 +382,8 @@ def _attention_rule(avals, *, scale):
         raise DSLError(f"query heads {sq[0]} must be a multiple of kv heads {sk[0]}, head dims equal")
     if sp != () or dp != "i32":
         raise DSLError("pos must be an i32 scalar")
+    if sq[1] > sk[1]:
+        raise DSLError(f"{sq[1]} query rows do not fit a cache of {sk[1]} positions")
     return sq, "f32"
 
 

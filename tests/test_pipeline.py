@@ -377,3 +377,16 @@ def test_a_cpu_cache_entry_with_the_wrong_object_is_rebuilt_not_loaded(tmp_path,
     assert all(dev.compiler.holds(b.code, b.entry) for b in again)
     third = [compile_source(dev.compiler, s.text, s.kernel.name) for s in srcs]
     assert all(b.cache_hit for b in third)                        # the rebuilt entries were stored
+
+
+def test_inspect_refuses_contexts_beyond_the_model_and_source_without_a_kernel():
+    for args, msg in ((["--context", "99999999"], "beyond the model's"), (["--source"], "--kernel NAME")):
+        r = subprocess.run([sys.executable, "-m", "codegen.inspect", *args], cwd=Path(__file__).resolve().parent.parent,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_attention_needs_the_queries_to_fit_the_cache():
+    q, k = np.random.randn(2, 8, 16).astype("f4"), np.random.randn(1, 4, 16).astype("f4")
+    with pytest.raises(DSLError, match="do not fit a cache of 4"):
+        dsl.jit(lambda q, k, v, pos: dsl.attention(q, k, v, pos, 0.25)).lower(q, k, k, 0)
