@@ -95,7 +95,6 @@ __device__ __forceinline__ void vf_wave_sync() {{
   __builtin_amdgcn_wave_barrier();
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
 }}
-__device__ __forceinline__ void vf_prefetch(const void* p) {{ }}   // gfx906 has no prefetch instruction
 #define VF_GRID_LAUNCH_DEPENDENTS()
 #define VF_GRID_WAIT()
 """
@@ -224,13 +223,11 @@ def act_dtype(t: Target, K: int) -> str:
     return "f16" if t.dot2 or 4 * K > t.max_static_lds - 1024 else "f32"
 
 
-_NV_PDL = r"""// programmatic dependent launch: start early, prefetch weights, wait for the previous kernel's data
-__device__ __forceinline__ void vf_prefetch(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
+_NV_PDL = r"""// programmatic dependent launch: start early, wait for the previous kernel's data
 #define VF_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #define VF_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 """
-_NV_NO_PDL = r"""__device__ __forceinline__ void vf_prefetch(const void* p) { }
-#define VF_GRID_LAUNCH_DEPENDENTS()
+_NV_NO_PDL = r"""#define VF_GRID_LAUNCH_DEPENDENTS()
 #define VF_GRID_WAIT()
 """
 
@@ -263,6 +260,6 @@ def prelude(t: Target, act: str | None = None) -> str:
         head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
     else:
         head = _NVIDIA.format(name=t.name, how=_nv_how(t), wave=_nv_wave(t),
-                              pdl=_NV_PDL if (t.pdl or t.prefetch) else _NV_NO_PDL)
+                              pdl=_NV_PDL if t.pdl else _NV_NO_PDL)
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format()

@@ -45,10 +45,8 @@ class Target:
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
     attention_block: int = 1024  # threads of an attention workgroup: its waves split the context
-    prefetch: bool = False       # L2-prefetch each wave's first weight row before the GEMV prologue
-                                 # (measured on an H200 alone: 3414 against 3996 GB/s for gate/up, so off)
     pdl: bool = False            # programmatic dependent launch (Hopper): a kernel starts while the previous
-                                 # one drains, prefetches its weights, then waits for its inputs.  Measured on
+                                 # one drains, then waits for its inputs.  Measured on
                                  # an H200 with the trigger at kernel start: 536.6 against 628.5 tok/s
                                  # (Qwen2.5-1.5B), 174.4 against 233.5 (7B), so off until the trigger moves
     maps_like: str = ""          # map kernels (codegen/mapping.py) as for this target, so that its kernel text
