@@ -37,15 +37,15 @@ class Tracer:
         raise DSLError(f"{user_source()}: a traced value has no Python truth value; use dsl.where")
 
     # arithmetic
-    __add__ = lambda a, b: add(a, b)
-    __radd__ = lambda a, b: add(b, a)
-    __sub__ = lambda a, b: sub(a, b)
-    __rsub__ = lambda a, b: sub(b, a)
-    __mul__ = lambda a, b: mul(a, b)
-    __rmul__ = lambda a, b: mul(b, a)
+    __add__ = lambda a, b: _binary("add", a, b)
+    __radd__ = lambda a, b: _binary("add", b, a)
+    __sub__ = lambda a, b: _binary("sub", a, b)
+    __rsub__ = lambda a, b: _binary("sub", b, a)
+    __mul__ = lambda a, b: _binary("mul", a, b)
+    __rmul__ = lambda a, b: _binary("mul", b, a)
     __truediv__ = lambda a, b: div(a, b)
     __rtruediv__ = lambda a, b: div(b, a)
-    __neg__ = lambda a: neg(a)
+    __neg__ = lambda a: _unary("neg", a)
     __matmul__ = lambda a, b: matmul(a, b)
     __lt__ = lambda a, b: _binary("lt", a, b)
     __le__ = lambda a, b: _binary("le", a, b)
@@ -417,15 +417,17 @@ def attention(q, k, v, pos, scale):
 
 # ----------------------------------------------------------------------------- numpy interoperability
 _USE_DSL = "use the dsl functions (dsl.exp, dsl.maximum, dsl.where, dsl.sum, ...) inside a traced function"
+_E = {api: globals()[api] for api in ELEMENTWISE_API}          # the functions made from dsl/primitives.py
 _UFUNCS = {
-    "exp": exp, "log": log, "sqrt": sqrt, "sin": sin, "cos": cos, "tanh": tanh,
-    "negative": neg, "absolute": abs, "fabs": abs, "add": add, "subtract": sub, "multiply": mul,
-    "divide": div, "true_divide": div, "maximum": maximum, "minimum": minimum,
+    "exp": _E["exp"], "log": _E["log"], "sqrt": _E["sqrt"], "sin": _E["sin"], "cos": _E["cos"],
+    "tanh": _E["tanh"], "negative": _E["neg"], "absolute": _E["abs"], "fabs": _E["abs"], "add": _E["add"],
+    "subtract": _E["sub"], "multiply": _E["mul"], "divide": div, "true_divide": div,
+    "maximum": _E["maximum"], "minimum": _E["minimum"], "floor": _E["floor"],
     "matmul": matmul,          # (np.fmax and np.fmin ignore NaN; dsl.maximum propagates it: not mapped)
     "less": lambda a, b: _binary("lt", a, b), "less_equal": lambda a, b: _binary("le", a, b),
     "greater": lambda a, b: _binary("gt", a, b), "greater_equal": lambda a, b: _binary("ge", a, b),
     "equal": lambda a, b: _binary("eq", a, b), "not_equal": lambda a, b: _binary("ne", a, b),
-    "logical_and": logical_and, "logical_or": logical_or,
+    "logical_and": _E["logical_and"], "logical_or": _E["logical_or"], "logical_not": _E["logical_not"],
 }
 _FUNCTIONS = {
     "sum": sum, "max": max, "amax": max, "mean": mean, "argmax": argmax, "reshape": reshape,

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from . import array as _array  # noqa: F401  (registers primitives)
+from . import array as _array  # noqa: F401  (registers the primitives)
 from .array import Tracer
 from .core import _TRACES, DSLError, Lit, Program, Trace, Var, check_shape, dtype_of
 from .pytree import flatten, unflatten
