@@ -148,8 +148,36 @@ elementwise("not", _not_rule, np.logical_not, api="logical_not",
 
 
 def _idiv(a, b):
-    # C semantics: truncate toward zero
-    return (np.trunc(a / b)).astype(a.dtype) if a.dtype.kind == "i" else a / b
+    """C division (truncating toward zero) for ints, with a defined result where C has none:
+    x / 0 is 0 and INT_MIN / -1 wraps to INT_MIN.  Floats: a / b."""
+    if a.dtype.kind != "i":
+        return a / b
+    a64, b64 = a.astype(np.int64), b.astype(np.int64)
+    q = np.abs(a64) // np.where(b64 == 0, 1, np.abs(b64)) * np.sign(a64) * np.sign(b64)
+    return np.where(b64 == 0, 0, q).astype(np.int64).astype(a.dtype)     # wraps like two's complement
+
+
+def _mod(a, b):
+    """C remainder (the sign of ``a``); x % 0 is 0 for ints."""
+    if a.dtype.kind != "i":
+        return np.fmod(a, b)
+    return np.where(b == 0, 0, np.fmod(a.astype(np.int64), np.where(b == 0, 1, b))).astype(a.dtype)
+
+
+def _safe_int(op):
+    """sdiv/srem that cannot trap: a zero divisor gives 0, INT_MIN / -1 wraps (INT_MIN, rem 0).
+    With a constant divisor (every index computation) it is the bare instruction."""
+    def f(r, a, b):
+        if getattr(b, "constant", None) not in (None, 0, -1):
+            return r.inst(op, a, b)
+        zero, one = r.const(0, a), r.const(1, a)
+        bad = r.inst("or_", r.inst("icmp_signed ==", b, zero),
+                     r.inst("and_", r.inst("icmp_signed ==", b, r.const(-1, a)),
+                            r.inst("icmp_signed ==", a, r.const(-2 ** 31, a))))
+        q = r.inst(op, a, r.select(bad, one, b))
+        special = r.select(r.inst("icmp_signed ==", b, zero), zero, a if op == "sdiv" else zero)
+        return r.select(bad, special, q)
+    return f
 
 
 elementwise("add", _binary_rule, _cast_like(np.add), api="add", float=("({a} + {b})", "fadd"), int=("({a} + {b})", "add nsw"))
@@ -164,8 +192,9 @@ elementwise("max", _binary_rule, _cast_like(np.maximum), api="maximum",
             float=("vf_max({a}, {b})", "llvm.maximum"), int=("max({a}, {b})", "llvm.smax"))
 elementwise("min", _binary_rule, _cast_like(np.minimum), api="minimum",
             float=("vf_min({a}, {b})", "llvm.minimum"), int=("min({a}, {b})", "llvm.smin"))
-elementwise("idiv", _binary_rule, _idiv, float=("({a} / {b})", "fdiv"), int=("({a} / {b})", "sdiv"))
-elementwise("mod", _binary_rule, np.fmod, float=("fmodf({a}, {b})", "frem"), int=("({a} % {b})", "srem"))
+# integer division and remainder are Loop IR index arithmetic, reachable by users only through IR text
+elementwise("idiv", _binary_rule, _idiv, float=("({a} / {b})", "fdiv"), int=("({a} / {b})", _safe_int("sdiv")))
+elementwise("mod", _binary_rule, _mod, float=("fmodf({a}, {b})", "frem"), int=("({a} % {b})", _safe_int("srem")))
 _C_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
            "eq": np.equal, "ne": np.not_equal}
