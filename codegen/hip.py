@@ -20,7 +20,9 @@ from .mapping import map_kernel
 from .prelude import act_dtype, prelude  # noqa: F401  (prelude is re-exported)
 from .targets import Target, get_target, occupancy_lds
 
-CTYPE = {"f32": "float", "f16": "vf_half", "i32": "int", "bool": "bool"}
+CTYPE = {"f32": "float", "f16": "vf_half", "i32": "int", "bool": "bool",
+         "q4_0": "vf_byte", "q4_1": "vf_byte", "q8_0": "vf_byte",     # quantized weights: their bytes
+         "q8_1": "vf_q8_1"}                                           # an activation in LDS: one per block
 
 
 # ------------------------------------------------------------------------------------ expressions
@@ -88,8 +90,12 @@ def expr(e) -> str:
         return e.name
     if isinstance(e, L.Hw):
         return HW[e.name]
+    if isinstance(e, L.QLoad):
+        return f"vf_dequant_{e.fmt}({e.buf}, {bare(e.index)}, {e.count // 32})"
     if isinstance(e, L.Load):
         return f"{e.buf}[{bare(e.index)}]"
+    if isinstance(e, L.QDot):
+        return f"vf_dot_{e.fmt}({e.w}, {bare(e.block)}, {e.count // 32}, {e.act}[{bare(e.ablock)}])"
     if isinstance(e, L.Un):
         t = L.spelling(e.op, e.x.dtype, "c")
         (alone,) = _args(t, "x")
@@ -126,6 +132,7 @@ LOOP_MAP = {
     "thread": ("blockIdx.x * VF_BLOCK + threadIdx.x", "gridDim.x * VF_BLOCK"),
     "wave": ("blockIdx.x * VF_WAVES + vf_wave", "gridDim.x * VF_WAVES"),
     "wave_split": ("blockIdx.x * (VF_WAVES / {s}) + vf_wave / {s}", "gridDim.x * (VF_WAVES / {s})"),
+    "wave_lanes": ("(blockIdx.x * VF_WAVES + vf_wave) * {r} + vf_lane / {l}", "gridDim.x * VF_WAVES * {r}"),
     "lane": ("vf_lane", "VF_WAVE"),
 }
 BLOCK_REDUCE = {"add": "{a} = vf_block_sum({a}, vf_red);", "max": "{a} = vf_block_max({a}, vf_red);",
@@ -143,9 +150,10 @@ def _loop(s, pad):
         return [f"{pad}#pragma unroll {s.unroll}"] + _loop(replace(s, unroll=0), pad)
     if s.map == "serial":
         return [_for(s.var, bare(s.start), expr(s.stop), "++", pad).replace(f"{s.var} ++", f"++{s.var}")]
-    key = "wave_split" if s.map == "wave" and s.split > 1 else s.map
-    first, step = (x.format(s=s.split) for x in LOOP_MAP[key])
-    note = f"  // {s.split} waves per row, all take the same trips: barriers are safe" if s.split > 1 else ""
+    key = "wave_split" if s.map == "wave" and s.split > 1 else "wave_lanes" if s.map == "wave" and s.lanes else s.map
+    first, step = (x.format(s=s.split, r=f"(VF_WAVE / {s.lanes})", l=s.lanes) for x in LOOP_MAP[key])
+    note = f"  // {s.split} waves per row, all take the same trips: barriers are safe" if s.split > 1 else \
+        f"  // {s.lanes} lanes per row: a wave takes VF_WAVE / {s.lanes} rows side by side" if s.lanes else ""
     return [_for(s.var, _plus(s.start, first), expr(s.stop), f"+= {step}", pad) + note]
 
 
@@ -178,7 +186,7 @@ def _reduce(s, pad):
     elif s.map == "block":
         out.append(_for(s.var, _plus(lo, "threadIdx.x"), hi, "+= VF_BLOCK", pad))
     else:                                          # lane: vector elements per lane step, split waves
-        lane = "vf_lane" if s.vector == 1 else f"vf_lane * {s.vector}"
+        lane = ("vf_lane" if not s.lanes else f"vf_lane % {s.lanes}") if s.vector == 1 else f"vf_lane * {s.vector}"
         if s.split > 1:                            # this wave's slice of k (the range starts at 0)
             chunk = s.stop.value // s.split
             lo, hi = f"vf_wave % {s.split} * {chunk} + {lane}", f"(vf_wave % {s.split} + 1) * {chunk}"
@@ -186,12 +194,15 @@ def _reduce(s, pad):
             lo = _plus(lo, lane)
         if s.vector > 1:
             out.append(f"{pad}VF_UNROLL_K")
-        out.append(_for(s.var, lo, hi, f"+= VF_WAVE{'' if s.vector == 1 else f' * {s.vector}'}", pad))
+        step = s.lanes or "VF_WAVE"
+        out.append(_for(s.var, lo, hi, f"+= {step}{'' if s.vector == 1 else f' * {s.vector}'}", pad))
     for a in s.accs:
         out += _reduce_update(s, a, pad + "  ")
     out.append(f"{pad}}}")
     if s.map == "block":
         out += [pad + BLOCK_REDUCE[a.op].format(a=a.name, i=a.arg) for a in s.accs]
+    elif s.map == "lane" and s.lanes:
+        out += [f"{pad}{a.name} = vf_lanes_sum({a.name}, {s.lanes});" for a in s.accs]
     elif s.map == "lane":
         out += [pad + WAVE_REDUCE[a.op].format(a=a.name) for a in s.accs]
         if s.split > 1:                            # the waves sharing the row combine through LDS
@@ -225,7 +236,14 @@ def _if(s, pad):
 
 def _array(s, pad):
     shared = "__shared__ " if s.space == "lds" else ""
+    if s.dtype == "q8_1":                          # one vf_q8_1 per block of 32
+        return [f"{pad}{shared}vf_q8_1 {s.name}[{s.size // 32}];  // {s.size} values in q8_1 blocks"]
     return [f"{pad}{shared}{CTYPE[s.dtype]} {s.name}[{s.size}];"]
+
+
+def _quantize(s, pad):
+    vals = ", ".join(bare(v) for v in s.values)
+    return [f"{pad}vf_quantize_q8_1({s.arr}, {bare(s.group)}, {vals}, {bare(s.active)});"]
 
 
 STMT = {
@@ -239,6 +257,7 @@ STMT = {
     L.Barrier: lambda s, pad: [f"{pad}__syncthreads();"],
     L.Comment: lambda s, pad: [f"{pad}// {s.text}".rstrip()],
     L.Attention: lambda s, pad: _attention(s, pad),
+    L.QuantizeQ8: _quantize,
 }
 
 
@@ -379,7 +398,8 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     comes from ``target``)."""
     t = get_target(target) if isinstance(target, str) else target
     m = L.tidy_names(map_kernel(k, t), reserved=("vf_lane", "vf_wave"))
-    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act)
+    quant = any(p.dtype in L.QUANT_DTYPES for p in k.params)
+    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act, quant)
     src = head + "\n" + render_kernel(m)
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

@@ -34,13 +34,15 @@ from llvmlite import ir
 
 from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel, Load, Loop,
                      Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, serial_reduce)
+from .loopir import QLoad
 from .loopir import spelling as op_spelling
+from dsl.quant import FORMATS, QUANT_DTYPES, nbytes
 
 I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()
 VOID = ir.VoidType()
 TYPES = {"f32": ir.FloatType(), "f16": ir.HalfType(), "i32": I32, "bool": I1}          # SSA value types
-MEM_TYPES = {**TYPES, "bool": I8}                                                       # in-memory types
-ELEM_BYTES = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
+MEM_TYPES = {**TYPES, "bool": I8, **{q: I8 for q in QUANT_DTYPES}}                       # in-memory types
+ELEM_BYTES = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}                # quantized buffers: bytes, see _buffer_bytes
 KIND = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 FMF = ("reassoc", "nsz", "arcp", "contract", "afn")   # `fast` minus nnan/ninf
 MAX_STACK_BYTES = 4 << 20                              # local Arrays live on the (thread's) stack
@@ -133,6 +135,33 @@ class _Renderer:
         v = self.b.load(ptr, typ=MEM_TYPES[dtype], align=ELEM_BYTES[dtype])
         return self.b.icmp_unsigned("!=", v, ir.Constant(I8, 0)) if dtype == "bool" else v
 
+    def qload(self, e, env):
+        """Element ``e.index`` of a quantized buffer (``dsl/quant.py``'s device layout): its quant
+        from the block's 16 or 32 quant bytes, times the block's f16 scale ``d`` (plus ``m`` for
+        q4_1), in f32 without fast-math flags, as ``gguf.quants.dequantize`` computes it."""
+        kind, base, dtype = self.lookup(env, e.buf, e)
+        if kind != "buf" or dtype != e.fmt:
+            self.fail(f"{e.buf!r} is not a {e.fmt} buffer", e)
+        b, f = self.b, FORMATS[e.fmt]
+        i = self.expr(e.index, env)
+        blk, j = b.lshr(i, ir.Constant(I32, 5)), b.and_(i, ir.Constant(I32, 31))   # i >= 0
+
+        def at(offset, ty, align):
+            return b.load(b.gep(base, [offset], inbounds=True, source_etype=I8), typ=ty, align=align)
+        scales = b.add(ir.Constant(I32, e.count // 32 * f.quant_bytes), b.mul(blk, ir.Constant(I32, f.scale_bytes)))
+        d = b.fpext(at(scales, ir.HalfType(), 2), TYPES["f32"])
+        if e.fmt == "q8_0":
+            q = at(b.add(b.mul(blk, ir.Constant(I32, 32)), j), I8, 1)
+            return b.fmul(b.sitofp(q, TYPES["f32"]), d)
+        half = b.lshr(j, ir.Constant(I32, 4))                       # elements 16..31: the high nibbles
+        at_byte = b.sub(b.add(b.mul(blk, ir.Constant(I32, 16)), j), b.shl(half, ir.Constant(I32, 4)))
+        byte = b.zext(at(at_byte, I8, 1), I32)
+        q = b.and_(b.lshr(byte, b.shl(half, ir.Constant(I32, 2))), ir.Constant(I32, 15))
+        if e.fmt == "q4_0":
+            return b.fmul(d, b.sitofp(b.sub(q, ir.Constant(I32, 8)), TYPES["f32"]))
+        m = b.fpext(at(b.add(scales, ir.Constant(I32, 2)), ir.HalfType(), 2), TYPES["f32"])
+        return b.fadd(b.fmul(d, b.uitofp(q, TYPES["f32"])), m)
+
     def un(self, e, env):
         return self.apply(e.op, e.x.dtype, [self.expr(e.x, env)], e)
 
@@ -191,7 +220,7 @@ class _Renderer:
                 return CAST_TABLE[key](self, x, TYPES[dst])
         self.fail(f"no cast {src} -> {dst}", e)
 
-    EXPR = {Const: const_expr, Sym: sym, Load: load, Un: un, Bin: bin, Select: select_expr, Cast: cast}
+    EXPR = {Const: const_expr, Sym: sym, Load: load, QLoad: qload, Un: un, Bin: bin, Select: select_expr, Cast: cast}
 
     # ---- statements
     def stmts(self, body, env):
@@ -308,9 +337,9 @@ class _Renderer:
                     self.fail(f"param {p.name}: unknown dtype {p.dtype}")
                 if p.name in noalias:
                     a.add_attribute("noalias")
-                a.attributes.align = ELEM_BYTES[p.dtype]
+                a.attributes.align = ELEM_BYTES.get(p.dtype, 1)
                 if p.size:
-                    a.attributes.dereferenceable = p.size * ELEM_BYTES[p.dtype]
+                    a.attributes.dereferenceable = _buffer_bytes(p)
                 env[p.name] = ("buf", a, p.dtype)
             else:
                 if p.dtype != "i32":
@@ -338,6 +367,10 @@ class _Renderer:
         b.call(body_fn, args + [tid, nthreads])
         b.ret_void()
         return fn
+
+
+def _buffer_bytes(p):
+    return nbytes(p.dtype, p.size) if p.dtype in QUANT_DTYPES else p.size * ELEM_BYTES[p.dtype]
 
 
 def symbol_name(name: str) -> str:

@@ -56,6 +56,7 @@ from typing import Union
 
 DTYPES = ("f32", "f16", "i32", "bool")
 FLOAT_DTYPES = ("f32", "f16")
+QUANT_DTYPES = ("q4_0", "q4_1", "q8_0")        # buffers of quantized weights (dsl/quant.py), read by QLoad, QDot
 
 KINDS = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 
@@ -131,6 +132,31 @@ class Load:
 
 
 @dataclass(frozen=True)
+class QLoad(Load):
+    """Element ``index`` of a quantized buffer ``buf`` (format ``fmt``: "q4_0", "q4_1", "q8_0";
+    ``count`` elements in all), as its f32 value: its block's scale times its quant.  The buffer
+    holds the device layout of ``dsl/quant.py`` (every block's quants, then every block's scales,
+    which start at byte ``count / 32 * quant_bytes``).  ``dtype`` is "f32"."""
+    fmt: str = ""
+    count: int = 0
+
+
+@dataclass(frozen=True)
+class QDot:
+    """The f32 dot product of weight block ``block`` of the quantized buffer ``w`` (format ``fmt``,
+    ``count`` elements in all) with block ``ablock`` of the q8_1 array ``act`` (32 int8 with their
+    scale ``d`` and ``s = d * sum``): integer dot products of the quants, then the scales.  Made by
+    the GPU mapping for a GEMV whose weights are quantized."""
+    w: str
+    fmt: str
+    block: "Expr"
+    count: int
+    act: str
+    ablock: "Expr"
+    dtype: str = "f32"
+
+
+@dataclass(frozen=True)
 class Un:
     op: str
     x: "Expr"
@@ -176,7 +202,7 @@ class Hw:
     dtype: str = "i32"
 
 
-Expr = Union[Const, Sym, Load, Un, Bin, Select, Cast, Hw]
+Expr = Union[Const, Sym, Load, QLoad, QDot, Un, Bin, Select, Cast, Hw]
 
 
 # ----------------------------------------------------------------------------- statements
@@ -192,6 +218,8 @@ class Loop:
     parallel: bool = False        # iterations are independent (the CPU splits them across threads)
     map: str = "serial"           # MAPS: the GPU unit that takes the iterations
     split: int = 1                # map="wave": waves per iteration (uniform trip count for barriers)
+    lanes: int = 0                # map="wave": lanes per iteration (0: the whole wave); a wave then takes
+                                  # wave / lanes consecutive iterations side by side
     unroll: int = 0               # GPU unroll hint (loads in flight), recorded by the mapping; 0: the compiler's choice
 
 
@@ -214,6 +242,19 @@ class Array:
     dtype: str
     size: int
     space: str = "local"          # "local" | "lds"
+
+
+@dataclass(frozen=True)
+class QuantizeQ8:
+    """Quantize ``values`` (f32 expressions: elements ``group * n .. group * n + n - 1`` of the
+    q8_1 array ``arr``, n = len(values)) into q8_1 blocks of 32: scale d = max|x| / 127, quants
+    round(x / d), and s = d * sum(quants).  With n < 32 the 32 / n consecutive groups of a block
+    are quantized together by 32 / n consecutive lanes of one wave, which all run this statement
+    (``active`` False: a lane that only helps, storing nothing)."""
+    arr: str
+    group: "Expr"
+    values: tuple
+    active: "Expr"
 
 
 @dataclass(frozen=True)
@@ -256,6 +297,7 @@ class Reduce:
     map: str = "serial"
     vector: int = 1
     split: int = 1
+    lanes: int = 0                # map="lane": the lanes that share the range (0: the whole wave)
 
 
 @dataclass(frozen=True)
@@ -295,7 +337,7 @@ class Attention:
     scale: float
 
 
-Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention]
+Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8]
 
 
 @dataclass(frozen=True)
@@ -388,6 +430,8 @@ def walk_exprs(e):
 def children(e):
     if isinstance(e, Load):
         return (e.index,)
+    if isinstance(e, QDot):
+        return (e.block, e.ablock)
     if isinstance(e, Un):
         return (e.x,)
     if isinstance(e, Bin):
@@ -432,6 +476,8 @@ def stmt_exprs(s):
         return (s.cond,)
     if isinstance(s, Attention):
         return (s.pos,)
+    if isinstance(s, QuantizeQ8):
+        return (s.group, s.active) + tuple(s.values)
     return ()
 
 
@@ -439,7 +485,9 @@ def stmt_exprs(s):
 def rewrite_expr(e, fn):
     """Rebuild ``e`` bottom-up; ``fn(node)`` returns a replacement or None to keep the node."""
     if isinstance(e, Load):
-        e = Load(e.buf, rewrite_expr(e.index, fn), e.dtype)
+        e = replace(e, index=rewrite_expr(e.index, fn))
+    elif isinstance(e, QDot):
+        e = replace(e, block=rewrite_expr(e.block, fn), ablock=rewrite_expr(e.ablock, fn))
     elif isinstance(e, Un):
         e = Un(e.op, rewrite_expr(e.x, fn))
     elif isinstance(e, Bin):
@@ -474,6 +522,8 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
             return If(ex(s.cond), rewrite(s.then, ex, name), rewrite(s.orelse, ex, name))
         if isinstance(s, Attention):
             return replace(s, q=name(s.q), k=name(s.k), v=name(s.v), out=name(s.out), pos=ex(s.pos))
+        if isinstance(s, QuantizeQ8):
+            return QuantizeQ8(name(s.arr), ex(s.group), tuple(ex(v) for v in s.values), ex(s.active))
         return s
     return tuple(st(s) for s in body)
 
@@ -542,7 +592,8 @@ def tidy_names(k: "Kernel", reserved=()) -> "Kernel":
 
     def ex(e):
         return rewrite_expr(e, lambda x: Sym(names[x.name], x.dtype) if isinstance(x, Sym) and x.name in names
-                            else Load(names[x.buf], x.index, x.dtype) if isinstance(x, Load) and x.buf in names
+                            else replace(x, buf=names[x.buf]) if isinstance(x, Load) and x.buf in names
+                            else replace(x, act=names[x.act]) if isinstance(x, QDot) and x.act in names
                             else None)
     return replace(k, body=rewrite(k.body, ex, lambda n: names.get(n, n)))
 
@@ -633,8 +684,12 @@ def format_expr(e):
         return e.name
     if isinstance(e, Hw):
         return f"%{e.name}"
+    if isinstance(e, QLoad):
+        return f"{e.fmt}({e.buf}[{format_expr(e.index)}])"
     if isinstance(e, Load):
         return f"{e.buf}[{format_expr(e.index)}]"
+    if isinstance(e, QDot):
+        return f"dot_{e.fmt}_q8_1({e.w}.block[{format_expr(e.block)}], {e.act}.block[{format_expr(e.ablock)}])"
     if isinstance(e, Un):
         return f"{e.op}({format_expr(e.x)})"
     if isinstance(e, Bin):
@@ -652,6 +707,8 @@ def _mapping(s):
         m.append(f"vector={s.vector}")
     if s.split > 1:
         m.append(f"split={s.split}")
+    if getattr(s, "lanes", 0):
+        m.append(f"lanes={s.lanes}")
     return f" [{', '.join(m)}]" if m else ""
 
 
@@ -693,6 +750,9 @@ def format_kernel(k: Kernel) -> str:
                 lines.append(f"{pad}barrier")
             elif isinstance(s, Comment):
                 lines.append(f"{pad}# {s.text}")
+            elif isinstance(s, QuantizeQ8):
+                vals = ", ".join(format_expr(v) for v in s.values)
+                lines.append(f"{pad}{s.arr}.group[{format_expr(s.group)}] = q8_1({vals}) if {format_expr(s.active)}")
             elif isinstance(s, Attention):
                 lines.append(f"{pad}{s.out} = attention({s.q}, {s.k}, {s.v}, pos={format_expr(s.pos)}, "
                              f"heads={s.hq}/{s.hkv}, t={s.t}, s={s.s}, d={s.d}, scale={s.scale!r})")
@@ -713,7 +773,8 @@ def canonicalize(k: Kernel) -> Kernel:
 
     def ex(e):
         return rewrite_expr(e, lambda x: Sym(n(x.name), x.dtype) if isinstance(x, Sym)
-                            else Load(n(x.buf), x.index, x.dtype) if isinstance(x, Load) else None)
+                            else replace(x, buf=n(x.buf)) if isinstance(x, Load)
+                            else replace(x, w=n(x.w), act=n(x.act)) if isinstance(x, QDot) else None)
 
     def strip(body):
         out = []
@@ -731,7 +792,10 @@ def canonicalize(k: Kernel) -> Kernel:
     return Kernel("canonical", k.family, params, body, (), k.bytes, k.flops, (), k.launch)
 
 
-ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}
+ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1,
+            # bytes per element of the block formats (dsl/quant.py), and of a q8_1 activation in LDS
+            # (32 int8, then f32 d and s: 40 bytes per 32 elements)
+            "q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 34 / 32, "q8_1": 40 / 32}
 
 
 def traffic(k: Kernel) -> int:
@@ -749,6 +813,8 @@ def traffic(k: Kernel) -> int:
         for x in walk_exprs(e):
             if isinstance(x, Load):
                 touch(x.buf, extent)
+            elif isinstance(x, QDot):                      # a block: 32 elements per step
+                touch(x.w, None if extent is None else extent * 32)
 
     def trips(s, extent):
         n = s.stop.value - s.start.value if isinstance(s.stop, Const) and isinstance(s.start, Const) else None
@@ -771,6 +837,9 @@ def traffic(k: Kernel) -> int:
                 visit_expr(s.index, extent)
             elif isinstance(s, (Declare, Assign)):
                 visit_expr(s.init if isinstance(s, Declare) else s.value, extent)
+            elif isinstance(s, QuantizeQ8):
+                for v in s.values:
+                    visit_expr(v, extent)
             elif isinstance(s, Attention):
                 for name in (s.q, s.k, s.v, s.out):
                     touch(name, None)
@@ -779,4 +848,4 @@ def traffic(k: Kernel) -> int:
         size = params[name].size
         return size if n is None else min(size, n)
     visit(k.body, 1)
-    return sum(cap(name, n) * ITEMSIZE[params[name].dtype] for name, n in reach.items())
+    return int(sum(cap(name, n) * ITEMSIZE[params[name].dtype] for name, n in reach.items()))

@@ -18,6 +18,8 @@ Families:
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import replace
 
 from . import loopir as L
@@ -147,7 +149,7 @@ def vector_width(r: L.Reduce, act: str, t: Target) -> int:
         if not (isinstance(v, L.Bin) and v.op == "mul" and v.a == L.Load(act, k, "f32")):
             return 1
         w = v.b.x if isinstance(v.b, L.Cast) and v.b.dtype == "f32" else v.b
-        if not (isinstance(w, L.Load) and w.dtype in ("f16", "f32")):
+        if not (type(w) is L.Load and w.dtype in ("f16", "f32")):
             return 1
         per = t.load_bytes // ITEMSIZE[w.dtype]
         i = w.index
@@ -182,9 +184,37 @@ def ksplit(t: Target, rows, K: int, vec: int) -> int:
     return ks
 
 
+def quant_weights(r: L.Reduce, act: str):
+    """``[(acc, qload, row)]`` when every accumulator of the GEMV reduction ``r`` is
+    ``act[k] * w[row * K + k]`` with ``w`` quantized and K its range (from 0), else None."""
+    k = L.Sym(r.var, "i32")
+    out = []
+    for a in r.accs:
+        v = a.value
+        if not (isinstance(v, L.Bin) and v.op == "mul" and v.a == L.Load(act, k, "f32") and isinstance(v.b, L.QLoad)):
+            return None
+        i, K = v.b.index, r.stop
+        if not (isinstance(i, L.Bin) and i.op == "add" and i.b == k and isinstance(i.a, L.Bin) and i.a.op == "mul"
+                and i.a.b == K and isinstance(K, L.Const) and r.start == L.c(0) and k not in set(L.walk_exprs(i.a))):
+            return None
+        out.append((a, v.b, i.a.a))
+    return out
+
+
+def _int8_path(body, t) -> bool:
+    """Does the GEMV run on int8 dot products: the target has them, and every weight is quantized?"""
+    reds = [r for s in L.walk_stmts(body) if isinstance(s, L.Loop) and s.parallel
+            for r in s.body[:1] if isinstance(r, L.Reduce)]
+    act = {a.name for a in L.walk_stmts(body) if isinstance(a, L.Array)}
+    on = t.int8_dot and os.environ.get("VEGAFUSE_QUANT_ACT", "q8_1") != "float"
+    return bool(on and reds and act) and all(quant_weights(r, n) for r in reds for n in act
+                                                     if any(x == L.Load(n, L.Sym(r.var, "i32"), "f32")
+                                                            for a in r.accs for x in L.walk_exprs(a.value)))
+
+
 def _contract(body, t):
     """Map the body of a contraction kernel (see the module docstring)."""
-    info = {}
+    info = {"q8": _int8_path(body, t)}
     body = _contract_rows(body, t, info)
     if info.get("act_dtype") == "f16":                     # the activation is read back as f16
         act = info["act"]
@@ -192,7 +222,13 @@ def _contract(body, t):
             e, lambda x: L.Cast(L.Load(act, x.index, "f16"), "f32") if isinstance(x, L.Load) and x.buf == act else None))
     body = _scratch(body, t) + body
     ks, total, K, vec = info["split"], info["total"], info["K"], info["vec"]
-    grid = max(1, min(-(-total * ks // (t.waves_per_block * t.rows_per_wave)), t.compute_units * t.blocks_per_cu))
+    per_wave = info.get("rows_per_wave", 1)
+    grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * t.blocks_per_cu))
+    if info["q8"]:
+        lanes = t.wave // per_wave
+        how = (f"{K}-element activation quantized to q8_1 in LDS; {'a wave' if per_wave == 1 else f'{lanes} lanes'} "
+               f"per output row ({total} rows); each lane takes whole weight blocks (16-byte loads, int8 dot products)")
+        return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), "q8_1")
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
     return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info.get("act_dtype", "f32"))
@@ -215,7 +251,10 @@ def _contract_rows(body, t, info):
         comments = []
         if isinstance(s, L.Store) and s.buf in arrays:         # K = 1: the fill without its loop
             s = L.Loop(f"{s.buf}_k", L.c(0), L.c(1), (s,))
-        if isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays:
+        if isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays and info["q8"]:
+            info["act"], info["K"], info["act_dtype"] = s.body[0].buf, s.stop.value, "q8_1"
+            out += [_quantize_fill(s, t), L.Barrier()]
+        elif isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays:
             info["act"], K = s.body[0].buf, s.stop.value
             dt = act_dtype(t, K)
             st = s.body[0]
@@ -227,7 +266,7 @@ def _contract_rows(body, t, info):
             info["act_dtype"], info["K"] = dt, K
         elif isinstance(s, L.Array):
             arrays.add(s.name)
-            out.append(replace(s, dtype=act_dtype(t, s.size), space="lds"))
+            out.append(replace(s, dtype="q8_1" if info["q8"] else act_dtype(t, s.size), space="lds"))
         elif isinstance(s, L.Loop):                            # a serial row loop (a matmul's rows)
             out.append(replace(s, body=_contract_rows(s.body, t, info) + (L.Barrier(),)))
         elif isinstance(s, L.Reduce):
@@ -239,14 +278,101 @@ def _contract_rows(body, t, info):
     return tuple(out + comments)
 
 
+def _quantize_fill(s, t):
+    """The GEMV prologue's fill ``for k: act[k] = value`` as q8_1: each thread computes 4
+    consecutive values, and the 8 threads of a block quantize them together (``QuantizeQ8``).
+    Every thread takes the same trips (the shuffles need the whole wave), the last ones only
+    helping."""
+    st, K = s.body[0], s.stop.value
+    groups = K // 4
+    trips = -(-groups // t.block) * t.block
+    g = L.Sym("g_0", "i32")                 # locals end in a counter, dropped by loopir.tidy_names
+
+    at = g if trips == groups else L.Bin("min", g, L.c(groups - 1))
+    xs = [L.Sym(f"x{i}_0", "f32") for i in range(4)]
+    body = tuple(L.substitute((L.Declare(x.name, "f32", st.value),), {s.var: L.add(L.mul(at, L.c(4)), L.c(i))})[0]
+                 for i, x in enumerate(xs))
+    active = L.Const(True, "bool") if trips == groups else L.Bin("lt", g, L.c(groups))
+    return L.Loop(g.name, L.c(0), L.c(trips), body + (L.QuantizeQ8(st.buf, g, tuple(xs), active),), map="block")
+
+
+def _lanes_per_row(t, K, sizes):
+    """Lanes that share one quantized GEMV row: enough for its K / 32 blocks (a power of two, at
+    most the wave), so that a wave takes several short rows side by side; every segment's rows a
+    multiple of the rows a wave takes at once (uniform trips, no divergent shuffles)."""
+    lanes = min(t.wave, 1 << max(0, (K // 32 - 1).bit_length()))
+    while lanes < t.wave and any(n % (t.wave // lanes) for n in sizes):
+        lanes *= 2
+    return lanes
+
+
+def rows_per_lane(sizes, rows_per_wave) -> int:
+    """Rows each lane folds against every activation block it reads from LDS (4, 2 or 1, dividing
+    every segment's rows): one LDS read serves several weight blocks (the LDS-per-weight-byte
+    metric of ``codegen.inspect``), and more 16-byte loads are in flight."""
+    return next(u for u in (4, 2, 1) if all(n % (u * rows_per_wave) == 0 for n in sizes))
+
+
+def _renamed(a, u):
+    """Accumulator ``a`` for the ``u``-th row of a lane: ``acc_w_q_12`` -> ``acc_w_q_r1_12``."""
+    base, num = re.fullmatch(r"(.*?)(_\d+)?", a).groups()
+    return f"{base}_r{u}{num or ''}"
+
+
+def _quant_wave_loop(segs, t, info):
+    """``_wave_loop`` for quantized weights: the wave loop takes tiles of ``rows_per_lane`` rows;
+    each lane folds whole weight blocks of its tile's rows against one q8_1 activation block
+    (``QDot``), ``lanes`` lanes per tile."""
+    sizes = [s.stop.value for _, s in segs]
+    K = info["K"]
+    lanes = _lanes_per_row(t, K, sizes)
+    side = t.wave // lanes                               # tiles a wave takes side by side
+    per = rows_per_lane(sizes, side)
+    info.update(split=1, total=sum(sizes), vec=32, rows_per_wave=side * per)
+    tile = L.Sym("tile_0", "i32")
+    kb = L.Sym("kb_0", "i32")
+    # a group's sum is in its last lane (vf_lanes_sum); a whole wave's in every lane (vf_wave_sum)
+    last = L.Bin("eq", LANE, L.c(0)) if lanes == t.wave else L.Bin("eq", L.Bin("mod", LANE, L.c(lanes)), L.c(lanes - 1))
+    branches, off = [], 0
+    for (comments, s), n in zip(segs, sizes):
+        red, *rest = s.body
+        own = tile
+        if off:                                          # the segment's own tiles, named after its weight
+            own = L.Sym("tile" + red.accs[0].name[len("acc"):] if red.accs[0].name.startswith("acc_") else "tile_0", "i32")
+        accs, epilogue = [], []
+        for u in range(per):
+            names = {a.name: _renamed(a.name, u) for a in red.accs} if per > 1 else {}
+            row = {s.var: L.add(L.mul(own, L.c(per)), L.c(u))}
+            syms = {a: L.Sym(b, "f32") for a, b in names.items()}
+            ren = lambda body: L.substitute(L.substitute(body, row), syms)  # noqa: E731
+            for a, q, r in quant_weights(red, info["act"]):
+                blk = L.add(L.mul(L.substitute((L.Declare("r", "i32", r),), row)[0].init, L.c(K // 32)), kb)
+                accs.append(replace(a, name=names.get(a.name, a.name),
+                                    value=L.QDot(q.buf, q.fmt, blk, q.count, info["act"], kb)))
+            epilogue += ren(tuple(rest))
+        red = L.Reduce(kb.name, L.c(0), L.c(K // 32), tuple(accs), map="lane", lanes=0 if lanes == t.wave else lanes)
+        seg = (red, L.If(last, tuple(epilogue)))
+        if off:
+            seg = (L.Declare(own.name, "i32", L.Bin("sub", tile, L.c(off // per))),) + seg
+        branches.append(((off + n) // per, comments + seg))
+        off += n
+    chain = branches[-1][1]
+    for stop, seg in reversed(branches[:-1]):
+        chain = (L.If(L.Bin("lt", tile, L.c(stop)), seg, chain),)
+    return (L.Loop(tile.name, L.c(0), L.c(off // per), chain, parallel=True, map="wave",
+                   lanes=0 if lanes == t.wave else lanes),)
+
+
 def _wave_loop(segs, t, info):
     """One loop over the waves of the grid for the output rows of every segment, side by side."""
+    if info["q8"]:
+        return _quant_wave_loop(segs, t, info)
     sizes = [s.stop.value for _, s in segs]
     vecs = [vector_width(s.body[0], info["act"], t) for _, s in segs]
     vec = min(vecs)                        # a split needs every segment's slices whole vectors
     ks = ksplit(t, sizes, info["K"], max(vecs) if vec > 1 else 1)
     info.update(split=ks, total=sum(sizes), vec=vec)
-    row = L.Sym("row", "i32")
+    row = L.Sym("row_0", "i32")
     branches, off = [], 0
     for (comments, s), n, v in zip(segs, sizes, vecs):
         red, *rest = s.body

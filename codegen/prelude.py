@@ -29,10 +29,6 @@ _DEFINES = r"""#define VF_WAVE {wave}
 _COMMON = r"""// max and min as numpy computes them: NaN when either operand is NaN (fmaxf and fminf drop it)
 __device__ __forceinline__ float vf_max(float a, float b) {{ return a != a || b != b ? a + b : fmaxf(a, b); }}
 __device__ __forceinline__ float vf_min(float a, float b) {{ return a != a || b != b ? a + b : fminf(a, b); }}
-__device__ __forceinline__ float vf_wave_sum(float v) {{
-  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
-  return v;
-}}
 __device__ __forceinline__ float vf_wave_max(float v) {{
   for (int m = VF_WAVE / 2; m > 0; m >>= 1) v = vf_max(v, vf_shfl_xor(v, m));
   return v;
@@ -88,6 +84,24 @@ __device__ __forceinline__ float vf_h2f(vf_half x) {{ return (float)x; }}
 __device__ __forceinline__ vf_half vf_f2h(float x) {{ return (vf_half)x; }}
 __device__ __forceinline__ float vf_shfl_xor(float v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
 __device__ __forceinline__ int vf_shfl_xor_i(int v, int m) {{ return __shfl_xor(v, m, VF_WAVE); }}
+// v from another lane through DPP (no LDS): ctrl 0xB1 / 0x4E swap lanes 1 / 2 apart in each quad, 0x141
+// mirrors each 8 lanes, 0x140 each row of 16, 0x142 / 0x143 broadcast lane 15 / 31 to the rows in row_mask
+#define VF_DPP(v, ctrl, row_mask) __int_as_float(__builtin_amdgcn_update_dpp(0, __float_as_int(v), ctrl, row_mask, 0xF, false))
+// the sum over each group of n lanes (n a power of two), held by the group's last lane: butterflies
+// inside a row of 16, then row broadcasts (every lane holds it for n <= 16)
+__device__ __forceinline__ float vf_lanes_sum(float v, int n) {{
+  if (n > 1) v += VF_DPP(v, 0xB1, 0xF);
+  if (n > 2) v += VF_DPP(v, 0x4E, 0xF);
+  if (n > 4) v += VF_DPP(v, 0x141, 0xF);
+  if (n > 8) v += VF_DPP(v, 0x140, 0xF);
+  if (n > 16) v += VF_DPP(v, 0x142, 0xA);          // rows 1 and 3 add lane 15 of rows 0 and 2
+  if (n > 32) v += VF_DPP(v, 0x143, 0xC);          // rows 2 and 3 add lane 31: lane 63 has all 64
+  return v;
+}}
+// every lane gets the wave's sum: DPP, then the last lane's value read into a scalar register
+__device__ __forceinline__ float vf_wave_sum(float v) {{
+  return __int_as_float(__builtin_amdgcn_readlane(__float_as_int(vf_lanes_sum(v, VF_WAVE)), VF_WAVE - 1));
+}}
 // vf_wave_sync(): the LDS writes of every lane of this wave before it are seen by every lane after it
 // (a wave runs in lockstep: a wave-scope fence keeps the compiler and the LDS queue in order)
 __device__ __forceinline__ void vf_wave_sync() {{
@@ -223,6 +237,114 @@ def act_dtype(t: Target, K: int) -> str:
     return "f16" if t.dot2 or 4 * K > t.max_static_lds - 1024 else "f32"
 
 
+_QUANT = r"""// quantized weights (dsl/quant.py): every block's quants, then every block's f16 scales (nb blocks)
+typedef unsigned char vf_byte;
+// element i of a quantized weight: its block's scale times its quant
+__device__ __forceinline__ float vf_dequant_q4_0(const vf_byte* __restrict__ w, int i, int nb) {{
+  const int b = i / 32, j = i % 32;
+  const int q = (w[16 * b + j % 16] >> (j / 16 * 4)) & 15;        // low nibbles: elements 0..15, high: 16..31
+  return vf_h2f(((const vf_half*)(w + 16 * nb))[b]) * (float)(q - 8);
+}}
+__device__ __forceinline__ float vf_dequant_q4_1(const vf_byte* __restrict__ w, int i, int nb) {{
+  const int b = i / 32, j = i % 32;
+  const int q = (w[16 * b + j % 16] >> (j / 16 * 4)) & 15;
+  const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * b;      // d, m
+  return vf_h2f(dm[0]) * (float)q + vf_h2f(dm[1]);
+}}
+__device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, int i, int nb) {{
+  return vf_h2f(((const vf_half*)(w + 32 * nb))[i / 32]) * (float)(signed char)w[i];
+}}
+// a q8_1 activation block: 32 int8 quants (4 per int, element 4i in the low byte of q[i]), its scale d,
+// and s = d * sum(q)
+struct vf_q8_1 {{ int q[8]; float d, s; }};
+// the 8 consecutive lanes of a block quantize it together, 4 values each (group g: elements 4g..4g+3);
+// d = max|x| / 127 (NaN when a value is NaN), q = round(x / d); a lane with active false only helps
+__device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {{
+  const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
+  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  const int q0 = (int)roundf(x0 * id), q1 = (int)roundf(x1 * id), q2 = (int)roundf(x2 * id), q3 = (int)roundf(x3 * id);
+  const int sum = vf_sum8(q0 + q1 + q2 + q3);
+  if (active) {{
+    a[g / 8].q[g % 8] = (q0 & 255) | (q1 & 255) << 8 | (q2 & 255) << 16 | (int)((unsigned)q3 << 24);
+    if (g % 8 == 0) {{ a[g / 8].d = d; a[g / 8].s = d * (float)sum; }}
+  }}
+}}
+// the 32 nibbles of a q4 block (one 16-byte load) against a q8_1 block: element j of nibble word i is
+// byte j of (q[i] & 0x0F0F0F0F), element 16 + j of ((q[i] >> 4) & 0x0F0F0F0F)
+__device__ __forceinline__ int vf_dot_q4_q8(vf_int4 q, const vf_q8_1& a) {{
+  int s = 0;
+  s = vf_dot4_i8(q.x & 0x0F0F0F0F, a.q[0], s); s = vf_dot4_i8((q.x >> 4) & 0x0F0F0F0F, a.q[4], s);
+  s = vf_dot4_i8(q.y & 0x0F0F0F0F, a.q[1], s); s = vf_dot4_i8((q.y >> 4) & 0x0F0F0F0F, a.q[5], s);
+  s = vf_dot4_i8(q.z & 0x0F0F0F0F, a.q[2], s); s = vf_dot4_i8((q.z >> 4) & 0x0F0F0F0F, a.q[6], s);
+  s = vf_dot4_i8(q.w & 0x0F0F0F0F, a.q[3], s); s = vf_dot4_i8((q.w >> 4) & 0x0F0F0F0F, a.q[7], s);
+  return s;
+}}
+// weight block b (of nb) with activation block a: sum_j d (q_j - 8) a.d aq_j = d (a.d sum_j q_j aq_j - 8 a.s)
+__device__ __forceinline__ float vf_dot_q4_0(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
+  const vf_int4 q = *(const vf_int4*)(w + 16 * b);
+  const float d = vf_h2f(((const vf_half*)(w + 16 * nb))[b]);
+  return d * (a.d * (float)vf_dot_q4_q8(q, a) - 8.0f * a.s);
+}}
+// sum_j (d q_j + m) a.d aq_j = d a.d sum_j q_j aq_j + m a.s
+__device__ __forceinline__ float vf_dot_q4_1(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
+  const vf_int4 q = *(const vf_int4*)(w + 16 * b);
+  const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * b;
+  return vf_h2f(dm[0]) * a.d * (float)vf_dot_q4_q8(q, a) + vf_h2f(dm[1]) * a.s;
+}}
+__device__ __forceinline__ float vf_dot_q8_0(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
+  const vf_int4 q0 = *(const vf_int4*)(w + 32 * b), q1 = *(const vf_int4*)(w + 32 * b + 16);
+  int s = 0;
+  s = vf_dot4_i8(q0.x, a.q[0], s); s = vf_dot4_i8(q0.y, a.q[1], s); s = vf_dot4_i8(q0.z, a.q[2], s);
+  s = vf_dot4_i8(q0.w, a.q[3], s); s = vf_dot4_i8(q1.x, a.q[4], s); s = vf_dot4_i8(q1.y, a.q[5], s);
+  s = vf_dot4_i8(q1.z, a.q[6], s); s = vf_dot4_i8(q1.w, a.q[7], s);
+  return vf_h2f(((const vf_half*)(w + 32 * nb))[b]) * a.d * (float)s;
+}}
+"""
+
+_AMD_INT8 = r"""typedef int vf_int4 __attribute__((ext_vector_type(4)));
+// c + the dot product of the 4 signed bytes of a and b: v_dot4_i32_i8
+__device__ __forceinline__ int vf_dot4_i8(int a, int b, int c) { return __builtin_amdgcn_sdot4(a, b, c, false); }
+// the max / sum over each 8 consecutive lanes, held by all of them (DPP: no LDS)
+#define VF_DPP_I(v, ctrl, row_mask) __builtin_amdgcn_update_dpp(0, v, ctrl, row_mask, 0xF, false)
+__device__ __forceinline__ float vf_max8(float v) {
+  v = vf_max(v, VF_DPP(v, 0xB1, 0xF));
+  v = vf_max(v, VF_DPP(v, 0x4E, 0xF));
+  return vf_max(v, VF_DPP(v, 0x141, 0xF));
+}
+__device__ __forceinline__ int vf_sum8(int v) {
+  v += VF_DPP_I(v, 0xB1, 0xF);
+  v += VF_DPP_I(v, 0x4E, 0xF);
+  return v + VF_DPP_I(v, 0x141, 0xF);
+}
+"""
+
+_NV_INT8 = r"""typedef int4 vf_int4;
+// c + the dot product of the 4 signed bytes of a and b: dp4a
+__device__ __forceinline__ int vf_dot4_i8(int a, int b, int c) { return __dp4a(a, b, c); }
+// the max / sum over each 8 consecutive lanes, held by all of them
+__device__ __forceinline__ float vf_max8(float v) {
+  for (int m = 1; m < 8; m <<= 1) v = vf_max(v, vf_shfl_xor(v, m));
+  return v;
+}
+__device__ __forceinline__ int vf_sum8(int v) {
+  for (int m = 1; m < 8; m <<= 1) v += vf_shfl_xor_i(v, m);
+  return v;
+}
+// the sum over each group of n lanes (n a power of two), held by the group's last lane (here: by all)
+__device__ __forceinline__ float vf_lanes_sum(float v, int n) {
+  for (int m = n / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
+  return v;
+}
+"""
+
+
+_NV_WAVE_SUM = r"""// every lane gets the wave's sum
+__device__ __forceinline__ float vf_wave_sum(float v) {
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
+  return v;
+}
+"""
+
 _NV_PDL = r"""// programmatic dependent launch: start early, wait for the previous kernel's data
 #define VF_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #define VF_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
@@ -251,15 +373,17 @@ def _nv_wave(t: Target) -> str:
     return _NV_WAVE64.format(slots=max(t.block, t.attention_block))
 
 
-def prelude(t: Target, act: str | None = None) -> str:
+def prelude(t: Target, act: str | None = None, quant: bool = False) -> str:
     """Everything target-specific in a kernel's source, from the target table
-    (``act``: the GEMV activation dtype in LDS, see ``act_dtype``)."""
-    act = act or act_dtype(t, 0)
+    (``act``: the GEMV activation dtype in LDS, see ``act_dtype``; ``quant``: the kernel reads
+    quantized weights, so the helpers that read them are included)."""
+    act = act_dtype(t, 0) if act in (None, "q8_1") else act
     if t.vendor == "amd":
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
         head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
     else:
         head = _NVIDIA.format(name=t.name, how=_nv_how(t), wave=_nv_wave(t),
-                              pdl=_NV_PDL if t.pdl else _NV_NO_PDL)
+                              pdl=_NV_PDL if t.pdl else _NV_NO_PDL) + _NV_WAVE_SUM
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
-    return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format()
+    tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _QUANT.format()) if quant else ""
+    return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format() + tail

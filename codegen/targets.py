@@ -28,6 +28,9 @@ class Target:
     block: int = 256             # threads per workgroup
     load_bytes: int = 16         # widest global load: 16 bytes = 8 halves (global_load_dwordx4)
     dot2: bool = False           # fp16 dot2 into f32 (v_dot2_f32_f16): activation kept as f16 in LDS
+    int8_dot: bool = True        # 4 x int8 dot products into i32 (v_dot4_i32_i8, NVIDIA's dp4a): a GEMV with
+                                 # quantized weights quantizes its activation to q8_1 (off: f32/f16 activation,
+                                 # each weight dequantized as it is loaded; VEGAFUSE_QUANT_ACT=float)
     rows_per_wave: int = 1       # GEMV output rows per wave (several rows per workgroup = block/wave * this)
     max_waves_per_simd: int = 0  # occupancy cap for bandwidth-bound kernels (0: none)
     simds_per_cu: int = 4

@@ -8,11 +8,12 @@
 from .core import DSLError, Program  # noqa: F401
 from . import array as _array
 from .array import (  # noqa: F401
-    Tracer, arange, argmax, astype, attention, broadcast_to, concatenate, div, dot_t, dynamic_update_slice,
+    Tracer, arange, argmax, astype, attention, broadcast_to, concatenate, dequantize, div, dot_t, dynamic_update_slice,
     expand_dims, iota, matmul, max, mean, reshape, sum, swapaxes, take, transpose, where,
 )
 for _api in _array.ELEMENTWISE_API:          # dsl.exp, dsl.add, ...: one per elementwise primitive
     globals()[_api] = getattr(_array, _api)
 from .irtext import parse_ir  # noqa: F401
+from .quant import QArray  # noqa: F401
 from .jit import jit  # noqa: F401
 from .pytree import flatten as tree_flatten, tree_map, unflatten as tree_unflatten  # noqa: F401

@@ -10,7 +10,7 @@ import builtins as _b
 import numpy as np
 
 from . import primitives  # noqa: F401  (registers the primitives)
-from .core import PRIMITIVES as P, DSLError, Lit, Var, bind, promote, user_source
+from .core import PRIMITIVES as P, QUANT_DTYPES, DSLError, Lit, Var, bind, promote, user_source
 
 _bmax = _b.max
 
@@ -126,6 +126,10 @@ def asarray(x, dtype=None):
 def _promote_pair(a, b):
     """Return (a, b) as atoms of one dtype; Python scalars take the array's dtype."""
     ta, tb = isinstance(a, Tracer), isinstance(b, Tracer)
+    for x in (a, b):
+        if isinstance(x, Tracer) and x.dtype in QUANT_DTYPES:
+            raise DSLError(f"{user_source()}: a {x.dtype}{list(x.shape)} array is quantized; read it through "
+                           "dsl.dequantize (linear, dot_t, matmul, take and astype do that for you)")
     if ta and not tb:
         return a, asarray(b, a.dtype if not (isinstance(b, float) and a.dtype in ("i32", "bool")) else "f32")
     if tb and not ta:
@@ -202,7 +206,24 @@ def div(a, b):
 
 def astype(x, dtype):
     x = asarray(x)
+    if x.dtype in QUANT_DTYPES:
+        return dequantize(x, dtype)
     return x if x.dtype == dtype else bind(P["convert"], x, dtype=dtype)
+
+
+def dequantize(w, dtype="f32"):
+    """The float values of a quantized array ``w`` (q4_0, q4_1, q8_0; shape [..., K], K a multiple
+    of 32) as ``dtype`` ("f32" or "f16").  Fused into the kernel that reads them: inside a GEMV each
+    weight is dequantized as it is loaded, and no float copy is written (fusion rule
+    ``dequantize``).  Formats: ``dsl/quant.py``."""
+    w = asarray(w)
+    return w if w.dtype == dtype else bind(P["dequantize"], w, dtype=dtype)
+
+
+def _float(x):
+    """``x``, dequantized to f32 when it is a quantized array."""
+    x = asarray(x)
+    return dequantize(x) if x.dtype in QUANT_DTYPES else x
 
 
 def where(cond, a, b):
@@ -374,7 +395,7 @@ def dot_t(a, b):
 
 
 def _dot(a, b, trans_b):
-    a, b = asarray(a), asarray(b)
+    a, b = _float(a), _float(b)
     va, vb = a.ndim == 1, b.ndim == 1
     if va:
         a = reshape(a, (1,) + a.shape)
@@ -393,7 +414,7 @@ def _dot(a, b, trans_b):
 
 def take(x, ids):
     """Rows of ``x`` [V, ...] at integer ``ids`` [...] -> ids.shape + x.shape[1:] (embedding lookup)."""
-    return bind(P["take"], asarray(x), asarray(ids, "i32"))
+    return bind(P["take"], _float(x), asarray(ids, "i32"))
 
 
 def dynamic_update_slice(x, update, starts):

@@ -29,8 +29,14 @@ class DSLError(Exception):
     """A user error found while tracing; the message starts with the user's ``file:line``."""
 
 
+QUANT_DTYPES = ("q4_0", "q4_1", "q8_0")      # quantized weights (dsl/quant.py): read through dequantize
+
+
 def dtype_of(x) -> str:
-    """Our dtype name for a numpy array or dtype (raises DSLError for unsupported dtypes)."""
+    """Our dtype name for a numpy array or dtype, or a quantized array (``dsl.QArray``: "q4_0",
+    "q4_1", "q8_0"); raises DSLError for unsupported dtypes."""
+    if getattr(x, "dtype", x) in QUANT_DTYPES:
+        return getattr(x, "dtype", x)
     dt = np.dtype(getattr(x, "dtype", x))
     for name in DTYPES:
         if dt == np.dtype(NP_DTYPES[name]):
@@ -216,6 +222,11 @@ def bind(prim: Primitive, *inputs, **params):
     src, scope, inner = _site()
     where = src if inner is None else f"{src} (in {inner})"
     atoms = [x.var if isinstance(x, Tracer) else x for x in inputs]
+    quant = [a for a in atoms if a.dtype in QUANT_DTYPES]
+    if quant and prim.name != "dequantize":
+        a = next((a for a in quant if isinstance(a, Var)), quant[0])     # not a literal promoted to it
+        raise DSLError(f"{where}: {prim.name}: a {a.dtype}{list(a.shape)} array is quantized; read it through "
+                       "dsl.dequantize (linear, dot_t, matmul, take and astype do that for you)")
     try:
         shape, dtype = prim.rule([(a.shape, a.dtype) for a in atoms], **params)
     except DSLError as e:

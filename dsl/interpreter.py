@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import NP_DTYPES, Lit
+from .core import NP_DTYPES, QUANT_DTYPES, Lit
 
 
 def run_program(prog, args, compute_dtype=None):
@@ -17,6 +17,8 @@ def run_program(prog, args, compute_dtype=None):
     f64 = compute_dtype == "f64"
 
     def coerce(x, dtype):
+        if dtype in QUANT_DTYPES:           # a dsl.QArray: only dequantize reads it
+            return x
         x = np.asarray(x)
         if f64 and dtype in ("f16", "f32"):
             return x.astype(np.float64)

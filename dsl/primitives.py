@@ -10,7 +10,7 @@ import numpy as np
 
 from codegen import loopir as L
 
-from .core import DTYPES, DSLError, FLOATS, NP_DTYPES, primitive, promote
+from .core import DTYPES, DSLError, FLOATS, NP_DTYPES, QUANT_DTYPES, primitive, promote
 
 
 def _np(dtype):
@@ -372,6 +372,26 @@ def _argmax_rule(avals, **_):
 primitive("reduce_sum", "reduce", _reduce_rule, lambda x: np.sum(x, axis=-1).astype(x.dtype, copy=False))
 primitive("reduce_max", "reduce", _reduce_rule, lambda x: np.max(x, axis=-1))
 primitive("argmax", "reduce", _argmax_rule, lambda x: np.argmax(x, axis=-1).astype(np.int32))
+
+
+# ----------------------------------------------------------------------------- quantized weights
+def _dequantize_rule(avals, *, dtype):
+    (shape, src), = avals
+    if src not in QUANT_DTYPES:
+        raise DSLError(f"needs a quantized array ({', '.join(QUANT_DTYPES)}), got {src}")
+    if dtype not in FLOATS:
+        raise DSLError(f"dequantizes to a float dtype, not {dtype!r}")
+    return shape, dtype
+
+
+def _dequantize_impl(w, *, dtype):
+    """The float values of a ``dsl.QArray`` (bit for bit ``gguf.quants.dequantize``, then ``dtype``)."""
+    return w.dequantize().astype(_np(dtype))
+
+
+# an index op: each element is a load through the format (its block's scale times its quant), inlined
+# into the kernel that reads it (the GEMV), so that no float copy of a weight is ever written
+primitive("dequantize", "index", _dequantize_rule, _dequantize_impl)
 
 
 # ----------------------------------------------------------------------------- contraction

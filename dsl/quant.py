@@ -49,6 +49,15 @@ def nbytes(fmt: str, n: int) -> int:
     return n // BLOCK * FORMATS[fmt].block_bytes
 
 
+def storage(dtype: str, shape) -> tuple:
+    """(shape, numpy dtype) of the memory that holds an array of ``dtype`` and ``shape`` on a
+    device: a quantized array is its bytes, uint8 [nbytes]; others are themselves."""
+    if dtype in FORMATS:
+        return (nbytes(dtype, int(np.prod(shape, dtype=np.int64))),), np.dtype(np.uint8)
+    from .core import NP_DTYPES
+    return tuple(shape), np.dtype(NP_DTYPES[dtype])
+
+
 def _blocks(fmt, data):
     """The raw GGUF bytes as [n_blocks, block_bytes] uint8."""
     f = FORMATS[fmt]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsl.core import NP_DTYPES
+from dsl.core import NP_DTYPES, QUANT_DTYPES
 from dsl.pytree import unflatten
 
 _STAGE_BYTES = 1 << 16
@@ -77,6 +77,12 @@ class Executable:
         for v, name, x in zip(self.program.inputs, self.plan.inputs, leaves):
             if name in self.plan.scalars:
                 arrays.append(int(x))
+                continue
+            if v.dtype in QUANT_DTYPES:                # a dsl.QArray: its bytes, uploaded once
+                if getattr(x, "dtype", None) != v.dtype or tuple(x.shape) != v.shape:
+                    raise ValueError(f"argument {name}: {getattr(x, 'dtype', type(x).__name__)}"
+                                     f"{list(getattr(x, 'shape', ()))} != traced {v.dtype}{list(v.shape)}")
+                arrays.append(dev.resident(x.device_bytes()))
                 continue
             dt = NP_DTYPES[v.dtype]
             if dev.is_device_array(x):

@@ -26,7 +26,7 @@ import sys
 
 from codegen.loopir import format_kernel
 from codegen.simplify import simplify
-from dsl.core import DTYPES, DSLError, Lit, Program, Var, check_shape
+from dsl.core import DTYPES, QUANT_DTYPES, DSLError, Lit, Program, Var, check_shape
 from engine.build import build, render, text_of
 from engine.executable import Executable, get_device
 from fusion import build_plan, enabled_rules
@@ -64,7 +64,11 @@ def _type(v) -> str:
 def _check_type(v, where):
     """A dtype the kernels have (not f64, which only the interpreter computes in) and a shape they
     can index: no zero-size dims, at most 2**31 - 1 elements."""
-    if v.dtype not in DTYPES:
+    if v.dtype in QUANT_DTYPES:
+        if not v.shape or v.shape[-1] % 32:
+            raise DSLError(f"{where}: a {v.dtype} array needs a last axis that is a multiple of 32 (its block), "
+                           f"got shape {list(v.shape)}")
+    elif v.dtype not in DTYPES:
         raise DSLError(f"{where}: dtype {v.dtype} is not supported by the kernels; use one of {', '.join(DTYPES)}")
     check_shape(v.shape, where)
 

@@ -198,6 +198,16 @@ def _concatenate(b, e, idx):
     return out
 
 
+def _dequantize(b, e, idx):
+    (w,) = e.inputs
+    if not (w in b.ctx.materialized or w not in b.ctx.g.producer):
+        raise NotImplementedError("dequantize reads a quantized input buffer")
+    name = b.ctx.buffer_of(w)
+    b.reads[name] = w
+    x = L.QLoad(name, L.linear_index(idx, w.shape), "f32", w.dtype, w.size)
+    return x if e.params["dtype"] == "f32" else L.Cast(x, e.params["dtype"])
+
+
 def _take(b, e, idx):
     x, ids = e.inputs
     row = b.expr(ids, idx[:ids.ndim])
@@ -208,4 +218,4 @@ def _take(b, e, idx):
 LOWER = {name: _elementwise(name) for name in L.OPS}      # every op defined in dsl/primitives.py
 LOWER.update(select=_select, convert=_convert, iota=_iota, broadcast_in_dim=_broadcast,
              transpose=_transpose, reshape=_reshape, slice=_slice, concatenate=_concatenate,
-             take=_take)
+             take=_take, dequantize=_dequantize)

@@ -83,7 +83,8 @@ def kernel_name(eqns, buffers, layer=None) -> str:
         ws = words.setdefault(_word(e, buffers), [])
         if e.prim.kind == "contract" and len(e.inputs) > 1:
             w = e.inputs[1]
-            while w not in buffers and w in made and made[w].prim.kind == "view":   # w.T, w.astype
+            while w not in buffers and w in made and (made[w].prim.kind == "view"            # w.T, w.astype
+                                                      or made[w].prim.name == "dequantize"):
                 w = made[w].inputs[0]
             if w in buffers and weight_name(buffers[w]) not in ws:
                 ws.append(weight_name(buffers[w]))

@@ -18,6 +18,8 @@ RULES = {
               "(RMSNorm and softmax are one kernel)",
     "prologue": "the activation operand of a GEMV/matmul is computed inside it (RMSNorm before Q/K/V)",
     "epilogue": "elementwise consumers of a GEMV/matmul run on its accumulator (bias, residual, SiLU*mul)",
+    "dequantize": "a quantized weight is dequantized where it is read (inside the GEMV, the gather); "
+                  "off: a kernel writes its float copy first",
     "horizontal": "sibling kernels launch as one: GEMVs sharing their input (Q/K/V, gate/up), "
                   "and independent loops (RoPE and KV-cache writes)",
 }
@@ -111,6 +113,8 @@ def materialize(g: Graph, rules) -> set:
         if name == "dynamic_update_slice" and isinstance(e.inputs[0], Var):
             m.add(e.inputs[0])
         if "elementwise" not in rules and kind in ("elementwise", "index") and e.out.shape != ():
+            m.add(e.out)
+        if "dequantize" not in rules and name == "dequantize":
             m.add(e.out)
         if "prologue" not in rules and kind == "contract" and isinstance(e.inputs[0], Var):
             m.add(e.inputs[0])

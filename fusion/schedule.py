@@ -295,6 +295,8 @@ def contract_kernel(lw, a, roots):
         labels = {}
         for c in contracts:             # accumulators named after their weight (a buffer) or "dot"
             w = lw.g.producer[c].inputs[1]
+            if w in lw.g.producer and lw.g.producer[w].prim.name == "dequantize" and w not in lw.materialized:
+                w = lw.g.producer[w].inputs[0]                      # a quantized weight, dequantized here
             labels[c] = short_name(lw.buffer_of(w)) if w in lw.materialized or w not in lw.g.producer else "dot"
         b.accs = {c: L.Sym(fresh(f"acc_{labels[c]}"), "f32") for c in contracts}
         b.n_idx = nsym

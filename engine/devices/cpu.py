@@ -37,6 +37,8 @@ import threading
 import time
 
 import numpy as np
+
+from dsl.quant import storage
 import llvmlite.binding as llvm
 
 from codegen.llvm import render_llvm
@@ -787,10 +789,11 @@ class CPUDevice:
             raise ValueError(f"{where} missing")
         if not isinstance(a, np.ndarray):
             raise TypeError(f"{where} must be a numpy array, got {type(a).__name__}")
-        if a.dtype != NP_DTYPES[p.dtype]:
-            raise TypeError(f"{where} must be {NP_DTYPES[p.dtype]} ({p.dtype}), got {a.dtype}")
-        if tuple(a.shape) != tuple(p.shape):
-            raise ValueError(f"{where} must have shape {tuple(p.shape)}, got {a.shape}")
+        shape, dt = storage(p.dtype, p.shape)
+        if a.dtype != dt:
+            raise TypeError(f"{where} must be {dt} ({p.dtype}), got {a.dtype}")
+        if tuple(a.shape) != shape:
+            raise ValueError(f"{where} must have shape {shape}, got {a.shape}")
         if not (a.flags.c_contiguous and a.flags.aligned):
             raise ValueError(f"{where} must be C-contiguous and aligned")
         if p.role != "in" and not a.flags.writeable:

@@ -34,6 +34,8 @@ import ctypes
 
 import numpy as np
 
+from dsl.quant import storage
+
 from engine.build import build, render
 
 NP_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32),
@@ -312,7 +314,7 @@ class GPUDevice:
                 b = buffers.get(p.name)
                 if b is None:
                     raise self.Error(f"kernel {ck.kernel.name}: buffer {p.name!r} missing")
-                want = (tuple(p.shape), NP_DTYPES[p.dtype])
+                want = storage(p.dtype, p.shape)
                 if (tuple(b.shape), b.dtype) != want:
                     raise self.Error(f"kernel {ck.kernel.name}: buffer {p.name!r} is {b.dtype}{list(b.shape)}, "
                                      f"expected {want[1]}{list(want[0])}")

@@ -1,0 +1,165 @@
+"""Quantized weights (q4_0, q4_1, q8_0) in kernels: GEMVs, matmuls and gathers on the CPU against
+the float64 interpreter, the fusion rule that keeps a float copy from being written, and the
+gfx906 quantized GEMV's ISA gates (int8 dot products, 16-byte weight loads, LDS per weight byte).
+Weights are quantized by the gguf package's quantizer, an independent reference."""
+import gguf
+import numpy as np
+import pytest
+
+import dsl
+from dsl.core import DSLError
+from dsl.quant import QArray
+from engine.pipeline import lower_program
+
+rng = np.random.default_rng()
+FORMATS = ("q4_0", "q4_1", "q8_0")
+GGML = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def quantized(shape, fmt, scale=0.5):
+    """Fresh normal weights quantized by gguf's reference quantizer."""
+    w = (rng.standard_normal(shape) * scale).astype(np.float32)
+    return QArray(gguf.quants.quantize(w, GGML[fmt]).reshape(-1), shape, fmt)
+
+
+def check(f, *args, rtol=2e-5, **jit):
+    """``f`` compiled for the CPU against the float64 interpreter; the error is measured against the
+    size of what was summed (|x| @ |w|)."""
+    jf = dsl.jit(f, **jit)
+    want = jf.lower(*args).program.run(*args, compute_dtype="f64")
+    got = dsl.tree_flatten(jf(*args))[0]
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        np.testing.assert_allclose(np.asarray(g, np.float64), r, rtol=rtol, atol=rtol * max(1.0, np.abs(r).max()))
+    return jf
+
+
+def rms_norm(x, g):
+    return x * dsl.rsqrt(dsl.mean(x * x, axis=-1, keepdims=True) + 1e-5) * g
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(1, 32), (3, 64), (64, 96), (256, 576), (40, 1536)])
+def test_gemv_with_rms_norm_prologue_and_bias_residual_epilogue(fmt, n, k):
+    x, g = rng.standard_normal((1, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
+    b, res = rng.standard_normal(n).astype(np.float32), rng.standard_normal((1, n)).astype(np.float32)
+    w = quantized((n, k), fmt)
+    jf = check(lambda x, g, w, b, res: res + dsl.dot_t(rms_norm(x, g), w) + b, x, g, w, b, res)
+    (kern,) = jf.compile(x, g, w, b, res).plan.kernels           # one kernel: prologue, GEMV, epilogue
+    assert kern.family == "contract"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gate_and_up_siblings_share_one_kernel(fmt):
+    x, g = rng.standard_normal((1, 192)).astype(np.float32), rng.uniform(0.5, 1.5, 192).astype(np.float32)
+    wg, wu = quantized((128, 192), fmt), quantized((128, 192), fmt)
+
+    def mlp(x, g, w_gate, w_up):
+        h = rms_norm(x, g)
+        a = dsl.dot_t(h, w_gate)
+        return a * dsl.sigmoid(a) * dsl.dot_t(h, w_up)
+    jf = check(mlp, x, g, wg, wu)
+    (kern,) = jf.compile(x, g, wg, wu).plan.kernels
+    assert "w_gate" in kern.name and "w_up" in kern.name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matmul_rows_and_matmul_with_weights_stored_k_by_n(fmt):
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    w = quantized((48, 64), fmt)
+    check(lambda x, w: dsl.dot_t(x, w), x, w)
+    wkn = quantized((64, 96), fmt)                                 # blocks along N: x @ W
+    check(lambda x, w: x @ w, x, wkn)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_embedding_gather_and_dequantize_are_exact(fmt):
+    emb = quantized((50, 64), fmt)
+    ids = rng.integers(0, 50, 7).astype(np.int32)
+    rows = dsl.jit(lambda e, i: dsl.take(e, i))(emb, ids)
+    np.testing.assert_array_equal(rows, emb.dequantize()[ids])    # f32 bits of gguf's dequantization
+    full = dsl.jit(lambda e: dsl.dequantize(e))(emb)
+    np.testing.assert_array_equal(full, gguf.quants.dequantize(emb.data, GGML[fmt]).reshape(50, 64))
+    half = dsl.jit(lambda e: e.astype("f16"))(emb)
+    np.testing.assert_array_equal(half, emb.dequantize().astype(np.float16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_dequantize_rule_keeps_the_float_copy_out_of_memory(fmt):
+    x, w = rng.standard_normal((1, 96)).astype(np.float32), quantized((32, 96), fmt)
+    on = check(lambda x, w: dsl.dot_t(x, w), x, w)
+    off = check(lambda x, w: dsl.dot_t(x, w), x, w, fusion={"dequantize": False})
+    plan_on, plan_off = on.compile(x, w).plan, off.compile(x, w).plan
+    assert len(plan_on.kernels) == 1 and len(plan_off.kernels) == 2
+    assert all(dt != "f32" or shape != (32, 96) for shape, dt in plan_on.buffers.values())
+    # the GEMV's traffic counts the quantized bytes, not 4 per weight
+    assert plan_on.kernels[0].bytes < 96 * 32 * 2
+
+
+def test_quantized_arrays_only_enter_through_dequantize():
+    w = quantized((4, 32), "q4_0")
+    with pytest.raises(DSLError, match=r"q4_0\[4, 32\] array is quantized.*dsl.dequantize"):
+        dsl.jit(lambda w: w + 1.0)(w)
+    with pytest.raises(DSLError, match="multiple of 32"):
+        prog = dsl.parse_ir("{ lambda a:q4_0[2,40] ; let b:f32[2,40] = dequantize[dtype=f32] a in ( b ) }")
+        from engine.pipeline import typecheck
+        typecheck(prog)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QArray(np.zeros(18, np.uint8), (1, 31), "q4_0")
+    with pytest.raises(ValueError, match="must be 18 uint8 bytes"):
+        QArray(np.zeros(17, np.uint8), (1, 32), "q4_0")
+
+
+def test_ir_text_round_trips_quantized_inputs():
+    x, w = rng.standard_normal((1, 64)).astype(np.float32), quantized((8, 64), "q8_0")
+    text = dsl.jit(lambda x, w: dsl.dot_t(x, w)).lower(x, w).as_text()
+    assert "q8_0[8,64]" in text and "dequantize" in text
+    assert dsl.parse_ir(text).as_text() == text
+
+
+# ------------------------------------------------------------------------------------------ gfx906
+def _gfx906():
+    from engine.devices.rocm import HipUnavailable, find_hiprtc
+    try:
+        find_hiprtc()
+    except HipUnavailable as e:                                    # pragma: no cover - depends on the host
+        pytest.skip(f"gfx906 tests skipped: {e}")
+
+
+def quant_gemv_kernels(fmt):
+    """Quantized GEMVs of the shapes a Llama decode step has: short K (several rows per wave),
+    long K (a loop over blocks), gate/up siblings with SiLU*mul, Q/K/V segments."""
+    out = []
+    for n, k in ((576, 576), (64, 1536), (256, 8960)):
+        x, g = rng.standard_normal((1, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
+        w = quantized((n, k), fmt)
+        out += lower_program(dsl.jit(lambda x, g, w: dsl.dot_t(rms_norm(x, g), w)).lower(x, g, w)).kernels
+    x, g = rng.standard_normal((1, 576)).astype(np.float32), rng.uniform(0.5, 1.5, 576).astype(np.float32)
+    wg, wu, wk = quantized((1536, 576), fmt), quantized((1536, 576), fmt), quantized((192, 576), fmt)
+
+    def block(x, g, w_gate, w_up, wk):
+        h = rms_norm(x, g)
+        a = dsl.dot_t(h, w_gate)
+        return a * dsl.sigmoid(a) * dsl.dot_t(h, w_up), dsl.dot_t(h, wk)
+    out += [k for k in lower_program(dsl.jit(block).lower(x, g, wg, wu, wk)).kernels if k.family == "contract"]
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gfx906_quantized_gemv_isa_gates(fmt):
+    _gfx906()
+    from codegen.inspect import Inspected, counts, main_loop
+    from codegen.targets import get_target
+    for kern in quant_gemv_kernels(fmt):
+        it = Inspected(kern, get_target("gfx906"))
+        isa = it.isa()
+        c = counts(main_loop(isa))
+        where = f"{fmt} {kern.name} {[p.shape for p in kern.params]}"
+        assert "vf_quantize_q8_1" in it.source and f"vf_dot_{fmt}" in it.source, where
+        assert c["dot4"] >= 8, where                             # v_dot4_i32_i8 in the main loop
+        assert c["dwordx4"] >= 1, where                          # weights through global_load_dwordx4
+        assert c["flat"] == 0 and "flat_load" not in isa, where
+        assert it.res["scratch_bytes"] == 0 and it.res["vgpr_spills"] == 0, where
+        assert 1 <= it.res["waves_per_simd"] <= 9, (where, it.res)
+        assert c["lds_per_byte"] <= 0.056, (where, c)
