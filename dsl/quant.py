@@ -290,7 +290,7 @@ def gptq_dequantize(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint
     - ``qzeros``  int32 [G, N / F]: z[g, n] is field n % F of qzeros[g, n // F] (packed along N);
     - ``scales``  f16 [G, N];
     - ``g_idx``   int32 [K]: the group of input k (k // group_size, or with ``desc_act`` the group
-      of k's place in the activation order, so not sorted).
+      of k's place in the activation order, so not sorted); None for k // (K / G).
 
     ``W[n, k] = scales[g, n] * (q[k, n] - zero[g, n])`` with ``g = g_idx[k]``, in float32 (exact:
     an f16 times a small integer).  ``checkpoint_format`` "gptq" (AutoGPTQ's, GPTQModel's v1)
@@ -306,13 +306,14 @@ def gptq_dequantize(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint
         raise ValueError(f"GPTQ bits must be 2, 4 or 8 (fields that tile an int32), got {bits}")
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}; use 'gptq' or 'gptq_v2'")
-    qweight, qzeros, scales, g_idx = (np.asarray(a) for a in (qweight, qzeros, scales, g_idx))
+    qweight, qzeros, scales = (np.asarray(a) for a in (qweight, qzeros, scales))
     per = 32 // bits
     for name, a in (("qweight", qweight), ("qzeros", qzeros)):
         if a.ndim != 2 or a.dtype not in (np.int32, np.uint32):
             raise ValueError(f"GPTQ {name} must be a 2-D int32 array, got {a.dtype}{list(a.shape)}")
     K, N = qweight.shape[0] * per, qweight.shape[1]
     G = scales.shape[0] if scales.ndim == 2 else -1
+    g_idx = np.arange(K) * G // K if g_idx is None else np.asarray(g_idx)       # None: groups in order
     if scales.shape != (G, N) or qzeros.shape != (G, N // per) or N % per or g_idx.shape != (K,):
         raise ValueError(f"GPTQ shapes do not fit together: qweight {list(qweight.shape)}, qzeros "
                          f"{list(qzeros.shape)}, scales {list(scales.shape)}, g_idx {list(g_idx.shape)}; "

@@ -235,6 +235,8 @@ def test_gptq_hand_example(desc_act, sym):
     for n, row in HAND[desc_act, sym].items():
         np.testing.assert_array_equal(w[n], np.array(row, np.float32), err_msg=f"row {n}")
     np.testing.assert_array_equal(w, gptq_loop(QWEIGHT, zeros, SCALES, g_idx, 4, "gptq"))
+    if not desc_act:                                                    # no g_idx: groups in order
+        np.testing.assert_array_equal(gptq_dequantize(QWEIGHT, zeros, SCALES, None, sym=sym), w)
     # gptq_v2 stores the zeros themselves: one more in every field
     v2 = (zeros.view(np.uint32) + np.uint32(0x11111111)).view(np.int32)
     np.testing.assert_array_equal(gptq_dequantize(QWEIGHT, v2, SCALES, g_idx, sym=sym,
