@@ -38,7 +38,7 @@ def special_blocks(rng):
         np.where(np.arange(BLOCK) == 7, 1000.0, n),                     # one outlier
         np.where(np.arange(BLOCK) == 30, -1000.0, n),
         np.r_[3.0, -3.0, n[2:] * 0.1], np.r_[-3.0, 3.0, n[2:] * 0.1],  # largest |x| tied: the first wins
-        np.arange(BLOCK) - 15.5,                                        # q4_1 / q8_0 halves
+        np.arange(BLOCK) - 15.5,                                        # evenly spaced
         np.r_[127.0, np.arange(BLOCK - 1) * 4.0 - 60.5],               # q8_0: d = 1, exact halves
         np.r_[-8.0, np.arange(BLOCK - 1) * 0.5 - 7.5],                  # q4_0: d = 1, exact halves
         np.r_[3e38, -3e38, n[2:]], np.r_[np.full(16, 3e38), np.full(16, -3e38)],   # q4_1 range overflows
