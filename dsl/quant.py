@@ -15,6 +15,22 @@ Kernels read the *device layout* of the same bytes: the quants of every block fi
 bytes per block, so that each block's quants are one or two aligned 16-byte loads), then the
 scales of every block (``d``, or ``d, m``), both in block order.  ``to_device_layout`` and
 ``from_device_layout`` convert; no value changes.
+
+``quantize`` writes the bytes llama.cpp's reference quantizer writes (``quantize_row_q4_0_ref``
+and friends in ggml-quants.c; ``gguf.quants.quantize`` is its numpy copy and our test oracle).
+All arithmetic is float32 in this order, with ``inv = 1 / d`` (0 where ``d == 0``)::
+
+    q4_0  a = the element of largest |x| (the first on ties)   d = a / -8
+          q = min(15, trunc(x * inv + 8.5))
+    q4_1  d = (max - min) / 15, m = min                         q = min(15, trunc((x - m) * inv + 0.5))
+    q8_0  d = max |x| / 127                                     q = round(x * inv), halves away from 0
+
+and ``d``, ``m`` stored as f16 (round to nearest even).  Where the reference converts inf or NaN
+to an integer (a block whose ``1 / d`` overflows float32, below about 2e-38, or a q4_1 range
+beyond float32) the quant is 0, as x86's conversion makes it there.
+
+GPTQ (``gptq_int4``): the safetensors tensors of AutoGPTQ / GPTQModel checkpoints; see
+``gptq_dequantize``.
 """
 from __future__ import annotations
 
@@ -97,6 +113,87 @@ def from_device_layout(fmt: str, dev: np.ndarray) -> np.ndarray:
     return np.concatenate([sc, qs], axis=1).reshape(-1)
 
 
+def _inverse(d):
+    """1 / d in float32, 0 where d == 0 (overflow to inf is kept, as in the reference)."""
+    with np.errstate(divide="ignore", over="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def _to_int(v, lo, hi):
+    """Integers of float32 ``v`` (already truncated or rounded) clipped to [lo, hi]; a
+    non-finite ``v`` gives 0, as the reference's float-to-int conversion gives on x86."""
+    return np.clip(np.where(np.isfinite(v), v, 0), lo, hi)
+
+
+def _f16_bytes(v):
+    """float32 [nb] -> its f16 as uint8 [nb, 2] (round to nearest even, overflow to inf)."""
+    with np.errstate(over="ignore"):
+        return v.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def _nibbles(q):
+    """[nb, 32] values 0..15 -> [nb, 16] bytes: element j in the low nibble of byte j, element
+    j + 16 in its high nibble."""
+    q = q.astype(np.uint8)
+    return q[:, :16] | q[:, 16:] << 4
+
+
+def _quantize_q4_0(b):
+    a = b[np.arange(len(b)), np.abs(b).argmax(axis=1)]                        # [nb], signed
+    d = a / np.float32(-8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = np.trunc(b * _inverse(d)[:, None] + np.float32(8.5))
+    return _f16_bytes(d), _nibbles(_to_int(v, 0, 15))
+
+
+def _quantize_q4_1(b):
+    lo, hi = b.min(axis=1), b.max(axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = (hi - lo) / np.float32(15)
+        v = np.trunc((b - lo[:, None]) * _inverse(d)[:, None] + np.float32(0.5))
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo)], axis=1), _nibbles(_to_int(v, 0, 15))
+
+
+def _quantize_q8_0(b):
+    d = np.abs(b).max(axis=1) / np.float32(127)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = b * _inverse(d)[:, None]
+        t = np.trunc(v)
+        v = t + np.where(np.abs(v - t) >= 0.5, np.sign(v), 0)                # halves away from 0
+    return _f16_bytes(d), _to_int(v, -127, 127).astype(np.int8).view(np.uint8)
+
+
+_QUANTIZERS = {"q4_0": _quantize_q4_0, "q4_1": _quantize_q4_1, "q8_0": _quantize_q8_0}
+_CHUNK = 4096                               # blocks quantized at a time (512 KiB of float32)
+
+
+def quantize(fmt: str, x) -> "QArray":
+    """Quantize a float array ``x`` (any float dtype, converted to float32 first; last axis a
+    multiple of 32) to ``fmt`` ("q4_0", "q4_1", "q8_0"): a ``QArray`` of ``x``'s shape whose
+    bytes equal ``gguf.quants.quantize``'s (the rules are in the module docstring).
+
+    Raises ValueError for an unknown format, a last axis that is not a multiple of 32, or a
+    value that is not finite in float32 (naming its index)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; use one of {', '.join(FORMATS)}")
+    x = np.asarray(x)
+    if x.ndim == 0 or x.shape[-1] % BLOCK:
+        raise ValueError(f"{fmt} quantizes blocks of {BLOCK} along the last axis; shape {list(x.shape)} "
+                         f"needs a last axis that is a multiple of {BLOCK} (pad it)")
+    blocks = x.reshape(-1, BLOCK)
+    out = np.empty((len(blocks), FORMATS[fmt].block_bytes), np.uint8)
+    for start in range(0, len(blocks), _CHUNK):                              # cache-sized pieces
+        with np.errstate(over="ignore"):
+            b = blocks[start:start + _CHUNK].astype(np.float32)
+        if not np.isfinite(b).all():
+            i = np.unravel_index(start * BLOCK + np.flatnonzero(~np.isfinite(b))[0], x.shape)
+            raise ValueError(f"cannot quantize to {fmt}: x{[int(j) for j in i]} = {x[i]} is not finite "
+                             "in float32; quantized formats hold finite values only")
+        scales, quants = _QUANTIZERS[fmt](b)
+        out[start:start + _CHUNK] = np.concatenate([scales, quants], axis=1)
+    return QArray(out.reshape(-1), x.shape, fmt)
+
+
 class QArray:
     """A quantized array: logical ``shape`` (its last axis a multiple of 32), ``dtype`` the format
     name ("q4_0", "q4_1", "q8_0"), ``data`` the GGUF blocks as uint8 (row-major blocks; a
@@ -134,6 +231,11 @@ class QArray:
     def nbytes(self):
         return self.data.size
 
+    @classmethod
+    def quantize(cls, x, fmt: str) -> "QArray":
+        """``quantize(fmt, x)``: float array ``x`` quantized to ``fmt``, bytes equal to gguf's."""
+        return quantize(fmt, x)
+
     def dequantize(self) -> np.ndarray:
         """float32 values of ``shape`` (bit for bit ``gguf.quants.dequantize``)."""
         return dequantize_blocks(self.dtype, self.data).reshape(self.shape)
@@ -152,3 +254,144 @@ class QArray:
 
     def __repr__(self):
         return f"QArray({self.dtype}{list(self.shape)}, {self.nbytes} bytes)"
+
+
+# --- GPTQ (AutoGPTQ / GPTQModel safetensors) -----------------------------------------------------
+
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+
+
+def _unpack(packed, bits, axis):
+    """int32 words -> their 32 / bits fields (lowest bits first), unpacked along ``axis`` (0 or 1)
+    as int32: [R, C] -> [R * 32 / bits, C] or [R, C * 32 / bits]."""
+    per = 32 // bits
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    w = np.ascontiguousarray(packed).view(np.uint32)
+    if axis == 0:
+        fields = w[:, None, :] >> shifts[None, :, None]                          # [R, per, C]
+        shape = (w.shape[0] * per, w.shape[1])
+    else:
+        fields = w[:, :, None] >> shifts[None, None, :]                          # [R, C, per]
+        shape = (w.shape[0], w.shape[1] * per)
+    return (fields & np.uint32((1 << bits) - 1)).astype(np.int32).reshape(shape)
+
+
+def _pack(values, bits, axis):
+    """The inverse of ``_unpack``: values 0 .. 2**bits - 1 -> int32 words, packed along ``axis``."""
+    per = 32 // bits
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    v = np.asarray(values).astype(np.uint32)
+    if axis == 0:
+        words = np.bitwise_or.reduce(v.reshape(-1, per, v.shape[1]) << shifts[None, :, None], axis=1)
+    else:
+        words = np.bitwise_or.reduce(v.reshape(v.shape[0], -1, per) << shifts[None, None, :], axis=2)
+    return words.view(np.int32)
+
+
+def gptq_dequantize(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint_format="gptq") -> np.ndarray:
+    """float32 [N, K] (PyTorch's [out, in] layout) of a GPTQ-quantized linear layer.
+
+    The tensors of an AutoGPTQ / GPTQModel safetensors checkpoint, for K inputs, N outputs and
+    G groups (G = K / group_size, or 1 for group_size -1), with F = 32 / bits fields per int32
+    word, lowest bits first:
+
+    - ``qweight`` int32 [K / F, N]: q[k, n] is field k % F of qweight[k // F, n] (packed along K);
+    - ``qzeros``  int32 [G, N / F]: z[g, n] is field n % F of qzeros[g, n // F] (packed along N);
+    - ``scales``  f16 [G, N];
+    - ``g_idx``   int32 [K]: the group of input k (k // group_size, or with ``desc_act`` the group
+      of k's place in the activation order, so not sorted); None for k // (K / G).
+
+    ``W[n, k] = scales[g, n] * (q[k, n] - zero[g, n])`` with ``g = g_idx[k]``, in float32 (exact:
+    an f16 times a small integer).  ``checkpoint_format`` "gptq" (AutoGPTQ's, GPTQModel's v1)
+    stores ``zero - 1``, so ``zero = z + 1``; "gptq_v2" (GPTQModel) stores ``zero = z``.  A
+    symmetric checkpoint (``sym``) has ``zero = 2**(bits - 1)`` everywhere, which is checked.
+    Sources: AutoGPTQ's ``QuantLinear.pack``/``forward`` (auto_gptq/nn_modules/qlinear) and
+    GPTQModel's v1/v2 conversion (gptqmodel/utils/model.py).
+
+    Raises ValueError for bits other than 2, 4, 8, an unknown ``checkpoint_format``, shapes or
+    dtypes that do not fit together, a ``g_idx`` out of range, or a symmetric checkpoint whose
+    zeros are not 2**(bits - 1)."""
+    if bits not in (2, 4, 8):
+        raise ValueError(f"GPTQ bits must be 2, 4 or 8 (fields that tile an int32), got {bits}")
+    if checkpoint_format not in GPTQ_FORMATS:
+        raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}; use 'gptq' or 'gptq_v2'")
+    qweight, qzeros, scales = (np.asarray(a) for a in (qweight, qzeros, scales))
+    per = 32 // bits
+    for name, a in (("qweight", qweight), ("qzeros", qzeros)):
+        if a.ndim != 2 or a.dtype not in (np.int32, np.uint32):
+            raise ValueError(f"GPTQ {name} must be a 2-D int32 array, got {a.dtype}{list(a.shape)}")
+    K, N = qweight.shape[0] * per, qweight.shape[1]
+    G = scales.shape[0] if scales.ndim == 2 else -1
+    g_idx = np.arange(K) * G // K if g_idx is None else np.asarray(g_idx)       # None: groups in order
+    if scales.shape != (G, N) or qzeros.shape != (G, N // per) or N % per or g_idx.shape != (K,):
+        raise ValueError(f"GPTQ shapes do not fit together: qweight {list(qweight.shape)}, qzeros "
+                         f"{list(qzeros.shape)}, scales {list(scales.shape)}, g_idx {list(g_idx.shape)}; "
+                         f"expected [K/{per}, N], [G, N/{per}], [G, N], [K]")
+    if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= G):
+        raise ValueError(f"GPTQ g_idx must lie in 0..{G - 1} (one per group of scales), got "
+                         f"{g_idx.min()}..{g_idx.max()}")
+    q = _unpack(qweight, bits, axis=0)                                            # [K, N]
+    zero = _unpack(qzeros, bits, axis=1) + (checkpoint_format == "gptq")          # [G, N]
+    if sym and (zero != 1 << (bits - 1)).any():
+        raise ValueError(f"a symmetric GPTQ checkpoint ({checkpoint_format}) has zeros "
+                         f"{1 << (bits - 1)}, but these range {zero.min()}..{zero.max()}; "
+                         "check 'sym' and 'checkpoint_format' in quantize_config.json")
+    g = g_idx.astype(np.int64)
+    w = scales.astype(np.float32)[g] * (q - zero[g]).astype(np.float32)        # [K, N]
+    return np.ascontiguousarray(w.T)
+
+
+def gptq_quantize(w, group_size=128, sym=True, desc_act=False, perm=None, rng=None, bits=4,
+                  checkpoint_format="gptq"):
+    """A valid GPTQ checkpoint of float weights ``w`` [N, K] (PyTorch layout) by round to nearest
+    (for tests, not quality): returns ``(qweight, qzeros, scales, g_idx)`` as ``gptq_dequantize``
+    describes them.
+
+    ``group_size`` divides K (-1: one group).  With ``desc_act`` the groups follow the order
+    ``perm`` (a permutation of range(K); GPTQ takes it from the Hessian, here it is given or
+    drawn from ``rng``): input ``perm[i]`` is in group ``i // group_size``.  Each group's range
+    [min(w, 0), max(w, 0)] (symmetric: [-max|w|, max|w|]) maps onto 0 .. 2**bits - 1; the f16
+    scale is used for the rounding, so |dequantized - w| <= about half a step (scale).  The
+    "gptq" format cannot store a zero of 0 (it writes zero - 1), so there such groups use zero 1
+    and a step of max / (2**bits - 2).
+
+    Raises ValueError for shapes that do not pack (K or N not a multiple of 32 / bits, K not a
+    multiple of ``group_size``), a ``perm`` that is not a permutation, or a weight whose scale
+    overflows f16."""
+    w = np.asarray(w, np.float32)
+    N, K = w.shape
+    per, maxq = 32 // bits, (1 << bits) - 1
+    gs = K if group_size == -1 else group_size
+    if K % per or N % per or K % gs:
+        raise ValueError(f"GPTQ packs {per} values per int32: w [N={N}, K={K}] needs N and K multiples "
+                         f"of {per}, and K a multiple of group_size {gs}")
+    if checkpoint_format not in GPTQ_FORMATS:
+        raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}; use 'gptq' or 'gptq_v2'")
+    order = np.arange(K)
+    if desc_act:
+        rng = rng if rng is not None else np.random.default_rng(0)
+        order = np.asarray(perm) if perm is not None else rng.permutation(K)
+        if not np.array_equal(np.sort(order), np.arange(K)):
+            raise ValueError(f"GPTQ perm must be a permutation of range({K}), the activation order of the inputs")
+    g_idx = np.empty(K, np.int32)
+    g_idx[order] = np.arange(K) // gs
+    wg = w[:, order].reshape(N, K // gs, gs)                                      # [N, G, gs]
+    lo, hi = np.minimum(wg.min(axis=2), 0).T, np.maximum(wg.max(axis=2), 0).T     # [G, N]
+    if sym:
+        hi = np.maximum(-lo, hi)
+        lo = -hi
+    step = (hi - lo) / maxq
+    if not sym and checkpoint_format == "gptq":
+        step = np.where(-lo < step / 2, hi / (maxq - 1), step)                  # zero would be 0
+    scales = np.maximum(step, np.float32(2.0 ** -14)).astype(np.float16)          # [G, N]
+    if not np.isfinite(scales).all():
+        raise ValueError(f"GPTQ scales overflow f16: a group's step (its range / {maxq}) exceeds 65504; "
+                         "these weights are too large for f16 scales")
+    s = scales.astype(np.float32)
+    if sym:
+        zero = np.full(s.shape, 1 << (bits - 1))
+    else:
+        zero = np.clip(np.round(-lo / s), 1 if checkpoint_format == "gptq" else 0, maxq).astype(np.int64)
+    q = np.clip(np.round(w.T / s[g_idx]) + zero[g_idx], 0, maxq)                # [K, N]
+    stored = zero - (checkpoint_format == "gptq")
+    return _pack(q, bits, axis=0), _pack(stored, bits, axis=1), scales, g_idx
