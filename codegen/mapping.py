@@ -225,9 +225,10 @@ def _contract(body, t):
     per_wave = info.get("rows_per_wave", 1)
     grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * t.blocks_per_cu))
     if info["q8"]:
-        lanes = t.wave // per_wave
-        how = (f"{K}-element activation quantized to q8_1 in LDS; {'a wave' if per_wave == 1 else f'{lanes} lanes'} "
-               f"per output row ({total} rows); each lane takes whole weight blocks (16-byte loads, int8 dot products)")
+        lanes, per = info["lanes"], info["rows_per_lane"]
+        how = (f"{K}-element activation quantized to q8_1 in LDS; {'a wave' if lanes == t.wave else f'{lanes} lanes'} "
+               f"per {per} output rows ({total} rows); each lane takes whole weight blocks of its rows "
+               f"(16-byte loads, int8 dot products)")
         return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), "q8_1")
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
@@ -328,7 +329,7 @@ def _quant_wave_loop(segs, t, info):
     lanes = _lanes_per_row(t, K, sizes)
     side = t.wave // lanes                               # tiles a wave takes side by side
     per = rows_per_lane(sizes, side)
-    info.update(split=1, total=sum(sizes), vec=32, rows_per_wave=side * per)
+    info.update(split=1, total=sum(sizes), vec=32, rows_per_wave=side * per, lanes=lanes, rows_per_lane=per)
     tile = L.Sym("tile_0", "i32")
     kb = L.Sym("kb_0", "i32")
     # a group's sum is in its last lane (vf_lanes_sum); a whole wave's in every lane (vf_wave_sum)
@@ -338,7 +339,8 @@ def _quant_wave_loop(segs, t, info):
         red, *rest = s.body
         own = tile
         if off:                                          # the segment's own tiles, named after its weight
-            own = L.Sym("tile" + red.accs[0].name[len("acc"):] if red.accs[0].name.startswith("acc_") else "tile_0", "i32")
+            acc = red.accs[0].name
+            own = L.Sym("tile" + acc[len("acc"):] if acc.startswith("acc_") else f"tile_{s.var}", "i32")
         accs, epilogue = [], []
         for u in range(per):
             names = {a.name: _renamed(a.name, u) for a in red.accs} if per > 1 else {}

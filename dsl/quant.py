@@ -216,8 +216,26 @@ class QArray:
         if data.dtype != np.uint8 or data.size != nbytes(dtype, n):
             raise ValueError(f"{dtype} data for shape {list(shape)} must be {nbytes(dtype, n)} uint8 bytes, "
                              f"got {data.size} {data.dtype}")
-        self.data, self.shape, self.dtype = data, shape, dtype
+        self._data, self.shape, self.dtype = data, shape, dtype
         self._device = None
+
+    @classmethod
+    def from_device(cls, dev, shape, dtype) -> "QArray":
+        """A QArray from bytes in the device layout (``to_device_layout``); ``data`` is made from
+        them when it is first read."""
+        q = cls(np.zeros(nbytes(dtype, int(np.prod(shape, dtype=np.int64))), np.uint8), shape, dtype)
+        dev = np.ascontiguousarray(dev, np.uint8).reshape(-1)
+        if dev.size != q._data.size:
+            raise ValueError(f"{dtype} device bytes for shape {list(shape)} must be {q._data.size}, got {dev.size}")
+        q._data, q._device = None, dev
+        return q
+
+    @property
+    def data(self) -> np.ndarray:
+        """The GGUF blocks, uint8."""
+        if self._data is None:
+            self._data = from_device_layout(self.dtype, self._device)
+        return self._data
 
     @property
     def ndim(self):
@@ -229,7 +247,7 @@ class QArray:
 
     @property
     def nbytes(self):
-        return self.data.size
+        return nbytes(self.dtype, self.size)
 
     @classmethod
     def quantize(cls, x, fmt: str) -> "QArray":
@@ -254,6 +272,17 @@ class QArray:
 
     def __repr__(self):
         return f"QArray({self.dtype}{list(self.shape)}, {self.nbytes} bytes)"
+
+
+def random_qarray(shape, fmt: str, seed: int = 0, scale: float = 0.02) -> QArray:
+    """Random quantized weights of ``shape`` for benchmarks (speed depends on bytes, not values):
+    uniform random quants, block scales that give values of about +-``scale``."""
+    rng = np.random.default_rng(seed)
+    f, nb = FORMATS[fmt], int(np.prod(shape, dtype=np.int64)) // BLOCK
+    quants = np.frombuffer(rng.bytes(nb * f.quant_bytes), np.uint8)
+    d = (scale / (127 if fmt == "q8_0" else 8) * rng.uniform(0.5, 1.5, nb)).astype(np.float16)
+    scales = d[:, None] if f.scale_bytes == 2 else np.stack([d, (-8 * d).astype(np.float16)], axis=1)
+    return QArray.from_device(np.concatenate([quants, scales.view(np.uint8).reshape(-1)]), shape, fmt)
 
 
 # --- GPTQ (AutoGPTQ / GPTQModel safetensors) -----------------------------------------------------

@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from dsl.quant import QUANT_DTYPES, random_qarray
+
 
 def bench_vegafuse(cfg, params, ids, n_tokens, backend):
     from .model import Model
@@ -88,7 +90,10 @@ def random_params(cfg, dev, dtype="f16", seed=0):
     """Random weights of the real shapes, made on the device (speed depends on bytes, not values)."""
     D, hd, F = cfg.dim, cfg.head_dim, cfg.ffn_dim
     seeds = iter(range(seed, seed + 1 << 20))
-    mat = lambda n, k: dev.random((n, k), dtype, 0.02, next(seeds))              # noqa: E731
+    if dtype in QUANT_DTYPES:                    # all 2-D weights quantized; uploaded once, when first bound
+        mat = lambda n, k: random_qarray((n, k), dtype, next(seeds))               # noqa: E731
+    else:
+        mat = lambda n, k: dev.random((n, k), dtype, 0.02, next(seeds))          # noqa: E731
     vec = lambda n, shift=0.0: dev.random((n,), "f32", 0.02, next(seeds), shift)  # noqa: E731
     layers = []
     for _ in range(cfg.n_layers):
@@ -234,11 +239,13 @@ def main_gpu(args):
     if args.profile:
         profile(dev, ex, tps)
     if not args.no_peer:
-        peer = bench_torch_compile(cfg, args.tokens, args.context, dtype=args.dtype)
+        peer_dtype = "f16" if args.dtype in QUANT_DTYPES else args.dtype     # the peer has no such weights
+        peer = bench_torch_compile(cfg, args.tokens, args.context, dtype=peer_dtype)
         if peer is None:
             print("  torch.compile peer: torch/transformers not importable, skipped")
         else:
-            print(f"  HF static cache + torch.compile(reduce-overhead): {peer:8.1f} tok/s  {1e3 / peer:6.3f} ms/token"
+            print(f"  HF static cache + torch.compile(reduce-overhead), {peer_dtype}: {peer:8.1f} tok/s  "
+                  f"{1e3 / peer:6.3f} ms/token"
                   f"  -> vegafuse {tps / peer:.2f}x")
     return 0
 
@@ -249,7 +256,8 @@ def main(argv=None):
     p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct); "
                                    f"with --backend cuda also a shape: {', '.join(SHAPES)}")
     p.add_argument("--random-weights", action="store_true", help="real shapes, random values (cuda)")
-    p.add_argument("--dtype", default="f16", choices=["f16", "f32"])
+    p.add_argument("--dtype", default="f16", choices=["f16", "f32", *QUANT_DTYPES],
+                   help="weights: f16, f32, or quantized (q4_0, q4_1, q8_0: random weights on cuda)")
     p.add_argument("--context", type=int, default=512, help="KV-cache positions (cuda, default 512)")
     p.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer (cuda)")
     p.add_argument("--no-graphs", action="store_true", help="launch kernels one by one (cuda A/B)")

@@ -198,3 +198,70 @@ def test_argmax_picks_the_first_nan_like_numpy():
     x[1, 5], x[2, 0], x[3, 3000], x[3, 7], x[4] = np.nan, np.nan, np.nan, np.nan, np.nan
     got = np.asarray(dsl.jit(lambda x: dsl.argmax(x, -1), backend="cuda")(x))
     np.testing.assert_array_equal(got, np.argmax(x, -1))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", [(1, 32), (96, 576), (64, 1536), (1536, 576), (256, 8960)])
+def test_quantized_gemv_with_int8_dot_products(fmt, n, k):
+    """RMSNorm -> GEMV with quantized weights -> residual: the activation is quantized to q8_1 in LDS
+    and each lane folds whole weight blocks with dp4a.  Against the same arithmetic in float64
+    (activation through q8_1, weights exact; only f32 rounding differs), and against the float64
+    interpreter within the activation's quantization error."""
+    from tests.test_quant_kernels import q8_1_gemv, quantized
+    x, g = randn(1, k), rng.uniform(0.5, 1.5, k).astype(np.float32)
+    res, w = randn(1, n), quantized((n, k), fmt)
+
+    def f(x, g, w, res):
+        return res + dsl.dot_t(nn.rms_norm(x, g, 1e-5), w)
+    jf = dsl.jit(f, backend="cuda")
+    got = np.asarray(jf(x, g, w, res), np.float64)
+    h = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * g
+    scale = np.abs(h) @ np.abs(w.dequantize().astype(np.float64)).T       # what each output sums
+    want = res + q8_1_gemv(h.astype(np.float32), w)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale.max() + 1e-6)
+    exact = jf.lower(x, g, w, res).program.run(x, g, w, res, compute_dtype="f64")[0]
+    assert np.all(np.abs(got - exact) <= 2e-2 * scale + 1e-6)            # q8_1: 1/254 of each block's max
+    c = jf.compile(x, g, w, res)
+    (kern,) = [ck for ck in c.kernels if ck.kernel.family == "contract"]
+    assert "vf_quantize_q8_1" in kern.hip.body and f"vf_dot_{fmt}" in kern.hip.body
+    if c.device.target.emulated_wave:
+        assert kern.hip.body == render_hip(kern.kernel, "gfx906").body
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_quantized_mlp_and_embedding_on_the_gpu(fmt):
+    """gate/up siblings with SiLU*mul in one kernel, down projection, and a quantized embedding gather."""
+    from tests.test_quant_kernels import quantized
+    D, F = 576, 1536
+    x, g = randn(1, D), rng.uniform(0.5, 1.5, D).astype(np.float32)
+    wg, wu, wd, emb = (quantized(s, fmt) for s in ((F, D), (F, D), (D, F), (300, D)))
+    ids = rng.integers(0, 300, 3).astype(np.int32)
+
+    def mlp(x, g, w_gate, w_up, w_down, emb, ids):
+        h = nn.rms_norm(x, g, 1e-5)
+        return x + nn.linear(nn.silu(nn.linear(h, w_gate)) * nn.linear(h, w_up), w_down), dsl.take(emb, ids)
+    jf = dsl.jit(mlp, backend="cuda")
+    out, rows = jf(x, g, wg, wu, wd, emb, ids)
+    np.testing.assert_array_equal(np.asarray(rows), emb.dequantize()[ids])
+    want = jf.lower(x, g, wg, wu, wd, emb, ids).program.run(x, g, wg, wu, wd, emb, ids, compute_dtype="f64")[0]
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=0, atol=3e-2 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_quantized_qkv_segments_with_bias(fmt):
+    """Q, K and V as three segments of one kernel (the wave loop's tiles split between them), with
+    the bias epilogue: against the q8_1 arithmetic in float64."""
+    from tests.test_quant_kernels import q8_1_gemv, quantized
+    D = 1536
+    x, g = randn(1, D), rng.uniform(0.5, 1.5, D).astype(np.float32)
+    ws = [quantized((n, D), fmt) for n in (1536, 256, 256)]
+    bs = [randn(n) for n in (1536, 256, 256)]
+
+    def qkv(x, g, wq, wk, wv, bq, bk, bv):
+        h = nn.rms_norm(x, g, 1e-5)
+        return nn.linear(h, wq, bq), nn.linear(h, wk, bk), nn.linear(h, wv, bv)
+    got = dsl.jit(qkv, backend="cuda")(x, g, *ws, *bs)
+    h = (x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * g).astype(np.float32)
+    for out, w, b in zip(got, ws, bs):
+        scale = (np.abs(h.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T).max()
+        np.testing.assert_allclose(np.asarray(out, np.float64), q8_1_gemv(h, w) + b, rtol=0, atol=1e-5 * scale + 1e-6)

@@ -163,3 +163,56 @@ def test_gfx906_quantized_gemv_isa_gates(fmt):
         assert it.res["scratch_bytes"] == 0 and it.res["vgpr_spills"] == 0, where
         assert 1 <= it.res["waves_per_simd"] <= 9, (where, it.res)
         assert c["lds_per_byte"] <= 0.056, (where, c)
+
+
+# ------------------------------------------------------------------------------ the q8_1 path's arithmetic
+def round_half_away(v):
+    """C's roundf, in float32."""
+    return (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.float32)
+
+
+def q8_1(x):
+    """x [K] (f32) as the GPU quantizes it to q8_1: per block of 32, d = max|x| / 127 and
+    q = roundf(x * (1 / d)), in float32.  Returns the float64 values d * q."""
+    b = x.astype(np.float32).reshape(-1, 32)
+    d = (np.abs(b).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), np.float32(0)).astype(np.float32)
+    return (d.astype(np.float64) * round_half_away(b * inv).astype(np.float64)).reshape(-1)
+
+
+def q8_1_gemv(x, w):
+    """The int8 GEMV's result in float64: the activation through q8_1, the weights exact."""
+    return np.stack([q8_1(row) for row in np.atleast_2d(x)]) @ w.dequantize().astype(np.float64).T
+
+
+def _shadowed(body, bound=()):
+    """Names a statement binds while an enclosing statement already bound them (C would shadow)."""
+    from codegen import loopir as L
+    out, bound = [], set(bound)
+    for s in body:
+        names = [s.var] if isinstance(s, (L.Loop, L.Reduce)) else [s.name] if isinstance(s, (L.Declare, L.Array)) else []
+        if isinstance(s, L.Reduce):
+            names += [n for a in s.accs for n in (a.name, a.arg) if n]
+        out += [n for n in names if n in bound]
+        bound |= set(names)
+        for sub in L.sub_bodies(s):
+            out += _shadowed(sub, bound)
+    return out
+
+
+@pytest.mark.parametrize("target", ["gfx906", "sm_90", "sm_90_wave64"])
+def test_mapped_segments_bind_fresh_names_in_canonical_form(target):
+    """Kernels compile in canonical form (locals v0, v1, ...): the mapping's own names (a segment's
+    tile, the fill's group) must not shadow another name there either."""
+    from codegen.loopir import canonicalize
+    from codegen.mapping import map_kernel
+    from codegen.targets import get_target
+    x, g = rng.standard_normal((1, 576)).astype(np.float32), rng.uniform(0.5, 1.5, 576).astype(np.float32)
+    ws = [quantized((n, 576), "q4_0") for n in (576, 192, 192)]
+
+    def qkv(x, g, wq, wk, wv):
+        h = rms_norm(x, g)
+        return dsl.dot_t(h, wq), dsl.dot_t(h, wk), dsl.dot_t(h, wv)
+    (kern,) = lower_program(dsl.jit(qkv).lower(x, g, *ws)).kernels
+    for k in (kern, canonicalize(kern)):
+        assert _shadowed(map_kernel(k, get_target(target)).body) == []
