@@ -152,7 +152,7 @@ def _loop(s, pad):
         return [_for(s.var, bare(s.start), expr(s.stop), "++", pad).replace(f"{s.var} ++", f"++{s.var}")]
     key = "wave_split" if s.map == "wave" and s.split > 1 else "wave_lanes" if s.map == "wave" and s.lanes else s.map
     first, step = (x.format(s=s.split, r=f"(VF_WAVE / {s.lanes})", l=s.lanes) for x in LOOP_MAP[key])
-    note = f"  // {s.split} waves per row, all take the same trips: barriers are safe" if s.split > 1 else \
+    note = f"  // {s.split} waves per iteration, all take the same trips: barriers are safe" if s.split > 1 else \
         f"  // {s.lanes} lanes per row: a wave takes VF_WAVE / {s.lanes} rows side by side" if s.lanes else ""
     return [_for(s.var, _plus(s.start, first), expr(s.stop), f"+= {step}", pad) + note]
 
@@ -194,6 +194,8 @@ def _reduce(s, pad):
             lo = _plus(lo, lane)
         if s.vector > 1:
             out.append(f"{pad}VF_UNROLL_K")
+        elif s.unroll:
+            out.append(f"{pad}#pragma unroll {s.unroll}")
         step = s.lanes or "VF_WAVE"
         out.append(_for(s.var, lo, hi, f"+= {step}{'' if s.vector == 1 else f' * {s.vector}'}", pad))
     for a in s.accs:

@@ -298,6 +298,7 @@ class Reduce:
     vector: int = 1
     split: int = 1
     lanes: int = 0                # map="lane": the lanes that share the range (0: the whole wave)
+    unroll: int = 0               # GPU unroll hint (loads in flight); 0: the compiler's choice
 
 
 @dataclass(frozen=True)

@@ -294,7 +294,9 @@ def _quantize_fill(s, t):
     body = tuple(L.substitute((L.Declare(x.name, "f32", st.value),), {s.var: L.add(L.mul(at, L.c(4)), L.c(i))})[0]
                  for i, x in enumerate(xs))
     active = L.Const(True, "bool") if trips == groups else L.Bin("lt", g, L.c(groups))
-    return L.Loop(g.name, L.c(0), L.c(trips), body + (L.QuantizeQ8(st.buf, g, tuple(xs), active),), map="block")
+    # unrolled, the trips' loads are in flight together (as the float fill's)
+    return L.Loop(g.name, L.c(0), L.c(trips), body + (L.QuantizeQ8(st.buf, g, tuple(xs), active),), map="block",
+                  unroll=t.prologue_unroll)
 
 
 def _lanes_per_row(t, K, sizes):
@@ -307,11 +309,27 @@ def _lanes_per_row(t, K, sizes):
     return lanes
 
 
-def rows_per_lane(sizes, rows_per_wave) -> int:
-    """Rows each lane folds against every activation block it reads from LDS (4, 2 or 1, dividing
-    every segment's rows): one LDS read serves several weight blocks (the LDS-per-weight-byte
-    metric of ``codegen.inspect``), and more 16-byte loads are in flight."""
-    return next(u for u in (4, 2, 1) if all(n % (u * rows_per_wave) == 0 for n in sizes))
+def rows_per_lane(sizes, rows_per_wave, most=4) -> int:
+    """Rows each lane folds against every activation block it reads from LDS (``most`` or fewer, a
+    power of two dividing every segment's rows): one LDS read serves several weight blocks (the
+    LDS-per-weight-byte metric of ``codegen.inspect``), and more 16-byte loads are in flight.
+    ``VEGAFUSE_QUANT_ROWS`` overrides ``most`` (A/B)."""
+    most = int(os.environ.get("VEGAFUSE_QUANT_ROWS", most))
+    return next(u for u in (4, 2, 1) if u <= most and all(n % (u * rows_per_wave) == 0 for n in sizes))
+
+
+def quant_ksplit(t: Target, tiles, blocks: int) -> int:
+    """Waves per tile of a quantized GEMV whose rows take whole waves, as ``ksplit``: when the
+    tiles leave most of the chip idle, 2 or 4 waves share a tile's blocks and combine in LDS; each
+    wave's slice at least a block per lane, and every segment's tiles a multiple of the tiles a
+    workgroup takes at once (uniform trips: the combine's barriers are safe)."""
+    capacity = t.compute_units * t.blocks_per_cu * t.waves_per_block
+    ks = 1
+    while ks < 4 and sum(tiles) * ks * 4 <= capacity and blocks % (ks * 2) == 0 \
+            and blocks // (ks * 2) >= t.wave and t.waves_per_block % (ks * 2) == 0 \
+            and all(n % (t.waves_per_block // (ks * 2)) == 0 for n in tiles):
+        ks *= 2
+    return ks
 
 
 def _renamed(a, u):
@@ -329,11 +347,14 @@ def _quant_wave_loop(segs, t, info):
     lanes = _lanes_per_row(t, K, sizes)
     side = t.wave // lanes                               # tiles a wave takes side by side
     per = rows_per_lane(sizes, side)
-    info.update(split=1, total=sum(sizes), vec=32, rows_per_wave=side * per, lanes=lanes, rows_per_lane=per)
+    ks = quant_ksplit(t, [n // per for n in sizes], K // 32) if lanes == t.wave else 1
+    info.update(split=ks, total=sum(sizes), vec=32, rows_per_wave=side * per, lanes=lanes, rows_per_lane=per)
     tile = L.Sym("tile_0", "i32")
     kb = L.Sym("kb_0", "i32")
     # a group's sum is in its last lane (vf_lanes_sum); a whole wave's in every lane (vf_wave_sum)
     last = L.Bin("eq", LANE, L.c(0)) if lanes == t.wave else L.Bin("eq", L.Bin("mod", LANE, L.c(lanes)), L.c(lanes - 1))
+    if ks > 1:                                           # the first of the waves that share a tile
+        last = L.Bin("and", last, L.Bin("eq", L.Bin("mod", WAVE, L.c(ks)), L.c(0)))
     branches, off = [], 0
     for (comments, s), n in zip(segs, sizes):
         red, *rest = s.body
@@ -352,7 +373,8 @@ def _quant_wave_loop(segs, t, info):
                 accs.append(replace(a, name=names.get(a.name, a.name),
                                     value=L.QDot(q.buf, q.fmt, blk, q.count, info["act"], kb)))
             epilogue += ren(tuple(rest))
-        red = L.Reduce(kb.name, L.c(0), L.c(K // 32), tuple(accs), map="lane", lanes=0 if lanes == t.wave else lanes)
+        red = L.Reduce(kb.name, L.c(0), L.c(K // 32), tuple(accs), map="lane", split=ks,
+                       lanes=0 if lanes == t.wave else lanes, unroll=int(os.environ.get("VEGAFUSE_QUANT_UNROLL", 0)))
         seg = (red, L.If(last, tuple(epilogue)))
         if off:
             seg = (L.Declare(own.name, "i32", L.Bin("sub", tile, L.c(off // per))),) + seg
@@ -361,8 +383,10 @@ def _quant_wave_loop(segs, t, info):
     chain = branches[-1][1]
     for stop, seg in reversed(branches[:-1]):
         chain = (L.If(L.Bin("lt", tile, L.c(stop)), seg, chain),)
-    return (L.Loop(tile.name, L.c(0), L.c(off // per), chain, parallel=True, map="wave",
-                   lanes=0 if lanes == t.wave else lanes),)
+    part = (L.Array("vf_part", "f32", t.waves_per_block * per * max(len(s.body[0].accs) for _, s in segs), "lds"),) \
+        if ks > 1 else ()
+    return part + (L.Loop(tile.name, L.c(0), L.c(off // per), chain, parallel=True, map="wave", split=ks,
+                          lanes=0 if lanes == t.wave else lanes),)
 
 
 def _wave_loop(segs, t, info):
