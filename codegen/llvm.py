@@ -27,22 +27,26 @@ reduction without ``nnan`` crashes LLVM 22's loop vectorizer);
 """
 from __future__ import annotations
 
+import os
 import re
+from dataclasses import replace
 
 import numpy as np
 from llvmlite import ir
 
 from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel, Load, Loop,
                      Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, serial_reduce)
-from .loopir import QLoad
+from .loopir import QDot, QLoad, QuantizeQ8
 from .loopir import spelling as op_spelling
+from .loopir import walk_stmts
 from dsl.quant import FORMATS, QUANT_DTYPES, nbytes
 
 I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()
 VOID = ir.VoidType()
 TYPES = {"f32": ir.FloatType(), "f16": ir.HalfType(), "i32": I32, "bool": I1}          # SSA value types
-MEM_TYPES = {**TYPES, "bool": I8, **{q: I8 for q in QUANT_DTYPES}}                       # in-memory types
+MEM_TYPES = {**TYPES, "bool": I8, "q8_1": I8, **{q: I8 for q in QUANT_DTYPES}}           # in-memory types
 ELEM_BYTES = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}                # quantized buffers: bytes, see _buffer_bytes
+Q8_1_BYTES = 40                  # a q8_1 block in a local array: 32 int8 quants, then f32 d and s = d * sum
 KIND = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 FMF = ("reassoc", "nsz", "arcp", "contract", "afn")   # `fast` minus nnan/ninf
 MAX_STACK_BYTES = 4 << 20                              # local Arrays live on the (thread's) stack
@@ -162,6 +166,47 @@ class _Renderer:
         m = b.fpext(at(b.add(scales, ir.Constant(I32, 2)), ir.HalfType(), 2), TYPES["f32"])
         return b.fadd(b.fmul(d, b.uitofp(q, TYPES["f32"])), m)
 
+    def byte_ptr(self, base, offset):
+        return self.b.gep(base, [offset], inbounds=True, source_etype=I8)
+
+    def qdot(self, e, env):
+        """Weight block ``e.block`` . q8_1 activation block ``e.ablock``: the 32 quants of each as a
+        vector (q4: the 16 bytes' low then high nibbles), an integer multiply and add-reduce (LLVM
+        lowers zext(u8) * sext(i8) to the host's dot-product instructions: vpdpbusd with VNNI,
+        pmaddwd with AVX2), then the scales in f32."""
+        b, f = self.b, FORMATS[e.fmt]
+        _, w, _ = self.lookup(env, e.w, e)
+        _, act, _ = self.lookup(env, e.act, e)
+        blk, ab = self.expr(e.block, env), self.expr(e.ablock, env)
+        v32 = lambda ty: ir.VectorType(ty, 32)  # noqa: E731
+        i32 = lambda n: ir.Constant(I32, n)  # noqa: E731
+        quants = self.byte_ptr(w, b.mul(blk, i32(f.quant_bytes)))
+        if e.fmt == "q8_0":
+            wq = b.sext(b.load(quants, typ=v32(I8), align=1), v32(I32))
+        else:
+            raw = b.load(quants, typ=ir.VectorType(I8, 16), align=1)
+            lo = b.and_(raw, ir.Constant(ir.VectorType(I8, 16), [15] * 16))
+            hi = b.lshr(raw, ir.Constant(ir.VectorType(I8, 16), [4] * 16))
+            wq = b.zext(b.shuffle_vector(lo, hi, ir.Constant(v32(I32), list(range(32)))), v32(I32))
+        block = self.byte_ptr(act, b.mul(ab, i32(Q8_1_BYTES)))
+        aq = b.sext(b.load(block, typ=v32(I8), align=1), v32(I32))
+        fn = self.module.globals.get("llvm.vector.reduce.add.v32i32") or ir.Function(
+            self.module, ir.FunctionType(I32, [v32(I32)]), "llvm.vector.reduce.add.v32i32")
+        isum = b.sitofp(b.call(fn, [b.mul(wq, aq)]), TYPES["f32"])
+        f32 = TYPES["f32"]
+        ad = b.load(self.byte_ptr(block, i32(32)), typ=f32, align=4)
+        asum = b.load(self.byte_ptr(block, i32(36)), typ=f32, align=4)
+        scales = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes)))
+        d = b.fpext(b.load(self.byte_ptr(w, scales), typ=ir.HalfType(), align=2), f32)
+        fm = lambda x, y: b.fmul(x, y, flags=FMF)  # noqa: E731
+        dot = fm(ad, isum)
+        if e.fmt == "q4_0":                  # sum_j d (q_j - 8) a_j = d (a.d sum q aq - 8 a.s)
+            return fm(d, b.fsub(dot, fm(ir.Constant(f32, 8.0), asum), flags=FMF))
+        if e.fmt == "q4_1":                  # sum_j (d q_j + m) a_j = d a.d sum q aq + m a.s
+            m = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2))), typ=ir.HalfType(), align=2), f32)
+            return b.fadd(fm(d, dot), fm(m, asum), flags=FMF)
+        return fm(d, dot)
+
     def un(self, e, env):
         return self.apply(e.op, e.x.dtype, [self.expr(e.x, env)], e)
 
@@ -220,7 +265,7 @@ class _Renderer:
                 return CAST_TABLE[key](self, x, TYPES[dst])
         self.fail(f"no cast {src} -> {dst}", e)
 
-    EXPR = {Const: const_expr, Sym: sym, Load: load, QLoad: qload, Un: un, Bin: bin, Select: select_expr, Cast: cast}
+    EXPR = {Const: const_expr, Sym: sym, Load: load, QLoad: qload, QDot: qdot, Un: un, Bin: bin, Select: select_expr, Cast: cast}
 
     # ---- statements
     def stmts(self, body, env):
@@ -244,6 +289,12 @@ class _Renderer:
         self.b.store(self.expr(s.value, env), slot)
 
     def array(self, s, env):
+        if s.dtype == "q8_1":                     # bytes: one Q8_1_BYTES block per 32 values
+            self.stack_bytes += s.size // 32 * Q8_1_BYTES
+            slot = self.entry.alloca(I8, size=s.size // 32 * Q8_1_BYTES, name=s.name)
+            slot.align = 64
+            env[s.name] = ("arr", slot, s.dtype)
+            return
         self.stack_bytes += s.size * ELEM_BYTES[s.dtype]
         if self.stack_bytes > MAX_STACK_BYTES:
             self.fail(f"local arrays need {self.stack_bytes} bytes of stack (limit {MAX_STACK_BYTES})")
@@ -259,6 +310,32 @@ class _Renderer:
         if dtype == "bool":
             v = self.b.zext(v, I8)
         self.b.store(v, ptr, align=ELEM_BYTES[dtype])
+
+    def quantize_q8(self, s, env):
+        """One q8_1 block from its 32 values (``len(s.values) == 32`` on the CPU): d = max|x| / 127
+        (NaN when a value is NaN), quants round(x / d) (half away from zero, as C's roundf), and
+        s = d * sum(quants), as the GPU prelude's vf_quantize_q8_1 computes them."""
+        if len(s.values) != 32:
+            self.fail(f"QuantizeQ8 of {len(s.values)} values: the CPU quantizes whole blocks of 32")
+        b, f32 = self.b, TYPES["f32"]
+        xs = [self.expr(v, env) for v in s.values]
+        amax = None
+        for x in xs:
+            ax = self.intr("llvm.fabs", x)
+            amax = ax if amax is None else self.intr("llvm.maximum", amax, ax)
+        d = b.fdiv(amax, ir.Constant(f32, 127.0))
+        inv = b.select(b.fcmp_ordered("!=", d, ir.Constant(f32, 0.0)), b.fdiv(ir.Constant(f32, 1.0), d),
+                       ir.Constant(f32, 0.0))
+        _, base, _ = self.lookup(env, s.arr)
+        block = self.byte_ptr(base, b.mul(self.expr(s.group, env), ir.Constant(I32, Q8_1_BYTES)))
+        total = ir.Constant(I32, 0)
+        for i, x in enumerate(xs):
+            q = b.fptosi(self.intr("llvm.round", b.fmul(x, inv)), I32)
+            b.store(b.trunc(q, I8), self.byte_ptr(block, ir.Constant(I32, i)))
+            total = b.add(total, q)
+        b.store(d, b.bitcast(self.byte_ptr(block, ir.Constant(I32, 32)), f32.as_pointer()), align=4)
+        b.store(b.fmul(d, b.sitofp(total, f32)), b.bitcast(self.byte_ptr(block, ir.Constant(I32, 36)), f32.as_pointer()),
+                align=4)
 
     def chunk(self, start, stop):
         """[lo, hi) of this thread's contiguous share of [start, stop)."""
@@ -319,6 +396,7 @@ class _Renderer:
         self.stmts(expand_attention(s), env)
 
     STMT = {Loop: loop, Declare: declare, Assign: assign, Array: array, Store: store, Reduce: reduce, If: if_,
+            QuantizeQ8: quantize_q8,
             Barrier: nothing, Comment: nothing, Attention: attention}
 
     # ---- functions
@@ -379,9 +457,52 @@ def symbol_name(name: str) -> str:
     return s if s and not s[0].isdigit() else "k_" + s
 
 
+def int8_gemv(k: Kernel) -> Kernel:
+    """A contraction whose every weight is quantized, on the CPU: its f32 activation is quantized to
+    q8_1 blocks once per row (``QuantizeQ8``), and each output folds whole weight blocks against
+    them (``QDot``: integer dot products).  Other kernels, and all with ``VEGAFUSE_QUANT_ACT=float``,
+    are returned as they are (each weight then dequantized as it is loaded)."""
+    from .mapping import quant_weights
+    if k.family != "contract" or os.environ.get("VEGAFUSE_QUANT_ACT", "q8_1") == "float":
+        return k
+    acts = {s.name: s.size for s in walk_stmts(k.body) if isinstance(s, Array) and s.size % 32 == 0}
+    segs = [s for s in walk_stmts(k.body) if isinstance(s, Loop) and s.parallel and s.body
+            and isinstance(s.body[0], Reduce)]
+    found = [next((a for a in acts if quant_weights(seg.body[0], a)), None) for seg in segs]
+    if not segs or None in found or len(set(found)) != 1:
+        return k
+    act = found[0]
+    K, q8 = acts[act], f"{act}_q8"
+
+    def rewrite(body):
+        out = []
+        for s in body:
+            if isinstance(s, Array) and s.name == act:
+                out += [s, Array(q8, "q8_1", K)]
+            elif isinstance(s, Loop) and s.body and isinstance(s.body[0], Store) and s.body[0].buf == act:
+                blk = Sym(f"{act}_blk", "i32")
+                vals = tuple(Load(act, Bin("add", Bin("mul", blk, Const(32, "i32")), Const(i, "i32")), "f32")
+                             for i in range(32))
+                out += [s, Loop(blk.name, Const(0, "i32"), Const(K // 32, "i32"),
+                                (QuantizeQ8(q8, blk, vals, Const(True, "bool")),))]
+            elif isinstance(s, Loop) and s.parallel and s.body and isinstance(s.body[0], Reduce):
+                red = s.body[0]
+                kb = Sym(f"{red.var}_blk", "i32")
+                accs = tuple(replace(a, value=QDot(q.buf, q.fmt, Bin("add", Bin("mul", row, Const(K // 32, "i32")), kb),
+                                                   q.count, q8, kb))
+                             for a, q, row in quant_weights(red, act))
+                out.append(replace(s, body=(Reduce(kb.name, Const(0, "i32"), Const(K // 32, "i32"), accs),) + s.body[1:]))
+            elif isinstance(s, Loop):
+                out.append(replace(s, body=rewrite(s.body)))
+            else:
+                out.append(s)
+        return tuple(out)
+    return replace(k, body=rewrite(k.body))
+
+
 def render_into(module: ir.Module, kernel: Kernel, symbol: str | None = None) -> ir.Function:
     """Add ``kernel`` (exported as ``symbol``, default its sanitized name) to ``module``."""
-    return _Renderer(module, kernel).render(symbol or symbol_name(kernel.name))
+    return _Renderer(module, int8_gemv(kernel)).render(symbol or symbol_name(kernel.name))
 
 
 def render_llvm(kernel: Kernel, symbol: str | None = None) -> str:

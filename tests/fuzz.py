@@ -46,7 +46,8 @@ BINARY = {
 }
 OPS = (list(UNARY) + list(BINARY) * 2 +
        ["where", "astype", "reduce", "reduce", "argmax", "reshape", "transpose", "slice", "concat",
-        "expand", "index", "take", "matmul", "matmul", "dus", "scalar"])
+        "expand", "index", "take", "matmul", "matmul", "dus", "scalar", "qmatmul", "qtake"])
+QUANT = ("q4_0", "q4_1", "q8_0")
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -90,6 +91,13 @@ class Writer:
         shape = tuple(int(d) for d in shape)
         if kind == "ids":
             make = f"rng.integers(-1, {hi + 1}, {shape}).astype('i4')"
+        elif dtype in QUANT:                  # weights quantized by our quantizer
+            make = f"dsl.QArray.quantize(rng.standard_normal({shape}).astype('f4') * 0.5, '{dtype}')"
+        elif kind == "q8":
+            # values that q8_1 holds exactly (each block of 32: integers up to 127 times a power of
+            # two, one of them +-127), so the int8 GEMV computes the float product
+            make = (f"(rng.integers(-127, 128, {shape}) * np.where(np.arange({shape[-1]}) % 32 == 0, 0, 1) "
+                    f"+ np.where(np.arange({shape[-1]}) % 32 == 0, 127, 0)).astype('f4') * 2.0 ** -6")
         elif kind == "int":
             make = f"int(rng.integers(-1, {hi + 2}))"
         else:
@@ -205,6 +213,18 @@ class Writer:
                 return self.emit(f"dsl.dot_t({an}, {w}) * {round(1 / np.sqrt(k), 4)}")
             w = self.new_input((k, n), wd)
             return self.emit(f"({an} @ {w}) * {round(1 / np.sqrt(k), 4)}")
+        if name in ("qmatmul", "qtake"):
+            fmt = QUANT[int(p[1] * len(QUANT))]
+            k = 32 * (1 + int(p[2] * 3))
+            if name == "qtake":
+                emb = self.new_input((3 + int(p[0] * 40), k), fmt)
+                ids = self.new_input([1 + int(p[3] * 4)], "i32", "ids", 2 + int(p[0] * 40))
+                return self.emit(f"dsl.take({emb}, {ids})")
+            n = [1, 3, 8, 16, 40][int(p[0] * 5)]
+            rows = tuple(av.shape[:-1]) if av.ndim >= 2 and int(np.prod(av.shape[:-1])) <= 8 else (1,)
+            xq = self.new_input(rows + (k,), "f32", "q8")
+            w = self.new_input((n, k), fmt)
+            return self.emit(f"dsl.dot_t({xq}, {w}) * {round(1 / np.sqrt(k), 4)}")
         if name == "dus":
             if self.donated is None:
                 return None
@@ -345,7 +365,7 @@ def run_source(src, backend="cpu"):
 def _run_native(prog, args):
     """The interpreter in the stored dtypes; None when some value is not finite or beyond f16 range."""
     from dsl.core import NP_DTYPES, Lit
-    env = {v: np.asarray(a).astype(NP_DTYPES[v.dtype]) for v, a in zip(prog.inputs, args)}
+    env = {v: a if v.dtype in QUANT else np.asarray(a).astype(NP_DTYPES[v.dtype]) for v, a in zip(prog.inputs, args)}
     peak = 1.0
     read = lambda a: np.asarray(a.value, NP_DTYPES[a.dtype]) if isinstance(a, Lit) else env[a]  # noqa: E731
     with np.errstate(all="ignore"):

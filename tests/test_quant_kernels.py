@@ -39,15 +39,40 @@ def rms_norm(x, g):
     return x * dsl.rsqrt(dsl.mean(x * x, axis=-1, keepdims=True) + 1e-5) * g
 
 
+def check_int8(got, h, w, extra=0.0):
+    """A GEMV on quantized weights against the int8 path's arithmetic in float64 (``q8_1_gemv``: the
+    activation ``h`` through q8_1) and against the exact product within the activation's
+    quantization error.  The error is measured against what each output sums, |h| @ |w|."""
+    got = np.asarray(got, np.float64)
+    scale = np.abs(np.atleast_2d(h).astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+    want = q8_1_gemv(h, w) + extra
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * scale.max() + 1e-6)
+    exact = np.atleast_2d(h).astype(np.float64) @ w.dequantize().astype(np.float64).T + extra
+    assert np.all(np.abs(got - exact) <= 2e-2 * scale + 1e-6)
+
+
+def rms_norm_np(x, g):
+    return (x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5) * g).astype(np.float32)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(1, 32), (3, 64), (64, 96), (256, 576), (40, 1536)])
 def test_gemv_with_rms_norm_prologue_and_bias_residual_epilogue(fmt, n, k):
     x, g = rng.standard_normal((1, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
     b, res = rng.standard_normal(n).astype(np.float32), rng.standard_normal((1, n)).astype(np.float32)
     w = quantized((n, k), fmt)
-    jf = check(lambda x, g, w, b, res: res + dsl.dot_t(rms_norm(x, g), w) + b, x, g, w, b, res)
+    jf = dsl.jit(lambda x, g, w, b, res: res + dsl.dot_t(rms_norm(x, g), w) + b)
+    check_int8(jf(x, g, w, b, res), rms_norm_np(x, g), w, res.astype(np.float64) + b)
     (kern,) = jf.compile(x, g, w, b, res).plan.kernels           # one kernel: prologue, GEMV, epilogue
     assert kern.family == "contract"
+
+
+def test_the_float_activation_switch_matches_the_float64_interpreter(monkeypatch):
+    """``VEGAFUSE_QUANT_ACT=float``: each weight dequantized as it is loaded, the activation in f32."""
+    monkeypatch.setenv("VEGAFUSE_QUANT_ACT", "float")
+    for fmt in FORMATS:
+        x, w = rng.standard_normal((2, 96)).astype(np.float32), quantized((40, 96), fmt)
+        check(lambda x, w: dsl.dot_t(x, w), x, w)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -57,9 +82,12 @@ def test_gate_and_up_siblings_share_one_kernel(fmt):
 
     def mlp(x, g, w_gate, w_up):
         h = rms_norm(x, g)
-        a = dsl.dot_t(h, w_gate)
-        return a * dsl.sigmoid(a) * dsl.dot_t(h, w_up)
-    jf = check(mlp, x, g, wg, wu)
+        return dsl.dot_t(h, w_gate), dsl.dot_t(h, w_up)
+    jf = dsl.jit(mlp)
+    gate, up = jf(x, g, wg, wu)
+    h = rms_norm_np(x, g)
+    check_int8(gate, h, wg)
+    check_int8(up, h, wu)
     (kern,) = jf.compile(x, g, wg, wu).plan.kernels
     assert "w_gate" in kern.name and "w_up" in kern.name
 
@@ -68,7 +96,7 @@ def test_gate_and_up_siblings_share_one_kernel(fmt):
 def test_matmul_rows_and_matmul_with_weights_stored_k_by_n(fmt):
     x = rng.standard_normal((5, 64)).astype(np.float32)
     w = quantized((48, 64), fmt)
-    check(lambda x, w: dsl.dot_t(x, w), x, w)
+    check_int8(dsl.jit(lambda x, w: dsl.dot_t(x, w))(x, w), x, w)
     wkn = quantized((64, 96), fmt)                                 # blocks along N: x @ W
     check(lambda x, w: x @ w, x, wkn)
 
@@ -88,8 +116,9 @@ def test_embedding_gather_and_dequantize_are_exact(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_dequantize_rule_keeps_the_float_copy_out_of_memory(fmt):
     x, w = rng.standard_normal((1, 96)).astype(np.float32), quantized((32, 96), fmt)
-    on = check(lambda x, w: dsl.dot_t(x, w), x, w)
-    off = check(lambda x, w: dsl.dot_t(x, w), x, w, fusion={"dequantize": False})
+    on = dsl.jit(lambda x, w: dsl.dot_t(x, w))
+    check_int8(on(x, w), x, w)
+    off = check(lambda x, w: dsl.dot_t(x, w), x, w, fusion={"dequantize": False})   # a float GEMV
     plan_on, plan_off = on.compile(x, w).plan, off.compile(x, w).plan
     assert len(plan_on.kernels) == 1 and len(plan_off.kernels) == 2
     assert all(dt != "f32" or shape != (32, 96) for shape, dt in plan_on.buffers.values())
