@@ -223,7 +223,9 @@ def _contract(body, t):
     body = _scratch(body, t) + body
     ks, total, K, vec = info["split"], info["total"], info["K"], info["vec"]
     per_wave = info.get("rows_per_wave", 1)
-    grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * t.blocks_per_cu))
+    per_cu = (t.int8_blocks_per_cu or t.blocks_per_cu) if info["q8"] else t.blocks_per_cu
+    per_cu = int(os.environ.get("VEGAFUSE_GEMV_BLOCKS_PER_CU", per_cu))                  # A/B switch
+    grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * per_cu))
     if info["q8"]:
         lanes, per = info["lanes"], info["rows_per_lane"]
         how = (f"{K}-element activation quantized to q8_1 in LDS; {'a wave' if lanes == t.wave else f'{lanes} lanes'} "

@@ -45,6 +45,9 @@ class Target:
     max_static_lds: int = 65536  # bytes of __shared__ a kernel may declare statically
     compute_units: int = 60      # CUs / SMs: GEMV grids are capped at compute_units * blocks_per_cu
     blocks_per_cu: int = 8       # workgroups resident per CU that a GEMV grid aims for
+    int8_blocks_per_cu: int = 0  # the same for GEMVs on int8 dot products (0: blocks_per_cu); on an H200 they take
+                                 # 64 registers, so 4 workgroups of 256 fit an SM and a grid of 8 per SM ran a second
+                                 # round: 4 gave 427.8 against 410.3/410.5 tok/s (Qwen2.5-7B q4_0, A/B/A, 2026-12-01)
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
     attention_block: int = 1024  # threads of an attention workgroup: its waves split the context
@@ -74,7 +77,7 @@ TARGETS = {
                      sgpr_granule=16,         # LLVM getSGPRAllocGranule (gfx8-gfx9)
                      max_barriers=16),        # LLVM getMaxWorkGroupsPerCU
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
-                    lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132),
+                    lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132, int8_blocks_per_cu=4),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,
 # so a workgroup holds at most 15 waves (attention: 8 of 64 lanes); the wave exchange's LDS comes out of
