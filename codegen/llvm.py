@@ -46,7 +46,8 @@ VOID = ir.VoidType()
 TYPES = {"f32": ir.FloatType(), "f16": ir.HalfType(), "i32": I32, "bool": I1}          # SSA value types
 MEM_TYPES = {**TYPES, "bool": I8, "q8_1": I8, **{q: I8 for q in QUANT_DTYPES}}           # in-memory types
 ELEM_BYTES = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}                # quantized buffers: bytes, see _buffer_bytes
-Q8_1_BYTES = 40                  # a q8_1 block in a local array: 32 int8 quants, then f32 d and s = d * sum
+Q8_1_BYTES = 72                  # a q8_1 block with its residual plane in a local array: 32 int8 quants, 32 int8
+                                 # residuals, f32 d and s (codegen.loopir.QuantizeQ8)
 KIND = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 FMF = ("reassoc", "nsz", "arcp", "contract", "afn")   # `fast` minus nnan/ninf
 MAX_STACK_BYTES = 4 << 20                              # local Arrays live on the (thread's) stack
@@ -189,13 +190,16 @@ class _Renderer:
             hi = b.lshr(raw, ir.Constant(ir.VectorType(I8, 16), [4] * 16))
             wq = b.zext(b.shuffle_vector(lo, hi, ir.Constant(v32(I32), list(range(32)))), v32(I32))
         block = self.byte_ptr(act, b.mul(ab, i32(Q8_1_BYTES)))
-        aq = b.sext(b.load(block, typ=v32(I8), align=1), v32(I32))
         fn = self.module.globals.get("llvm.vector.reduce.add.v32i32") or ir.Function(
             self.module, ir.FunctionType(I32, [v32(I32)]), "llvm.vector.reduce.add.v32i32")
-        isum = b.sitofp(b.call(fn, [b.mul(wq, aq)]), TYPES["f32"])
+
+        def dot(offset):                     # sum_j w_j * plane_j, the plane's int8 at ``offset``
+            plane = b.sext(b.load(self.byte_ptr(block, i32(offset)), typ=v32(I8), align=1), v32(I32))
+            return b.call(fn, [b.mul(wq, plane)])
+        isum = b.sitofp(b.add(b.mul(dot(0), i32(128)), dot(32)), TYPES["f32"])         # sum w (128 q + r)
         f32 = TYPES["f32"]
-        ad = b.load(self.byte_ptr(block, i32(32)), typ=f32, align=4)
-        asum = b.load(self.byte_ptr(block, i32(36)), typ=f32, align=4)
+        ad = b.load(self.byte_ptr(block, i32(64)), typ=f32, align=4)
+        asum = b.load(self.byte_ptr(block, i32(68)), typ=f32, align=4)
         scales = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes)))
         d = b.fpext(b.load(self.byte_ptr(w, scales), typ=ir.HalfType(), align=2), f32)
         fm = lambda x, y: b.fmul(x, y, flags=FMF)  # noqa: E731
@@ -312,9 +316,10 @@ class _Renderer:
         self.b.store(v, ptr, align=ELEM_BYTES[dtype])
 
     def quantize_q8(self, s, env):
-        """One q8_1 block from its 32 values (``len(s.values) == 32`` on the CPU): d = max|x| / 127
-        (NaN when a value is NaN), quants round(x / d) (half away from zero, as C's roundf), and
-        s = d * sum(quants), as the GPU prelude's vf_quantize_q8_1 computes them."""
+        """One q8_1 block with its residual plane from its 32 values (``len(s.values) == 32`` on the
+        CPU), as the GPU prelude's vf_quantize_q8_1: step = max|x| / 127 (NaN when a value is NaN),
+        t = x / step, q = round(t), r = round(128 (t - q)) (half away from zero, as C's roundf),
+        d = step / 128, s = d * sum(128 q + r)."""
         if len(s.values) != 32:
             self.fail(f"QuantizeQ8 of {len(s.values)} values: the CPU quantizes whole blocks of 32")
         b, f32 = self.b, TYPES["f32"]
@@ -323,18 +328,23 @@ class _Renderer:
         for x in xs:
             ax = self.intr("llvm.fabs", x)
             amax = ax if amax is None else self.intr("llvm.maximum", amax, ax)
-        d = b.fdiv(amax, ir.Constant(f32, 127.0))
-        inv = b.select(b.fcmp_ordered("!=", d, ir.Constant(f32, 0.0)), b.fdiv(ir.Constant(f32, 1.0), d),
+        step = b.fdiv(amax, ir.Constant(f32, 127.0))
+        inv = b.select(b.fcmp_ordered("!=", step, ir.Constant(f32, 0.0)), b.fdiv(ir.Constant(f32, 1.0), step),
                        ir.Constant(f32, 0.0))
         _, base, _ = self.lookup(env, s.arr)
         block = self.byte_ptr(base, b.mul(self.expr(s.group, env), ir.Constant(I32, Q8_1_BYTES)))
         total = ir.Constant(I32, 0)
         for i, x in enumerate(xs):
-            q = b.fptosi(self.intr("llvm.round", b.fmul(x, inv)), I32)
+            t = b.fmul(x, inv)
+            qf = self.intr("llvm.round", t)
+            q = b.fptosi(qf, I32)
+            r = b.fptosi(self.intr("llvm.round", b.fmul(b.fsub(t, qf), ir.Constant(f32, 128.0))), I32)
             b.store(b.trunc(q, I8), self.byte_ptr(block, ir.Constant(I32, i)))
-            total = b.add(total, q)
-        b.store(d, b.bitcast(self.byte_ptr(block, ir.Constant(I32, 32)), f32.as_pointer()), align=4)
-        b.store(b.fmul(d, b.sitofp(total, f32)), b.bitcast(self.byte_ptr(block, ir.Constant(I32, 36)), f32.as_pointer()),
+            b.store(b.trunc(r, I8), self.byte_ptr(block, ir.Constant(I32, 32 + i)))
+            total = b.add(total, b.add(b.mul(q, ir.Constant(I32, 128)), r))
+        d = b.fmul(step, ir.Constant(f32, 1 / 128))
+        b.store(d, b.bitcast(self.byte_ptr(block, ir.Constant(I32, 64)), f32.as_pointer()), align=4)
+        b.store(b.fmul(d, b.sitofp(total, f32)), b.bitcast(self.byte_ptr(block, ir.Constant(I32, 68)), f32.as_pointer()),
                 align=4)
 
     def chunk(self, start, stop):

@@ -144,9 +144,9 @@ class QLoad(Load):
 @dataclass(frozen=True)
 class QDot:
     """The f32 dot product of weight block ``block`` of the quantized buffer ``w`` (format ``fmt``,
-    ``count`` elements in all) with block ``ablock`` of the q8_1 array ``act`` (32 int8 with their
-    scale ``d`` and ``s = d * sum``): integer dot products of the quants, then the scales.  Made by
-    the GPU mapping for a GEMV whose weights are quantized."""
+    ``count`` elements in all) with block ``ablock`` of the q8_1 array ``act`` (32 values
+    ``d * (128 q + r)`` with int8 quants ``q`` and residuals ``r``, and ``s = d * sum``): integer dot
+    products of the quants, then the scales.  Made for a GEMV whose weights are quantized."""
     w: str
     fmt: str
     block: "Expr"
@@ -247,8 +247,9 @@ class Array:
 @dataclass(frozen=True)
 class QuantizeQ8:
     """Quantize ``values`` (f32 expressions: elements ``group * n .. group * n + n - 1`` of the
-    q8_1 array ``arr``, n = len(values)) into q8_1 blocks of 32: scale d = max|x| / 127, quants
-    round(x / d), and s = d * sum(quants).  With n < 32 the 32 / n consecutive groups of a block
+    q8_1 array ``arr``, n = len(values)) into q8_1 blocks of 32 with a residual plane: step =
+    max|x| / 127, quants q = round(x / step), residuals r = round(128 (x / step - q)), d = step / 128
+    and s = d * sum(128 q + r), so x = d * (128 q + r) within step / 256.  With n < 32 the 32 / n consecutive groups of a block
     are quantized together by 32 / n consecutive lanes of one wave, which all run this statement
     (``active`` False: a lane that only helps, storing nothing)."""
     arr: str
@@ -794,9 +795,9 @@ def canonicalize(k: Kernel) -> Kernel:
 
 
 ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1,
-            # bytes per element of the block formats (dsl/quant.py), and of a q8_1 activation in LDS
-            # (32 int8, then f32 d and s: 40 bytes per 32 elements)
-            "q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 34 / 32, "q8_1": 40 / 32}
+            # bytes per element of the block formats (dsl/quant.py), and of a q8_1 activation with its
+            # residual plane in LDS (32 int8 quants, 32 int8 residuals, f32 d and s: 72 bytes per 32)
+            "q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 34 / 32, "q8_1": 72 / 32}
 
 
 def traffic(k: Kernel) -> int:

@@ -317,7 +317,7 @@ def rows_per_lane(sizes, rows_per_wave, most=4) -> int:
     LDS-per-weight-byte metric of ``codegen.inspect``), and more 16-byte loads are in flight.
     ``VEGAFUSE_QUANT_ROWS`` overrides ``most`` (A/B)."""
     most = int(os.environ.get("VEGAFUSE_QUANT_ROWS", most))
-    return next(u for u in (4, 2, 1) if u <= most and all(n % (u * rows_per_wave) == 0 for n in sizes))
+    return next(u for u in (8, 4, 2, 1) if u <= most and all(n % (u * rows_per_wave) == 0 for n in sizes))
 
 
 def quant_ksplit(t: Target, tiles, blocks: int) -> int:
@@ -348,7 +348,7 @@ def _quant_wave_loop(segs, t, info):
     K = info["K"]
     lanes = _lanes_per_row(t, K, sizes)
     side = t.wave // lanes                               # tiles a wave takes side by side
-    per = rows_per_lane(sizes, side)
+    per = rows_per_lane(sizes, side, t.int8_rows_per_lane)
     ks = quant_ksplit(t, [n // per for n in sizes], K // 32) if lanes == t.wave else 1
     info.update(split=ks, total=sum(sizes), vec=32, rows_per_wave=side * per, lanes=lanes, rows_per_lane=per)
     tile = L.Sym("tile_0", "i32")

@@ -254,50 +254,57 @@ __device__ __forceinline__ float vf_dequant_q4_1(const vf_byte* __restrict__ w, 
 __device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, int i, int nb) {{
   return vf_h2f(((const vf_half*)(w + 32 * nb))[i / 32]) * (float)(signed char)w[i];
 }}
-// a q8_1 activation block: 32 int8 quants (4 per int, element 4i in the low byte of q[i]), its scale d,
-// and s = d * sum(q)
-struct vf_q8_1 {{ int q[8]; float d, s; }};
+// a q8_1 activation block with a residual plane: 32 values x_j = d * (128 q_j + r_j), q_j = round(x_j / step)
+// with step = max|x| / 127, and r_j = round(128 (x_j / step - q_j)) in [-64, 64] (so |error| <= step / 256,
+// about f16's precision); int8 quants 4 per int (element 4i in the low byte of q[i] and r[i]),
+// d = step / 128 and s = d * sum(128 q + r)
+struct vf_q8_1 {{ int q[8]; int r[8]; float d, s; }};
+__device__ __forceinline__ int vf_pack4(int a, int b, int c, int d) {{
+  return (a & 255) | (b & 255) << 8 | (c & 255) << 16 | (int)((unsigned)d << 24);
+}}
 // the 8 consecutive lanes of a block quantize it together, 4 values each (group g: elements 4g..4g+3);
-// d = max|x| / 127 (NaN when a value is NaN), q = round(x / d); a lane with active false only helps
+// the step is NaN when a value is NaN; a lane with active false only helps
 __device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {{
   const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
-  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-  const int q0 = (int)roundf(x0 * id), q1 = (int)roundf(x1 * id), q2 = (int)roundf(x2 * id), q3 = (int)roundf(x3 * id);
-  const int sum = vf_sum8(q0 + q1 + q2 + q3);
+  const float step = amax / 127.0f, id = step != 0.0f ? 1.0f / step : 0.0f;
+  const float t0 = x0 * id, t1 = x1 * id, t2 = x2 * id, t3 = x3 * id;
+  const int q0 = (int)roundf(t0), q1 = (int)roundf(t1), q2 = (int)roundf(t2), q3 = (int)roundf(t3);
+  const int r0 = (int)roundf((t0 - q0) * 128.0f), r1 = (int)roundf((t1 - q1) * 128.0f);
+  const int r2 = (int)roundf((t2 - q2) * 128.0f), r3 = (int)roundf((t3 - q3) * 128.0f);
+  const int sum = vf_sum8(128 * (q0 + q1 + q2 + q3) + r0 + r1 + r2 + r3);
   if (active) {{
-    a[g / 8].q[g % 8] = (q0 & 255) | (q1 & 255) << 8 | (q2 & 255) << 16 | (int)((unsigned)q3 << 24);
-    if (g % 8 == 0) {{ a[g / 8].d = d; a[g / 8].s = d * (float)sum; }}
+    a[g / 8].q[g % 8] = vf_pack4(q0, q1, q2, q3);
+    a[g / 8].r[g % 8] = vf_pack4(r0, r1, r2, r3);
+    if (g % 8 == 0) {{ a[g / 8].d = step * 0.0078125f; a[g / 8].s = step * 0.0078125f * (float)sum; }}
   }}
 }}
-// the 32 nibbles of a q4 block (one 16-byte load) against a q8_1 block: element j of nibble word i is
-// byte j of (q[i] & 0x0F0F0F0F), element 16 + j of ((q[i] >> 4) & 0x0F0F0F0F)
-__device__ __forceinline__ int vf_dot_q4_q8(vf_int4 q, const vf_q8_1& a) {{
-  int s = 0;
-  s = vf_dot4_i8(q.x & 0x0F0F0F0F, a.q[0], s); s = vf_dot4_i8((q.x >> 4) & 0x0F0F0F0F, a.q[4], s);
-  s = vf_dot4_i8(q.y & 0x0F0F0F0F, a.q[1], s); s = vf_dot4_i8((q.y >> 4) & 0x0F0F0F0F, a.q[5], s);
-  s = vf_dot4_i8(q.z & 0x0F0F0F0F, a.q[2], s); s = vf_dot4_i8((q.z >> 4) & 0x0F0F0F0F, a.q[6], s);
-  s = vf_dot4_i8(q.w & 0x0F0F0F0F, a.q[3], s); s = vf_dot4_i8((q.w >> 4) & 0x0F0F0F0F, a.q[7], s);
-  return s;
+// sum_j n_j (128 q_j + r_j) for the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i
+// is byte j of (w[i] & 0x0F0F0F0F), element 16 + j of ((w[i] >> 4) & 0x0F0F0F0F)
+__device__ __forceinline__ int vf_dot_q4_q8(vf_int4 w, const vf_q8_1& a) {{
+  const int n[8] = {{w.x & 0x0F0F0F0F, w.y & 0x0F0F0F0F, w.z & 0x0F0F0F0F, w.w & 0x0F0F0F0F,
+                    (w.x >> 4) & 0x0F0F0F0F, (w.y >> 4) & 0x0F0F0F0F, (w.z >> 4) & 0x0F0F0F0F, (w.w >> 4) & 0x0F0F0F0F}};
+  int q = 0, r = 0;
+  for (int i = 0; i < 8; ++i) {{ q = vf_dot4_i8(n[i], a.q[i], q); r = vf_dot4_i8(n[i], a.r[i], r); }}
+  return 128 * q + r;
 }}
-// weight block b (of nb) with activation block a: sum_j d (q_j - 8) a.d aq_j = d (a.d sum_j q_j aq_j - 8 a.s)
+// weight block b (of nb) with activation block a: sum_j d (n_j - 8) x_j = d (a.d sum_j n_j (128 q_j + r_j) - 8 a.s)
 __device__ __forceinline__ float vf_dot_q4_0(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
   const vf_int4 q = *(const vf_int4*)(w + 16 * b);
   const float d = vf_h2f(((const vf_half*)(w + 16 * nb))[b]);
   return d * (a.d * (float)vf_dot_q4_q8(q, a) - 8.0f * a.s);
 }}
-// sum_j (d q_j + m) a.d aq_j = d a.d sum_j q_j aq_j + m a.s
+// sum_j (d n_j + m) x_j = d a.d sum_j n_j (128 q_j + r_j) + m a.s
 __device__ __forceinline__ float vf_dot_q4_1(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
   const vf_int4 q = *(const vf_int4*)(w + 16 * b);
   const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * b;
   return vf_h2f(dm[0]) * a.d * (float)vf_dot_q4_q8(q, a) + vf_h2f(dm[1]) * a.s;
 }}
 __device__ __forceinline__ float vf_dot_q8_0(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
-  const vf_int4 q0 = *(const vf_int4*)(w + 32 * b), q1 = *(const vf_int4*)(w + 32 * b + 16);
-  int s = 0;
-  s = vf_dot4_i8(q0.x, a.q[0], s); s = vf_dot4_i8(q0.y, a.q[1], s); s = vf_dot4_i8(q0.z, a.q[2], s);
-  s = vf_dot4_i8(q0.w, a.q[3], s); s = vf_dot4_i8(q1.x, a.q[4], s); s = vf_dot4_i8(q1.y, a.q[5], s);
-  s = vf_dot4_i8(q1.z, a.q[6], s); s = vf_dot4_i8(q1.w, a.q[7], s);
-  return vf_h2f(((const vf_half*)(w + 32 * nb))[b]) * a.d * (float)s;
+  const vf_int4 w0 = *(const vf_int4*)(w + 32 * b), w1 = *(const vf_int4*)(w + 32 * b + 16);
+  const int n[8] = {{w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w}};
+  int q = 0, r = 0;
+  for (int i = 0; i < 8; ++i) {{ q = vf_dot4_i8(n[i], a.q[i], q); r = vf_dot4_i8(n[i], a.r[i], r); }}
+  return vf_h2f(((const vf_half*)(w + 32 * nb))[b]) * a.d * (float)(128 * q + r);
 }}
 """
 

@@ -45,6 +45,9 @@ class Target:
     max_static_lds: int = 65536  # bytes of __shared__ a kernel may declare statically
     compute_units: int = 60      # CUs / SMs: GEMV grids are capped at compute_units * blocks_per_cu
     blocks_per_cu: int = 8       # workgroups resident per CU that a GEMV grid aims for
+    int8_rows_per_lane: int = 4  # rows a lane of an int8 GEMV folds against each activation block it reads from LDS
+                                 # (at most; codegen.mapping.rows_per_lane): gfx906 takes 8, so that its main loop
+                                 # reads LDS at most 0.056 times per weight byte (the reference's metric)
     int8_blocks_per_cu: int = 0  # the same for GEMVs on int8 dot products (0: blocks_per_cu); on an H200 they take
                                  # 64 registers, so 4 workgroups of 256 fit an SM and a grid of 8 per SM ran a second
                                  # round: 4 gave 427.8 against 410.3/410.5 tok/s (Qwen2.5-7B q4_0, A/B/A, 2026-12-01)
@@ -67,7 +70,7 @@ class Target:
 
 
 TARGETS = {
-    "gfx906": Target("gfx906", "amd", wave=64, dot2=True, max_waves_per_simd=9,
+    "gfx906": Target("gfx906", "amd", wave=64, dot2=True, max_waves_per_simd=9, int8_rows_per_lane=8,
                      simds_per_cu=4,          # GCN CU: 4 SIMD16 units, each runs 64-lane waves
                      max_waves_hw=10,         # LLVM getMaxWavesPerEU (gfx9 before gfx90a)
                      lds_per_cu=65536, lds_granule=512,   # LDS is allocated in 128-dword blocks (gfx7+)
