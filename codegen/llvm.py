@@ -81,8 +81,9 @@ def _noalias(kernel: Kernel):
 
 
 class _Renderer:
-    def __init__(self, module: ir.Module, kernel: Kernel):
+    def __init__(self, module: ir.Module, kernel: Kernel, vnni: bool = False):
         self.module, self.kernel = module, kernel
+        self.vnni = vnni                     # the host has VNNI dot products (vpdpbusd)
         self.b: ir.IRBuilder = None
         self.entry: ir.IRBuilder = None      # positioned in the entry block, for allocas
         self.tid = self.nthreads = None
@@ -171,45 +172,65 @@ class _Renderer:
         return self.b.gep(base, [offset], inbounds=True, source_etype=I8)
 
     def qdot(self, e, env):
-        """Weight block ``e.block`` . q8_1 activation block ``e.ablock``: the 32 quants of each as a
-        vector (q4: the 16 bytes' low then high nibbles), an integer multiply and add-reduce (LLVM
-        lowers zext(u8) * sext(i8) to the host's dot-product instructions: vpdpbusd with VNNI,
-        pmaddwd with AVX2), then the scales in f32."""
+        """A ``QDot`` alone: its partial sums added up (``qdot_parts``)."""
+        part, scalar = self.qdot_parts(e, env)
+        total = self.reduce_fadd(part)
+        return total if scalar is None else self.b.fadd(total, scalar, flags=FMF)
+
+    def qdot_parts(self, e, env):
+        """Weight block ``e.block`` . activation block ``e.ablock`` as (<8 x f32>, scalar or None):
+        the 32 weight quants (q4: the 16 bytes' low then high nibbles) times each activation plane
+        (``q``, ``r``), the four 8-lane quarters added (any partition of the 32 products into 8
+        partial sums will do; contiguous quarters need no shuffles), ``128 q + r``, times
+        ``d_w * a.d``; plus the
+        scalar term of the format's offset (q4_0: ``-8 d_w a.s``; q4_1: ``m_w a.s``)."""
         b, f = self.b, FORMATS[e.fmt]
+        f32 = TYPES["f32"]
         _, w, _ = self.lookup(env, e.w, e)
         _, act, _ = self.lookup(env, e.act, e)
         blk, ab = self.expr(e.block, env), self.expr(e.ablock, env)
-        v32 = lambda ty: ir.VectorType(ty, 32)  # noqa: E731
+        vec = lambda ty, n=32: ir.VectorType(ty, n)  # noqa: E731
         i32 = lambda n: ir.Constant(I32, n)  # noqa: E731
         quants = self.byte_ptr(w, b.mul(blk, i32(f.quant_bytes)))
         if e.fmt == "q8_0":
-            wq = b.sext(b.load(quants, typ=v32(I8), align=1), v32(I32))
+            w8 = b.load(quants, typ=vec(I8), align=1)
+            wq = b.sext(w8, vec(I32))
         else:
-            raw = b.load(quants, typ=ir.VectorType(I8, 16), align=1)
-            lo = b.and_(raw, ir.Constant(ir.VectorType(I8, 16), [15] * 16))
-            hi = b.lshr(raw, ir.Constant(ir.VectorType(I8, 16), [4] * 16))
-            wq = b.zext(b.shuffle_vector(lo, hi, ir.Constant(v32(I32), list(range(32)))), v32(I32))
+            raw = b.load(quants, typ=vec(I8, 16), align=1)
+            lo = b.and_(raw, ir.Constant(vec(I8, 16), [15] * 16))
+            hi = b.lshr(raw, ir.Constant(vec(I8, 16), [4] * 16))
+            w8 = b.shuffle_vector(lo, hi, ir.Constant(vec(I32), list(range(32))))
+            wq = b.zext(w8, vec(I32))
         block = self.byte_ptr(act, b.mul(ab, i32(Q8_1_BYTES)))
-        fn = self.module.globals.get("llvm.vector.reduce.add.v32i32") or ir.Function(
-            self.module, ir.FunctionType(I32, [v32(I32)]), "llvm.vector.reduce.add.v32i32")
+        # vpdpbusd multiplies unsigned bytes: q8_0's signed quants move up by 128 (w ^ 0x80), and
+        # 128 * sum_j (128 q_j + r_j) = 128 a.s / a.d comes off again below
+        unsigned = b.xor(w8, ir.Constant(vec(I8), [-128] * 32)) if e.fmt == "q8_0" else w8
 
-        def dot(offset):                     # sum_j w_j * plane_j, the plane's int8 at ``offset``
-            plane = b.sext(b.load(self.byte_ptr(block, i32(offset)), typ=v32(I8), align=1), v32(I32))
-            return b.call(fn, [b.mul(wq, plane)])
-        isum = b.sitofp(b.add(b.mul(dot(0), i32(128)), dot(32)), TYPES["f32"])         # sum w (128 q + r)
-        f32 = TYPES["f32"]
+        def dot8(offset):                    # the products with the plane at ``offset``, into 8 lanes
+            plane8 = b.load(self.byte_ptr(block, i32(offset)), typ=vec(I8), align=1)
+            if self.vnni:                    # unsigned weights x signed activation: one vpdpbusd
+                return b.call(self.vpdpbusd(), [ir.Constant(vec(I32, 8), [0] * 8), b.bitcast(unsigned, vec(I32, 8)),
+                                                b.bitcast(plane8, vec(I32, 8))])
+            plane = b.sext(plane8, vec(I32))
+            p = b.mul(wq, plane)
+            eights = [b.shuffle_vector(p, p, ir.Constant(vec(I32, 8), [8 * k + j for j in range(8)])) for k in range(4)]
+            return b.add(b.add(eights[0], eights[1]), b.add(eights[2], eights[3]))
+        isum = b.add(b.mul(dot8(0), ir.Constant(vec(I32, 8), [128] * 8)), dot8(32))
         ad = b.load(self.byte_ptr(block, i32(64)), typ=f32, align=4)
         asum = b.load(self.byte_ptr(block, i32(68)), typ=f32, align=4)
         scales = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes)))
         d = b.fpext(b.load(self.byte_ptr(w, scales), typ=ir.HalfType(), align=2), f32)
         fm = lambda x, y: b.fmul(x, y, flags=FMF)  # noqa: E731
-        dot = fm(ad, isum)
-        if e.fmt == "q4_0":                  # sum_j d (q_j - 8) a_j = d (a.d sum q aq - 8 a.s)
-            return fm(d, b.fsub(dot, fm(ir.Constant(f32, 8.0), asum), flags=FMF))
-        if e.fmt == "q4_1":                  # sum_j (d q_j + m) a_j = d a.d sum q aq + m a.s
+        scale = fm(d, ad)
+        splat = b.shuffle_vector(b.insert_element(ir.Constant(vec(f32, 8), None), scale, i32(0)),
+                                 ir.Constant(vec(f32, 8), None), ir.Constant(vec(I32, 8), [0] * 8))
+        part = b.fmul(b.sitofp(isum, vec(f32, 8)), splat, flags=FMF)
+        if e.fmt == "q4_0":                  # sum_j d (n_j - 8) x_j = d a.d sum n (128 q + r) - 8 d a.s
+            return part, fm(fm(d, ir.Constant(f32, -8.0)), asum)
+        if e.fmt == "q4_1":                  # sum_j (d n_j + m) x_j = d a.d sum n (128 q + r) + m a.s
             m = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2))), typ=ir.HalfType(), align=2), f32)
-            return b.fadd(fm(d, dot), fm(m, asum), flags=FMF)
-        return fm(d, dot)
+            return part, fm(m, asum)
+        return part, (fm(fm(d, ir.Constant(f32, -128.0)), asum) if self.vnni else None)
 
     def un(self, e, env):
         return self.apply(e.op, e.x.dtype, [self.expr(e.x, env)], e)
@@ -356,7 +377,8 @@ class _Renderer:
         hi = self.intr("llvm.smin", b.add(lo, per), n)
         return b.add(start, lo, flags=["nsw"]), b.add(start, hi, flags=["nsw"])
 
-    def loop(self, s, env):
+    def loop(self, s, env, emit=None):
+        """``s`` as header/body/latch blocks; ``emit(scope)`` renders the body (default: ``s.body``)."""
         b, fn = self.b, self.b.function
         lo, hi = self.expr(s.start, env), self.expr(s.stop, env)
         split = s.parallel and not self.in_parallel
@@ -373,7 +395,7 @@ class _Renderer:
         inner = dict(env)
         inner[s.var] = ("val", i, "i32")
         saved, self.in_parallel = self.in_parallel, self.in_parallel or split
-        self.stmts(s.body, inner)
+        (emit or (lambda scope: self.stmts(s.body, scope)))(inner)
         self.in_parallel = saved
         latch, exit_ = fn.append_basic_block(f"{s.var}.latch"), fn.append_basic_block(f"{s.var}.exit")
         b.branch(latch)
@@ -385,8 +407,48 @@ class _Renderer:
         b.position_at_end(exit_)
 
     def reduce(self, s, env):
-        """A Reduce is a serial loop on the CPU (its GPU mapping is ignored)."""
+        """A Reduce is a serial loop on the CPU (its GPU mapping is ignored); one that adds ``QDot``s
+        keeps vector accumulators (``qdot_reduce``)."""
+        if s.accs and all(a.op == "add" and isinstance(a.value, QDot) for a in s.accs):
+            return self.qdot_reduce(s, env)
         self.stmts(serial_reduce(s), env)     # declares the results in ``env``
+
+    def qdot_reduce(self, s, env):
+        """``acc += QDot`` over weight blocks with an <8 x f32> accumulator per Acc: each block's
+        integer dot products stay 8 partial sums, scaled by the two blocks' scales; the scalar terms (q4_0's -8 d a.s, q4_1's m a.s) add to a
+        scalar.  One horizontal add per output instead of one per block."""
+        b, f32 = self.b, TYPES["f32"]
+        v8 = ir.VectorType(f32, 8)
+        slots = []
+        for a in s.accs:
+            vec, sc = self.entry.alloca(v8, name=a.name + ".v"), self.entry.alloca(f32, name=a.name + ".s")
+            b.store(ir.Constant(v8, [0.0] * 8), vec)
+            b.store(ir.Constant(f32, 0.0), sc)
+            slots.append((a, vec, sc))
+
+        def step(scope):
+            for a, vec, sc in slots:
+                part, scalar = self.qdot_parts(a.value, scope)
+                b.store(b.fadd(b.load(vec, typ=v8), part, flags=FMF), vec)
+                if scalar is not None:
+                    b.store(b.fadd(b.load(sc, typ=f32), scalar, flags=FMF), sc)
+        self.loop(Loop(s.var, s.start, s.stop, ()), env, emit=step)
+        for a, vec, sc in slots:
+            slot = self.entry.alloca(f32, name=a.name)
+            b.store(b.fadd(self.reduce_fadd(b.load(vec, typ=v8)), b.load(sc, typ=f32), flags=FMF), slot)
+            env[a.name] = ("var", slot, "f32")
+
+    def vpdpbusd(self):
+        """x86's 4 x (u8 * s8) dot products into 8 i32 lanes (AVX-512 VNNI / AVX-VNNI)."""
+        name = "llvm.x86.avx512.vpdpbusd.256"
+        v8 = ir.VectorType(I32, 8)
+        return self.module.globals.get(name) or ir.Function(self.module, ir.FunctionType(v8, [v8, v8, v8]), name)
+
+    def reduce_fadd(self, v):
+        name = f"llvm.vector.reduce.fadd.v{v.type.count}f32"
+        fn = self.module.globals.get(name) or ir.Function(
+            self.module, ir.FunctionType(TYPES["f32"], [TYPES["f32"], v.type]), name)
+        return self.b.call(fn, [ir.Constant(TYPES["f32"], 0.0), v], fastmath=FMF)
 
     def if_(self, s, env):
         b, fn = self.b, self.b.function
@@ -510,15 +572,16 @@ def int8_gemv(k: Kernel) -> Kernel:
     return replace(k, body=rewrite(k.body))
 
 
-def render_into(module: ir.Module, kernel: Kernel, symbol: str | None = None) -> ir.Function:
+def render_into(module: ir.Module, kernel: Kernel, symbol: str | None = None, vnni: bool = False) -> ir.Function:
     """Add ``kernel`` (exported as ``symbol``, default its sanitized name) to ``module``."""
-    return _Renderer(module, int8_gemv(kernel)).render(symbol or symbol_name(kernel.name))
+    return _Renderer(module, int8_gemv(kernel), vnni).render(symbol or symbol_name(kernel.name))
 
 
-def render_llvm(kernel: Kernel, symbol: str | None = None) -> str:
-    """Textual LLVM IR of ``kernel`` (target independent: no triple / data layout)."""
+def render_llvm(kernel: Kernel, symbol: str | None = None, vnni: bool = False) -> str:
+    """Textual LLVM IR of ``kernel`` (no triple / data layout; ``vnni``: the host has AVX-512 VNNI
+    or AVX-VNNI, and int8 dot products call ``vpdpbusd``)."""
     module = ir.Module(name=kernel.name)
-    render_into(module, kernel, symbol)
+    render_into(module, kernel, symbol, vnni)
     header = "".join(f"; {line}\n" for line in format_kernel_header(kernel))
     return header + str(module)
 

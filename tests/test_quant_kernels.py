@@ -68,6 +68,16 @@ def test_gemv_with_rms_norm_prologue_and_bias_residual_epilogue(fmt, n, k):
     assert kern.family == "contract"
 
 
+@pytest.mark.parametrize("vnni", ["0", "1"])
+def test_cpu_int8_dot_products_with_and_without_vnni(vnni, monkeypatch):
+    """The CPU's generic vector code and, where the host has it, ``vpdpbusd`` (q8_0 through the
+    +128 offset) give the same arithmetic."""
+    monkeypatch.setenv("VEGAFUSE_CPU_VNNI", vnni)
+    for fmt in FORMATS:
+        x, w = rng.standard_normal((2, 160)).astype(np.float32), quantized((24, 160), fmt)
+        check_int8(dsl.jit(lambda x, w: dsl.dot_t(x, w))(x, w), x, w)
+
+
 def test_the_float_activation_switch_matches_the_float64_interpreter(monkeypatch):
     """``VEGAFUSE_QUANT_ACT=float``: each weight dequantized as it is loaded, the activation in f32."""
     monkeypatch.setenv("VEGAFUSE_QUANT_ACT", "float")

@@ -586,7 +586,11 @@ class LLVMCompiler(Compiler):
                          "libmvec": sorted(_VEC_ISA.items()), "pipeline": here}
 
     def render(self, kernel: Kernel) -> str:
-        return render_llvm(kernel)
+        """LLVM IR of ``kernel``; int8 dot products call ``vpdpbusd`` where the host has VNNI
+        (``VEGAFUSE_CPU_VNNI=0``: the generic vector code LLVM lowers itself, the A/B switch)."""
+        feats = llvm.get_host_cpu_features()
+        vnni = bool(feats.get("avx512vnni") and feats.get("avx512vl") or feats.get("avxvnni"))
+        return render_llvm(kernel, vnni=vnni and os.environ.get("VEGAFUSE_CPU_VNNI", "1") != "0")
 
     def entry(self, source: str) -> str:
         return "vf_" + hashlib.sha256(source.encode()).hexdigest()[:16]
