@@ -205,8 +205,10 @@ def resident_bytes(params) -> dict:
 
 
 def format_resident(params) -> str:
-    """One line: ``weights: q4_1 66.4 MB, q8_0 30.1 MB, f32 0.1 MB`` (MB = 10**6 bytes)."""
-    return "weights: " + ", ".join(f"{k} {b / 1e6:.1f} MB" for k, b in resident_bytes(params).items())
+    """One line: ``weights: q4_1 66.4 MB, q8_0 30.1 MB, f32 0.1 MB`` (MB = 10**6 bytes; kB
+    below 0.1 MB)."""
+    size = lambda b: f"{b / 1e6:.1f} MB" if b >= 10**5 else f"{b / 1e3:.1f} kB"  # noqa: E731
+    return "weights: " + ", ".join(f"{k} {size(b)}" for k, b in resident_bytes(params).items())
 
 
 def _nice_float(x) -> float:
@@ -471,13 +473,16 @@ def _load_gguf(path: str, dtype: str, quant=None):
     tok = Tokenizer.from_gguf(reader.fields, source=path)
 
     def fetch(name):
-        """A QArray over the file map (Q4_0/Q4_1/Q8_0 under "native" or quant), else float."""
+        """A QArray over the file map (Q4_0/Q4_1/Q8_0 under "native" or quant), else the
+        float values (F32 / F16 as stored, others dequantized to float32)."""
         t = tensors.get(name)
         if t is None:
             return None
         shape, kind = tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name
         if kind in _GGUF_QUANTS and (dtype == "native" or quant):
             return QArray(t.data, shape, _GGUF_QUANTS[kind])
+        if kind in ("F32", "F16"):
+            return np.asarray(t.data).reshape(shape)
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -700,6 +705,28 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
 
 
 # --------------------------------------------------------------------------- public
+def runs_quantized() -> bool:
+    """Can the DSL run QArray weights (``dsl.dequantize`` and quantized contractions)?"""
+    import dsl
+    return hasattr(dsl, "dequantize")
+
+
+def default_dtype(path: str, backend: str = "cpu") -> str:
+    """The dtype ``engine.generate`` and ``engine.bench`` load with when ``--dtype`` is not
+    given: "native" (quantized tensors stay quantized) for a GGUF file on the CPU where the DSL
+    runs quantized weights, else "f16"."""
+    gguf_file = not os.path.isdir(os.fspath(path))
+    return "native" if backend == "cpu" and gguf_file and runs_quantized() else "f16"
+
+
+def check_runnable(params) -> None:
+    """ModelError (one line) when ``params`` hold QArrays that the DSL cannot run yet."""
+    from dsl.pytree import flatten
+    if not runs_quantized() and any(isinstance(a, QArray) for a in flatten(params)[0]):
+        raise ModelError("this build cannot run quantized weights yet; use --dtype f16 "
+                         "(or f32) without --quant")
+
+
 def load_model(path: str, dtype: str = "f16", quant: str | None = None):
     """Load a model: ``(LlamaConfig, params, Tokenizer)``.
 
