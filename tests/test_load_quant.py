@@ -305,3 +305,54 @@ def test_cli_native_weights(path):
     assert r.returncode == 0, r.stderr
     assert "weights: q4_1 66.4 MB, q8_0 30.1 MB" in r.stderr
 
+
+
+# --------------------------------------------------------------------------- the GGUF header reader
+def assert_same_as_gguf_reader(path):
+    """engine.weights' reader gives the fields and tensors gguf.GGUFReader gives."""
+    from engine.weights import _open_gguf
+    ours, ref = _open_gguf(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == [k for k in ref.fields if not k.startswith("GGUF.")]
+    for k, f in ours.fields.items():
+        a, b = f.contents(), ref.fields[k].contents()
+        assert a == b and type(a) is type(b), k
+        if isinstance(a, list) and a:
+            assert [type(x) for x in a] == [type(x) for x in b], k
+    assert len(ours.tensors) == len(ref.tensors)
+    for x, y in zip(ours.tensors, ref.tensors):
+        assert (x.name, list(x.shape), x.tensor_type, x.n_bytes, x.data_offset) == \
+               (y.name, list(y.shape), y.tensor_type, int(y.n_bytes), int(y.data_offset))
+        assert (x.data.shape, x.data.dtype) == (y.data.shape, y.data.dtype), x.name
+        np.testing.assert_array_equal(x.data, y.data)
+
+
+def test_header_reader_equals_gguf_on_the_default_model(path):
+    assert_same_as_gguf_reader(path)
+
+
+def test_header_reader_equals_gguf_on_every_value_type(tmp_path):
+    V = gguf.GGUFValueType
+    rng = np.random.default_rng()
+    meta = {"test.u8": (int(rng.integers(256)), V.UINT8), "test.i8": (-int(rng.integers(128)), V.INT8),
+            "test.u16": (int(rng.integers(2**16)), V.UINT16), "test.i16": (-int(rng.integers(2**15)), V.INT16),
+            "test.u32": (int(rng.integers(2**32)), V.UINT32), "test.u64": (2**64 - int(rng.integers(9)) - 1, V.UINT64),
+            "test.i64": (-2**63 + int(rng.integers(9)), V.INT64), "test.f32": (float(rng.standard_normal()), V.FLOAT32),
+            "test.f64": (float(rng.standard_normal()), V.FLOAT64), "test.bool": (True, V.BOOL),
+            "test.text": ("héllo wörld ✓", V.STRING),
+            "test.floats": ([float(x) for x in rng.standard_normal(5)], V.ARRAY),
+            "test.bools": ([True, False, True], V.ARRAY), "test.strings": (["a", "", "ü"], V.ARRAY)}
+    w = tiny(seed=5)
+    types = {"blk.0.ffn_up.weight": T.Q4_1, "blk.1.attn_v.weight": T.Q8_0, "blk.0.attn_output.weight": T.F16,
+             "blk.1.ffn_gate.weight": T.Q4_0}
+    path = write(tmp_path, w, meta=meta, types=types)
+    assert_same_as_gguf_reader(path)
+
+
+def test_header_reader_cut_anywhere_is_one_line(tmp_path):
+    """A file cut at any byte of its header (or data) gives one ModelError line, never a crash."""
+    data = open(write(tmp_path, tiny(seed=6)), "rb").read()
+    for cut in sorted(set(np.random.default_rng().integers(4, len(data), 40).tolist()) | {4, 8, 24, 25}):
+        bad = tmp_path / "cut.gguf"
+        bad.write_bytes(data[:cut])
+        msg = one_line_error(bad, "cut.gguf", "re-download")
+        assert "truncated" in msg or "corrupt" in msg, (cut, msg)
