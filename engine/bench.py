@@ -2,7 +2,9 @@
 
 CPU: ``python -m engine.bench [--model PATH] [--tokens 64] [--prompt TEXT]`` prints decode
 tokens/s for the same model and prompt, measured in one run:
-  * vegafuse on the CPU (fused, LLVM-compiled kernels),
+  * vegafuse on the CPU (fused, LLVM-compiled kernels), with the weights of ``--dtype`` /
+    ``--quant`` (default: a GGUF's own quantized tensors) and, for comparison, f16 weights
+    (f32 when the first run is f16),
   * the vegafuse numpy reference interpreter (the same traced program, op by op),
   * Hugging Face transformers eager on the CPU in float32, when torch and
     transformers are importable (the model is exported from the GGUF first).
@@ -305,9 +307,9 @@ def main(argv=None):
     rows.append((f"vegafuse cpu (fused, {kind} weights)", tps, args.tokens))
     print(f"  {rows[-1][0]:<40} {tps:8.1f} tokens/s", flush=True)
     _, params2, _ = load_model(path, other)
-    tps32, ours32 = bench_vegafuse(cfg, params2, ids, args.tokens, "cpu")
+    tps2, ours2 = bench_vegafuse(cfg, params2, ids, args.tokens, "cpu")
     del params2
-    print(f"  {f'vegafuse cpu (fused, {other} weights)':<40} {tps32:8.1f} tokens/s   (ids agree: {ours32 == ours})",
+    print(f"  {f'vegafuse cpu (fused, {other} weights)':<40} {tps2:8.1f} tokens/s   (ids agree: {ours2 == ours})",
           flush=True)
     tps_ref, ref = bench_vegafuse(cfg, params, ids, args.reference_tokens, "reference")
     rows.append(("vegafuse reference interpreter (numpy)", tps_ref, args.reference_tokens))
@@ -321,7 +323,7 @@ def main(argv=None):
             print(f"  {rows[-1][0]:<40} {tps_hf:8.1f} tokens/s   (ids agree: {hf == ours})")
     peer, best = max(rows[1:], key=lambda r: r[1])[0], max(r[1] for r in rows[1:])
     print(f"speed-up over the fastest peer ({peer}): {tps / best:.2f}x ({kind} weights), "
-          f"{tps32 / best:.2f}x ({other} weights)")
+          f"{tps2 / best:.2f}x ({other} weights)")
     return 0
 
 
