@@ -97,7 +97,7 @@ def main(argv=None):
 
 def run(args):
     from .model import Model
-    from .weights import check_runnable, default_dtype, default_model_path, format_resident, load_model
+    from .weights import default_dtype, default_model_path, format_resident, load_model
     prompt = args.prompt
     try:
         if prompt is None and not sys.stdin.isatty():
@@ -121,7 +121,6 @@ def run(args):
     t_load = time.perf_counter()
     cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
     t_load = time.perf_counter() - t_load
-    check_runnable(params)
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     prompt_ids = tok.encode(text)
     if not prompt_ids:

@@ -180,9 +180,11 @@ def _convert(w, name, source, vector, dtype, quant):
             raise ModelError(f"{source}: tensor {name} has shape {tuple(w.shape)}, whose last axis is "
                              f"not a multiple of {dsl_quant.BLOCK}, so it cannot be quantized to "
                              f"{quant}; load the model without --quant")
-        x = w.dequantize() if isinstance(w, QArray) else np.asarray(w, np.float32)
-        q = dsl_quant.quantize(quant, x)
-        return q if isinstance(q, QArray) else QArray(q, x.shape, quant)
+        try:
+            return dsl_quant.quantize(quant, w.dequantize() if isinstance(w, QArray) else w)
+        except ValueError as e:                   # a value that is not finite
+            raise ModelError(f"{source}: tensor {name} cannot be quantized to {quant}: {e}; "
+                             "fix the checkpoint or load it without --quant") from None
     if isinstance(w, QArray):
         if dtype == "native":
             return w
@@ -821,26 +823,10 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
 
 
 # --------------------------------------------------------------------------- public
-def runs_quantized() -> bool:
-    """Can the DSL run QArray weights (``dsl.dequantize`` and quantized contractions)?"""
-    import dsl
-    return hasattr(dsl, "dequantize")
-
-
 def default_dtype(path: str, backend: str = "cpu") -> str:
     """The dtype ``engine.generate`` and ``engine.bench`` load with when ``--dtype`` is not
-    given: "native" (quantized tensors stay quantized) for a GGUF file on the CPU where the DSL
-    runs quantized weights, else "f16"."""
-    gguf_file = not os.path.isdir(os.fspath(path))
-    return "native" if backend == "cpu" and gguf_file and runs_quantized() else "f16"
-
-
-def check_runnable(params) -> None:
-    """ModelError (one line) when ``params`` hold QArrays that the DSL cannot run yet."""
-    from dsl.pytree import flatten
-    if not runs_quantized() and any(isinstance(a, QArray) for a in flatten(params)[0]):
-        raise ModelError("this build cannot run quantized weights yet; use --dtype f16 "
-                         "(or f32) without --quant")
+    given: "native" (quantized tensors stay quantized) for a GGUF file on the CPU, else "f16"."""
+    return "native" if backend == "cpu" and not os.path.isdir(os.fspath(path)) else "f16"
 
 
 def load_model(path: str, dtype: str = "f16", quant: str | None = None):

@@ -1,5 +1,6 @@
 """Loading that keeps quantized weights quantized: the default Q4_1 GGUF as QArrays over the
 file map (dtype "native"), --quant q4_0/q4_1/q8_0 at load, resident bytes, errors, the CLI."""
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from dsl import quant as dsl_quant
 from dsl.quant import QArray
 from engine.errors import ModelError
 from engine.weights import (default_dtype, default_model_path, export_hf_dir, format_resident,
-                            load_model, resident_bytes, runs_quantized, unpermute_qk)
+                            load_model, resident_bytes, unpermute_qk)
 from tests.test_weights import one_line_error, tiny_hf_weights, write_tiny_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,16 +36,9 @@ def by_gguf_name(params):
 
 
 def gguf_quantize(fmt, x):
-    """The gguf package's quantizer as a QArray (the reference for ours)."""
+    """The gguf package's quantizer as a QArray (the reference for ours, dsl.quant.quantize)."""
     x = np.asarray(x, np.float32)
     return QArray(gguf.quants.quantize(x, GGUF_TYPE[fmt]).reshape(-1), x.shape, fmt)
-
-
-@pytest.fixture(autouse=True)
-def quantizer(monkeypatch):
-    """The gguf quantizer stands in for dsl.quant.quantize where that is not there yet."""
-    if not hasattr(dsl_quant, "quantize"):
-        monkeypatch.setattr(dsl_quant, "quantize", gguf_quantize, raising=False)
 
 
 def map_of(a):
@@ -274,8 +268,19 @@ def test_error_quant_needs_a_multiple_of_32(tmp_path):
     assert "\n" not in msg and "token_embd.weight" in msg and "(8, 16)" in msg and "32" in msg, msg
 
 
+def test_error_quant_of_a_non_finite_weight(tmp_path):
+    w = tiny(seed=7)
+    w["blk.1.ffn_up.weight"][5, 40] = np.inf
+    path = write(tmp_path, w)
+    load_model(path, "f32")                                                  # loads as floats
+    with pytest.raises(ModelError) as e:
+        load_model(path, quant="q8_0")
+    msg = str(e.value)
+    assert "\n" not in msg and "blk.1.ffn_up.weight" in msg and "finite" in msg and "--quant" in msg, msg
+
+
 def test_default_dtype(path, tmp_path):
-    assert default_dtype(path, "cpu") == ("native" if runs_quantized() else "f16")
+    assert default_dtype(path, "cpu") == "native"
     assert default_dtype(path, "cuda") == "f16"
     assert default_dtype(str(tmp_path), "cpu") == "f16"                    # a Hugging Face directory
 
@@ -292,19 +297,26 @@ def test_cli_reports_resident_weights(tmp_path):
     line = [x for x in r.stderr.splitlines() if "weights:" in x]
     n = sum(v.size for v in tiny_hf_weights().values())
     assert len(line) == 1 and f"weights: f32 {4 * n / 1e3:.1f} kB" in line[0], r.stderr
-    r = cli("--model", path, "--quant", "q4_0", "ab")
+    r = cli("--model", path, "--quant", "q4_0", "ab")                    # D = 16
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "multiple of 32" in r.stderr
 
 
-def test_cli_native_weights(path):
-    r = cli("--model", path, "--dtype", "native", "--max-tokens", "4", "--temperature", "0", "The capital of")
-    if not runs_quantized():                        # until the DSL runs QArray weights: one clear line
-        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-            "error: this build cannot run quantized weights yet; use --dtype f16 (or f32) without --quant"]
-        return
-    assert r.returncode == 0, r.stderr
-    assert "weights: q4_1 66.4 MB, q8_0 30.1 MB" in r.stderr
+def test_cli_native_weights_by_default(path):
+    """The default model runs with its own q4_1 / q8_0 weights, greedy ids as with f16 weights."""
+    from tests.test_weights import GREEDY
+    args = ("--max-tokens", "8", "--temperature", "0", "--json", "The capital of France is")
+    native, f16 = cli(*args), cli("--dtype", "f16", *args)
+    assert native.returncode == 0 and f16.returncode == 0, native.stderr + f16.stderr
+    assert "weights: q4_1 66.4 MB, q8_0 30.1 MB, f32 0.1 MB" in native.stderr
+    assert "weights: f16 269.0 MB, f32 0.1 MB" in f16.stderr
+    assert json.loads(native.stdout)["ids"] == json.loads(f16.stdout)["ids"] == GREEDY[:8]
 
+
+def test_cli_quant(tmp_path):
+    path = write(tmp_path, f16_model(tiny(seed=8)))
+    r = cli("--model", path, "--quant", "q4_0", "--max-tokens", "3", "--temperature", "0", "--json", "ab")
+    assert r.returncode == 0, r.stderr
+    assert "weights: q4_0 " in r.stderr and len(json.loads(r.stdout)["ids"]) <= 3
 
 
 # --------------------------------------------------------------------------- the GGUF header reader
