@@ -302,17 +302,15 @@ def test_cli_reports_resident_weights(tmp_path):
 
 
 def test_cli_native_weights_by_default(path):
-    """The default model runs with its own q4_1 / q8_0 weights.  Greedy ids follow the f16 ones
-    up to the sixth token, where the dequantized model itself nearly ties (" answer" 14.62,
-    " United" 14.40 in float32) and the q8_1 activations of the quantized GEMVs may tip it."""
+    """The default model runs with its own q4_1 / q8_0 weights, and its greedy ids are the f16
+    path's (tests/test_model.py checks the default CLI against the reference ids, too)."""
     from tests.test_weights import GREEDY
     args = ("--max-tokens", "8", "--temperature", "0", "--json", "The capital of France is")
     native, f16 = cli(*args), cli("--dtype", "f16", *args)
     assert native.returncode == 0 and f16.returncode == 0, native.stderr + f16.stderr
     assert "weights: q4_1 66.4 MB, q8_0 30.1 MB, f32 0.1 MB" in native.stderr
     assert "weights: f16 269.0 MB, f32 0.1 MB" in f16.stderr
-    assert json.loads(f16.stdout)["ids"] == GREEDY[:8]
-    assert json.loads(native.stdout)["ids"][:5] == GREEDY[:5]                 # " Paris.\n\nThe"
+    assert json.loads(native.stdout)["ids"] == json.loads(f16.stdout)["ids"] == GREEDY[:8]
 
 
 def test_cli_quant(tmp_path):

@@ -39,8 +39,8 @@ def greedy(cfg, params, tok, n=20, context=64, backend="cpu"):
 
 
 def test_cli_greedy_matches_the_reference():
-    r = subprocess.run([sys.executable, "-m", "engine.generate", "--dtype", "f16", "--temperature", "0",
-                        "--max-tokens", "20", "--json", PROMPT], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "--temperature", "0", "--max-tokens", "20",
+                        "--json", PROMPT], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["prompt_ids"] == PROMPT_IDS
