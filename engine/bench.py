@@ -2,7 +2,9 @@
 
 CPU: ``python -m engine.bench [--model PATH] [--tokens 64] [--prompt TEXT]`` prints decode
 tokens/s for the same model and prompt, measured in one run:
-  * vegafuse on the CPU (fused, LLVM-compiled kernels),
+  * vegafuse on the CPU (fused, LLVM-compiled kernels), with the weights of ``--dtype`` /
+    ``--quant`` (default: a GGUF's own quantized tensors) and, for comparison, f16 weights
+    (f32 when the first run is f16),
   * the vegafuse numpy reference interpreter (the same traced program, op by op),
   * Hugging Face transformers eager on the CPU in float32, when torch and
     transformers are importable (the model is exported from the GGUF first).
@@ -224,8 +226,9 @@ def main_gpu(args):
         cfg = LlamaConfig(**SHAPES[name], max_seq_len=args.context, name=name)
         params = random_params(cfg, dev, args.dtype)
     else:
-        from .weights import load_model
-        cfg, params, _ = load_model(name, args.dtype)
+        from .weights import format_resident, load_model
+        cfg, params, _ = load_model(name, "native" if args.dtype in QUANT_DTYPES else args.dtype, args.quant)
+        print(format_resident(params), flush=True)
         params = dev.put(params)
     bw = dev.copy_bandwidth()
     tps, ex = gpu_decode(cfg, params, args.tokens, args.context)
@@ -256,8 +259,12 @@ def main(argv=None):
     p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct); "
                                    f"with --backend cuda also a shape: {', '.join(SHAPES)}")
     p.add_argument("--random-weights", action="store_true", help="real shapes, random values (cuda)")
-    p.add_argument("--dtype", default="f16", choices=["f16", "f32", *QUANT_DTYPES],
-                   help="weights: f16, f32, or quantized (q4_0, q4_1, q8_0: random weights on cuda)")
+    p.add_argument("--dtype", default=None, choices=["native", "f16", "f32", *QUANT_DTYPES],
+                   help="weights: native keeps a GGUF's q4_0/q4_1/q8_0 tensors quantized (default on the cpu "
+                        "for a GGUF), f16/f32 dequantize (default f16 with cuda), q4_0/q4_1/q8_0 quantize "
+                        "every weight matrix (random weights on cuda; a file: as --quant)")
+    p.add_argument("--quant", default=None, choices=list(QUANT_DTYPES),
+                   help="quantize every weight matrix and the embedding to this format at load")
     p.add_argument("--context", type=int, default=512, help="KV-cache positions (cuda, default 512)")
     p.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer (cuda)")
     p.add_argument("--no-graphs", action="store_true", help="launch kernels one by one (cuda A/B)")
@@ -269,7 +276,15 @@ def main(argv=None):
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
     args = p.parse_args(argv)
     args.tokens = args.tokens or (128 if args.backend == "cuda" else 64)
+    if args.dtype in QUANT_DTYPES:                 # --dtype q4_0: every weight matrix q4_0, as --quant q4_0
+        if args.quant not in (None, args.dtype):
+            p.error(f"--dtype {args.dtype} and --quant {args.quant} disagree: give one of them")
+        args.quant = args.dtype
     if args.backend == "cuda":
+        random = args.random_weights or (args.model or "smollm2-135m") in SHAPES
+        if random and args.dtype == "native":
+            p.error("random weights are f16, f32, q4_0, q4_1 or q8_0: pick one with --dtype")
+        args.dtype = (args.quant if random else None) or args.dtype or "f16"
         try:
             return main_gpu(args)
         except RuntimeError as e:
@@ -277,21 +292,24 @@ def main(argv=None):
                 raise
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 2
-    from .weights import default_model_path, load_model
+    from .weights import default_dtype, default_model_path, format_resident, load_model
     path = args.model or default_model_path()
-    cfg, params, tok = load_model(path)
+    dtype = args.dtype or default_dtype(path, "cpu")
+    cfg, params, tok = load_model(path, "native" if dtype in QUANT_DTYPES else dtype, args.quant)
+    kind = args.quant or dtype
+    other = "f16" if kind != "f16" else "f32"         # the A/B comparison in the same run
     ids = tok.encode(args.prompt)
     threads = os.cpu_count() or 1
     print(f"model {cfg.name or path}: {cfg.n_layers} layers, dim {cfg.dim}; prompt {len(ids)} tokens; "
-          f"{os.cpu_count()} CPU threads", flush=True)
+          f"{os.cpu_count()} CPU threads; {format_resident(params)}", flush=True)
     rows = []
     tps, ours = bench_vegafuse(cfg, params, ids, args.tokens, "cpu")
-    rows.append(("vegafuse cpu (fused, f16 weights)", tps, args.tokens))
+    rows.append((f"vegafuse cpu (fused, {kind} weights)", tps, args.tokens))
     print(f"  {rows[-1][0]:<40} {tps:8.1f} tokens/s", flush=True)
-    _, params32, _ = load_model(path, "f32")
-    tps32, ours32 = bench_vegafuse(cfg, params32, ids, args.tokens, "cpu")
-    del params32
-    print(f"  {'vegafuse cpu (fused, f32 weights)':<40} {tps32:8.1f} tokens/s   (ids agree: {ours32 == ours})",
+    _, params2, _ = load_model(path, other)
+    tps2, ours2 = bench_vegafuse(cfg, params2, ids, args.tokens, "cpu")
+    del params2
+    print(f"  {f'vegafuse cpu (fused, {other} weights)':<40} {tps2:8.1f} tokens/s   (ids agree: {ours2 == ours})",
           flush=True)
     tps_ref, ref = bench_vegafuse(cfg, params, ids, args.reference_tokens, "reference")
     rows.append(("vegafuse reference interpreter (numpy)", tps_ref, args.reference_tokens))
@@ -304,7 +322,8 @@ def main(argv=None):
             rows.append(("Hugging Face eager cpu (f32)", tps_hf, args.tokens))
             print(f"  {rows[-1][0]:<40} {tps_hf:8.1f} tokens/s   (ids agree: {hf == ours})")
     peer, best = max(rows[1:], key=lambda r: r[1])[0], max(r[1] for r in rows[1:])
-    print(f"speed-up over the fastest peer ({peer}): {tps / best:.2f}x (f16 weights), {tps32 / best:.2f}x (f32 weights)")
+    print(f"speed-up over the fastest peer ({peer}): {tps / best:.2f}x ({kind} weights), "
+          f"{tps2 / best:.2f}x ({other} weights)")
     return 0
 
 

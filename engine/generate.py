@@ -68,7 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--context", type=int, default=None, help="KV-cache positions (default min(model, 2048))")
-    p.add_argument("--dtype", default="f16", choices=["f16", "f32"], help="weight dtype in memory (default f16)")
+    p.add_argument("--dtype", default=None, choices=["native", "f16", "f32"],
+                   help="weights in memory: native keeps a GGUF's q4_0/q4_1/q8_0 tensors quantized, f16/f32 "
+                        "dequantize (default native for a GGUF on the cpu, else f16)")
+    p.add_argument("--quant", default=None, choices=["q4_0", "q4_1", "q8_0"],
+                   help="quantize every weight matrix and the embedding to this format at load")
     return p.parse_args(argv)
 
 
@@ -93,7 +97,7 @@ def main(argv=None):
 
 def run(args):
     from .model import Model
-    from .weights import default_model_path, load_model
+    from .weights import default_dtype, default_model_path, format_resident, load_model
     prompt = args.prompt
     try:
         if prompt is None and not sys.stdin.isatty():
@@ -114,7 +118,9 @@ def run(args):
     if args.context is not None and args.context < 1:
         raise ModelError(f"--context must be at least 1, got {args.context}")
     path = args.model or default_model_path()
-    cfg, params, tok = load_model(path, args.dtype)
+    t_load = time.perf_counter()
+    cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
+    t_load = time.perf_counter() - t_load
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     prompt_ids = tok.encode(text)
     if not prompt_ids:
@@ -144,6 +150,7 @@ def run(args):
         sys.stdout.write("\n")
     print(f"[{len(prompt_ids)} prompt tokens, prefill {stats['prefill_s']:.2f} s; {len(ids)} generated, "
           f"decode {stats['decode_tokens_per_s']:.1f} tokens/s; backend {args.backend}]", file=sys.stderr)
+    print(f"[{format_resident(params)}; loaded in {t_load:.2f} s]", file=sys.stderr)
     return 0
 
 

