@@ -12,6 +12,7 @@ weight vectors, else the whole kernel), LDS instructions per byte its global loa
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -136,8 +137,9 @@ class Inspected:
         return counts(main_loop(self.isa()))
 
 
-def decode_plan(model=None, context=512):
-    """The fusion plan of one decode step of ``model`` (a GGUF or HF directory; default SmolLM2):
+def decode_plan(model=None, context=512, dtype="native"):
+    """The fusion plan of one decode step of ``model`` (a GGUF or HF directory; default SmolLM2)
+    with weights loaded as ``dtype`` ("native": a GGUF's quantized tensors as they are; "f16"):
     the pipeline's passes up to rendering (``engine.pipeline.lower_program``)."""
     import numpy as np
 
@@ -145,7 +147,8 @@ def decode_plan(model=None, context=512):
     from engine.pipeline import lower_program
     from engine.weights import default_model_path, load_model
     from stdlib import llama
-    cfg, params, _ = load_model(model or default_model_path())
+    path = model or default_model_path()
+    cfg, params, _ = load_model(path, dtype if dtype != "native" or not os.path.isdir(path) else "f16")
     if context > cfg.max_seq_len:
         raise ValueError(f"--context {context} is beyond the model's {cfg.max_seq_len} positions")
     # only the caches' shapes matter for tracing: one array, broadcast, stands for every layer's
@@ -187,6 +190,8 @@ def main(argv=None):
     p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--target", default="gfx906", help="an AMD target: gfx906 (default)")
     p.add_argument("--context", type=int, default=512, help="KV-cache positions (default 512)")
+    p.add_argument("--dtype", default="native", choices=["native", "f16"],
+                   help="weights: a GGUF's own quantized tensors (default) or f16")
     p.add_argument("--kernel", help="one kernel by name (or a unique part of it)")
     p.add_argument("--source", action="store_true", help="print the kernel's HIP source")
     p.add_argument("--isa", action="store_true", help="print the kernel's disassembly")
@@ -207,7 +212,7 @@ def main(argv=None):
         if target.vendor != "amd":
             raise ValueError(f"--target {args.target}: inspect compiles through hiprtc for AMD targets "
                              "(gfx906); the NVIDIA flavour runs with --backend cuda")
-        kernels = decode_plan(args.model, args.context).kernels
+        kernels = decode_plan(args.model, args.context, args.dtype).kernels
         if args.kernel:
             match = [k for k in kernels if k.name == args.kernel] or [k for k in kernels if args.kernel in k.name]
             if len(match) != 1:

@@ -191,7 +191,7 @@ class _Renderer:
         blk, ab = self.expr(e.block, env), self.expr(e.ablock, env)
         vec = lambda ty, n=32: ir.VectorType(ty, n)  # noqa: E731
         i32 = lambda n: ir.Constant(I32, n)  # noqa: E731
-        quants = self.byte_ptr(w, b.mul(blk, i32(f.quant_bytes)))
+        quants = self.byte_ptr(w, b.mul(blk, i32(f.quant_bytes), flags=["nsw"]))      # offsets fit i32: nsw
         if e.fmt == "q8_0":
             w8 = b.load(quants, typ=vec(I8), align=1)
             wq = b.sext(w8, vec(I32))
@@ -201,7 +201,7 @@ class _Renderer:
             hi = b.lshr(raw, ir.Constant(vec(I8, 16), [4] * 16))
             w8 = b.shuffle_vector(lo, hi, ir.Constant(vec(I32), list(range(32))))
             wq = b.zext(w8, vec(I32))
-        block = self.byte_ptr(act, b.mul(ab, i32(Q8_1_BYTES)))
+        block = self.byte_ptr(act, b.mul(ab, i32(Q8_1_BYTES), flags=["nsw"]))
         # vpdpbusd multiplies unsigned bytes: q8_0's signed quants move up by 128 (w ^ 0x80), and
         # 128 * sum_j (128 q_j + r_j) = 128 a.s / a.d comes off again below
         unsigned = b.xor(w8, ir.Constant(vec(I8), [-128] * 32)) if e.fmt == "q8_0" else w8
@@ -218,7 +218,7 @@ class _Renderer:
         isum = b.add(b.mul(dot8(0), ir.Constant(vec(I32, 8), [128] * 8)), dot8(32))
         ad = b.load(self.byte_ptr(block, i32(64)), typ=f32, align=4)
         asum = b.load(self.byte_ptr(block, i32(68)), typ=f32, align=4)
-        scales = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes)))
+        scales = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes), flags=["nsw"]), flags=["nsw"])
         d = b.fpext(b.load(self.byte_ptr(w, scales), typ=ir.HalfType(), align=2), f32)
         fm = lambda x, y: b.fmul(x, y, flags=FMF)  # noqa: E731
         scale = fm(d, ad)
@@ -228,7 +228,7 @@ class _Renderer:
         if e.fmt == "q4_0":                  # sum_j d (n_j - 8) x_j = d a.d sum n (128 q + r) - 8 d a.s
             return part, fm(fm(d, ir.Constant(f32, -8.0)), asum)
         if e.fmt == "q4_1":                  # sum_j (d n_j + m) x_j = d a.d sum n (128 q + r) + m a.s
-            m = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2))), typ=ir.HalfType(), align=2), f32)
+            m = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2), flags=["nsw"])), typ=ir.HalfType(), align=2), f32)
             return part, fm(m, asum)
         return part, (fm(fm(d, ir.Constant(f32, -128.0)), asum) if self.vnni else None)
 

@@ -52,7 +52,7 @@ def map_kernel(k: L.Kernel, t: Target) -> L.Kernel:
 
 
 def _lds_bytes(body):
-    return sum(s.size * ITEMSIZE[s.dtype] for s in L.walk_stmts(body) if isinstance(s, L.Array) and s.space == "lds")
+    return int(sum(s.size * ITEMSIZE[s.dtype] for s in L.walk_stmts(body) if isinstance(s, L.Array) and s.space == "lds"))
 
 
 def _scratch(body, t):

@@ -83,6 +83,9 @@ def test_inspect_cli():
     assert r.returncode == 0 and "s_endpgm" in r.stdout
     r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "layers_0_rms_norm_linear_wq_wk_wv",
                         "--source"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "__shared__ vf_q8_1 act[18]" in r.stdout and "vf_dot_q4_1(" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "layers_0_rms_norm_linear_wq_wk_wv",
+                        "--source", "--dtype", "f16"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "__shared__ vf_half act[576]" in r.stdout and "vf_dot8_h(" in r.stdout
     r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "nonexistent"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
@@ -135,3 +138,23 @@ def test_every_mapping_compiles_for_gfx906_without_scratch_or_generic_loads():
                 assert counts(main_loop(it.isa()))["dwordx4"] >= 1, what
     (k,) = _family_variants()["k split"]
     assert any(isinstance(s, L.Reduce) and s.split == 4 for s in L.walk_stmts(map_kernel(k, t).body))
+
+
+def test_every_quantized_gemv_of_the_native_decode_step_passes_the_gates():
+    """SmolLM2 from its Q4_1 GGUF (q8_0 embedding as the LM head): every GEMV runs on int8 dot
+    products in its main loop, reads weights with 16-byte loads, no scratch or generic loads, at
+    most 9 waves per SIMD, and at most 0.056 LDS instructions per weight byte."""
+    seen = set()
+    gemvs = [k for k in decode_plan(dtype="native").kernels if k.family == "contract"]
+    assert {p.dtype for k in gemvs for p in k.params} >= {"q4_1", "q8_0"}
+    for k in gemvs:
+        it = Inspected(k, get_target("gfx906"))
+        if it.code in seen:
+            continue
+        seen.add(it.code)
+        c = counts(main_loop(it.isa()))
+        assert c["dot4"] >= 16 and c["dwordx4"] >= 1, (k.name, c)
+        assert c["flat"] == 0 and "flat_load" not in it.isa() and it.res["scratch_bytes"] == 0, k.name
+        assert 1 <= it.res["waves_per_simd"] <= 9, (k.name, it.res)
+        assert c["lds_per_byte"] <= 0.056, (k.name, c)
+    assert len(seen) >= 5
