@@ -22,7 +22,7 @@ from .targets import Target, get_target, occupancy_lds
 
 CTYPE = {"f32": "float", "f16": "vf_half", "i32": "int", "bool": "bool",
          "q4_0": "vf_byte", "q4_1": "vf_byte", "q8_0": "vf_byte",     # quantized weights: their bytes
-         "q8_1": "vf_q8_1"}                                           # an activation in LDS: one per block
+         "q8_1r": "vf_q8_1", "q8_1": "vf_q8_1"}                       # an activation in LDS: one per block
 
 
 # ------------------------------------------------------------------------------------ expressions
@@ -238,8 +238,9 @@ def _if(s, pad):
 
 def _array(s, pad):
     shared = "__shared__ " if s.space == "lds" else ""
-    if s.dtype == "q8_1":                          # one vf_q8_1 per block of 32
-        return [f"{pad}{shared}vf_q8_1 {s.name}[{s.size // 32}];  // {s.size} values in q8_1 blocks"]
+    if s.dtype in L.ACT_Q8:                        # one vf_q8_1 per block of 32
+        what = "q8_1 blocks with a residual plane" if s.dtype == "q8_1r" else "q8_1 blocks"
+        return [f"{pad}{shared}vf_q8_1 {s.name}[{s.size // 32}];  // {s.size} values in {what}"]
     return [f"{pad}{shared}{CTYPE[s.dtype]} {s.name}[{s.size}];"]
 
 

@@ -36,7 +36,7 @@ from llvmlite import ir
 
 from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel, Load, Loop,
                      Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, serial_reduce)
-from .loopir import QDot, QLoad, QuantizeQ8
+from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
 from .loopir import spelling as op_spelling
 from .loopir import walk_stmts
 from dsl.quant import FORMATS, QUANT_DTYPES, nbytes
@@ -44,10 +44,11 @@ from dsl.quant import FORMATS, QUANT_DTYPES, nbytes
 I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()
 VOID = ir.VoidType()
 TYPES = {"f32": ir.FloatType(), "f16": ir.HalfType(), "i32": I32, "bool": I1}          # SSA value types
-MEM_TYPES = {**TYPES, "bool": I8, "q8_1": I8, **{q: I8 for q in QUANT_DTYPES}}           # in-memory types
+MEM_TYPES = {**TYPES, "bool": I8, "q8_1": I8, "q8_1r": I8, **{q: I8 for q in QUANT_DTYPES}}  # in-memory types
 ELEM_BYTES = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}                # quantized buffers: bytes, see _buffer_bytes
-Q8_1_BYTES = 72                  # a q8_1 block with its residual plane in a local array: 32 int8 quants, 32 int8
-                                 # residuals, f32 d and s (codegen.loopir.QuantizeQ8)
+# bytes of an activation block in a local array (codegen.loopir.QuantizeQ8): 32 int8 quants, (q8_1r) 32 int8
+# residuals, then f32 d and s
+Q8_BYTES = {"q8_1r": 72, "q8_1": 40}
 KIND = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 FMF = ("reassoc", "nsz", "arcp", "contract", "afn")   # `fast` minus nnan/ninf
 MAX_STACK_BYTES = 4 << 20                              # local Arrays live on the (thread's) stack
@@ -201,7 +202,9 @@ class _Renderer:
             hi = b.lshr(raw, ir.Constant(vec(I8, 16), [4] * 16))
             w8 = b.shuffle_vector(lo, hi, ir.Constant(vec(I32), list(range(32))))
             wq = b.zext(w8, vec(I32))
-        block = self.byte_ptr(act, b.mul(ab, i32(Q8_1_BYTES), flags=["nsw"]))
+        _, _, adt = self.lookup(env, e.act, e)
+        size = Q8_BYTES[adt]
+        block = self.byte_ptr(act, b.mul(ab, i32(size), flags=["nsw"]))
         # vpdpbusd multiplies unsigned bytes: q8_0's signed quants move up by 128 (w ^ 0x80), and
         # 128 * sum_j (128 q_j + r_j) = 128 a.s / a.d comes off again below
         unsigned = b.xor(w8, ir.Constant(vec(I8), [-128] * 32)) if e.fmt == "q8_0" else w8
@@ -215,9 +218,9 @@ class _Renderer:
             p = b.mul(wq, plane)
             eights = [b.shuffle_vector(p, p, ir.Constant(vec(I32, 8), [8 * k + j for j in range(8)])) for k in range(4)]
             return b.add(b.add(eights[0], eights[1]), b.add(eights[2], eights[3]))
-        isum = b.add(b.mul(dot8(0), ir.Constant(vec(I32, 8), [128] * 8)), dot8(32))
-        ad = b.load(self.byte_ptr(block, i32(64)), typ=f32, align=4)
-        asum = b.load(self.byte_ptr(block, i32(68)), typ=f32, align=4)
+        isum = b.add(b.mul(dot8(0), ir.Constant(vec(I32, 8), [128] * 8)), dot8(32)) if adt == "q8_1r" else dot8(0)
+        ad = b.load(self.byte_ptr(block, i32(size - 8)), typ=f32, align=4)
+        asum = b.load(self.byte_ptr(block, i32(size - 4)), typ=f32, align=4)
         scales = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes), flags=["nsw"]), flags=["nsw"])
         d = b.fpext(b.load(self.byte_ptr(w, scales), typ=ir.HalfType(), align=2), f32)
         fm = lambda x, y: b.fmul(x, y, flags=FMF)  # noqa: E731
@@ -314,9 +317,9 @@ class _Renderer:
         self.b.store(self.expr(s.value, env), slot)
 
     def array(self, s, env):
-        if s.dtype == "q8_1":                     # bytes: one Q8_1_BYTES block per 32 values
-            self.stack_bytes += s.size // 32 * Q8_1_BYTES
-            slot = self.entry.alloca(I8, size=s.size // 32 * Q8_1_BYTES, name=s.name)
+        if s.dtype in Q8_BYTES:                   # bytes: one block per 32 values
+            self.stack_bytes += s.size // 32 * Q8_BYTES[s.dtype]
+            slot = self.entry.alloca(I8, size=s.size // 32 * Q8_BYTES[s.dtype], name=s.name)
             slot.align = 64
             env[s.name] = ("arr", slot, s.dtype)
             return
@@ -337,10 +340,10 @@ class _Renderer:
         self.b.store(v, ptr, align=ELEM_BYTES[dtype])
 
     def quantize_q8(self, s, env):
-        """One q8_1 block with its residual plane from its 32 values (``len(s.values) == 32`` on the
-        CPU), as the GPU prelude's vf_quantize_q8_1: step = max|x| / 127 (NaN when a value is NaN),
-        t = x / step, q = round(t), r = round(128 (t - q)) (half away from zero, as C's roundf),
-        d = step / 128, s = d * sum(128 q + r)."""
+        """One activation block from its 32 values (``len(s.values) == 32`` on the CPU), as the GPU
+        prelude's vf_quantize_q8_1: step = max|x| / 127 (NaN when a value is NaN), t = x / step,
+        q = round(t) (half away from zero, as C's roundf); q8_1r also r = round(128 (t - q)),
+        d = step / 128 and s = d * sum(128 q + r); q8_1: d = step, s = d * sum(q)."""
         if len(s.values) != 32:
             self.fail(f"QuantizeQ8 of {len(s.values)} values: the CPU quantizes whole blocks of 32")
         b, f32 = self.b, TYPES["f32"]
@@ -352,21 +355,24 @@ class _Renderer:
         step = b.fdiv(amax, ir.Constant(f32, 127.0))
         inv = b.select(b.fcmp_ordered("!=", step, ir.Constant(f32, 0.0)), b.fdiv(ir.Constant(f32, 1.0), step),
                        ir.Constant(f32, 0.0))
-        _, base, _ = self.lookup(env, s.arr)
-        block = self.byte_ptr(base, b.mul(self.expr(s.group, env), ir.Constant(I32, Q8_1_BYTES)))
+        _, base, dtype = self.lookup(env, s.arr)
+        size, residual = Q8_BYTES[dtype], dtype == "q8_1r"
+        block = self.byte_ptr(base, b.mul(self.expr(s.group, env), ir.Constant(I32, size)))
         total = ir.Constant(I32, 0)
         for i, x in enumerate(xs):
             t = b.fmul(x, inv)
             qf = self.intr("llvm.round", t)
             q = b.fptosi(qf, I32)
-            r = b.fptosi(self.intr("llvm.round", b.fmul(b.fsub(t, qf), ir.Constant(f32, 128.0))), I32)
             b.store(b.trunc(q, I8), self.byte_ptr(block, ir.Constant(I32, i)))
-            b.store(b.trunc(r, I8), self.byte_ptr(block, ir.Constant(I32, 32 + i)))
-            total = b.add(total, b.add(b.mul(q, ir.Constant(I32, 128)), r))
-        d = b.fmul(step, ir.Constant(f32, 1 / 128))
-        b.store(d, b.bitcast(self.byte_ptr(block, ir.Constant(I32, 64)), f32.as_pointer()), align=4)
-        b.store(b.fmul(d, b.sitofp(total, f32)), b.bitcast(self.byte_ptr(block, ir.Constant(I32, 68)), f32.as_pointer()),
-                align=4)
+            if residual:
+                r = b.fptosi(self.intr("llvm.round", b.fmul(b.fsub(t, qf), ir.Constant(f32, 128.0))), I32)
+                b.store(b.trunc(r, I8), self.byte_ptr(block, ir.Constant(I32, 32 + i)))
+                q = b.add(b.mul(q, ir.Constant(I32, 128)), r)
+            total = b.add(total, q)
+        d = b.fmul(step, ir.Constant(f32, 1 / 128)) if residual else step
+        b.store(d, b.bitcast(self.byte_ptr(block, ir.Constant(I32, size - 8)), f32.as_pointer()), align=4)
+        b.store(b.fmul(d, b.sitofp(total, f32)), b.bitcast(self.byte_ptr(block, ir.Constant(I32, size - 4)),
+                                                           f32.as_pointer()), align=4)
 
     def chunk(self, start, stop):
         """[lo, hi) of this thread's contiguous share of [start, stop)."""
@@ -550,7 +556,7 @@ def int8_gemv(k: Kernel) -> Kernel:
         out = []
         for s in body:
             if isinstance(s, Array) and s.name == act:
-                out += [s, Array(q8, "q8_1", K)]
+                out += [s, Array(q8, int8_activation(), K)]
             elif isinstance(s, Loop) and s.body and isinstance(s.body[0], Store) and s.body[0].buf == act:
                 blk = Sym(f"{act}_blk", "i32")
                 vals = tuple(Load(act, Bin("add", Bin("mul", blk, Const(32, "i32")), Const(i, "i32")), "f32")

@@ -57,6 +57,15 @@ from typing import Union
 DTYPES = ("f32", "f16", "i32", "bool")
 FLOAT_DTYPES = ("f32", "f16")
 QUANT_DTYPES = ("q4_0", "q4_1", "q8_0")        # buffers of quantized weights (dsl/quant.py), read by QLoad, QDot
+ACT_Q8 = ("q8_1r", "q8_1")                     # an int8 GEMV's activation: q8_1 with its residual plane, or without
+
+
+def int8_activation() -> str:
+    """The dtype an int8 GEMV quantizes its activation to: "q8_1r" (q8_1 with a residual plane:
+    about f16's precision), or plain "q8_1" with ``VEGAFUSE_QUANT_RESIDUAL=0`` (half the integer
+    work and LDS, 1/254 of each block's largest value per element; the A/B switch)."""
+    import os
+    return "q8_1" if os.environ.get("VEGAFUSE_QUANT_RESIDUAL", "1") == "0" else "q8_1r"
 
 KINDS = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 
@@ -797,7 +806,8 @@ def canonicalize(k: Kernel) -> Kernel:
 ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1,
             # bytes per element of the block formats (dsl/quant.py), and of a q8_1 activation with its
             # residual plane in LDS (32 int8 quants, 32 int8 residuals, f32 d and s: 72 bytes per 32)
-            "q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 34 / 32, "q8_1": 72 / 32}
+            "q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 34 / 32, "q8_1r": 72 / 32,
+            "q8_1": 40 / 32}               # without the residual plane (VEGAFUSE_QUANT_RESIDUAL=0)
 
 
 def traffic(k: Kernel) -> int:

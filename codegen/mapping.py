@@ -231,7 +231,7 @@ def _contract(body, t):
         how = (f"{K}-element activation quantized to q8_1 in LDS; {'a wave' if lanes == t.wave else f'{lanes} lanes'} "
                f"per {per} output rows ({total} rows); each lane takes whole weight blocks of its rows "
                f"(16-byte loads, int8 dot products)")
-        return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), "q8_1")
+        return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info["act_dtype"])
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
     return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info.get("act_dtype", "f32"))
@@ -255,7 +255,7 @@ def _contract_rows(body, t, info):
         if isinstance(s, L.Store) and s.buf in arrays:         # K = 1: the fill without its loop
             s = L.Loop(f"{s.buf}_k", L.c(0), L.c(1), (s,))
         if isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays and info["q8"]:
-            info["act"], info["K"], info["act_dtype"] = s.body[0].buf, s.stop.value, "q8_1"
+            info["act"], info["K"], info["act_dtype"] = s.body[0].buf, s.stop.value, L.int8_activation()
             out += [_quantize_fill(s, t), L.Barrier()]
         elif isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays:
             info["act"], K = s.body[0].buf, s.stop.value
@@ -269,7 +269,7 @@ def _contract_rows(body, t, info):
             info["act_dtype"], info["K"] = dt, K
         elif isinstance(s, L.Array):
             arrays.add(s.name)
-            out.append(replace(s, dtype="q8_1" if info["q8"] else act_dtype(t, s.size), space="lds"))
+            out.append(replace(s, dtype=L.int8_activation() if info["q8"] else act_dtype(t, s.size), space="lds"))
         elif isinstance(s, L.Loop):                            # a serial row loop (a matmul's rows)
             out.append(replace(s, body=_contract_rows(s.body, t, info) + (L.Barrier(),)))
         elif isinstance(s, L.Reduce):

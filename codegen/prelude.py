@@ -254,46 +254,20 @@ __device__ __forceinline__ float vf_dequant_q4_1(const vf_byte* __restrict__ w, 
 __device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, int i, int nb) {{
   return vf_h2f(((const vf_half*)(w + 32 * nb))[i / 32]) * (float)(signed char)w[i];
 }}
-// a q8_1 activation block with a residual plane: 32 values x_j = d * (128 q_j + r_j), q_j = round(x_j / step)
-// with step = max|x| / 127, and r_j = round(128 (x_j / step - q_j)) in [-64, 64] (so |error| <= step / 256,
-// about f16's precision); int8 quants 4 per int (element 4i in the low byte of q[i] and r[i]),
-// d = step / 128 and s = d * sum(128 q + r)
-struct vf_q8_1 {{ int q[8]; int r[8]; float d, s; }};
-__device__ __forceinline__ int vf_pack4(int a, int b, int c, int d) {{
-  return (a & 255) | (b & 255) << 8 | (c & 255) << 16 | (int)((unsigned)d << 24);
-}}
-// the 8 consecutive lanes of a block quantize it together, 4 values each (group g: elements 4g..4g+3);
-// the step is NaN when a value is NaN; a lane with active false only helps
-__device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {{
-  const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
-  const float step = amax / 127.0f, id = step != 0.0f ? 1.0f / step : 0.0f;
-  const float t0 = x0 * id, t1 = x1 * id, t2 = x2 * id, t3 = x3 * id;
-  const int q0 = (int)roundf(t0), q1 = (int)roundf(t1), q2 = (int)roundf(t2), q3 = (int)roundf(t3);
-  const int r0 = (int)roundf((t0 - q0) * 128.0f), r1 = (int)roundf((t1 - q1) * 128.0f);
-  const int r2 = (int)roundf((t2 - q2) * 128.0f), r3 = (int)roundf((t3 - q3) * 128.0f);
-  const int sum = vf_sum8(128 * (q0 + q1 + q2 + q3) + r0 + r1 + r2 + r3);
-  if (active) {{
-    a[g / 8].q[g % 8] = vf_pack4(q0, q1, q2, q3);
-    a[g / 8].r[g % 8] = vf_pack4(r0, r1, r2, r3);
-    if (g % 8 == 0) {{ a[g / 8].d = step * 0.0078125f; a[g / 8].s = step * 0.0078125f * (float)sum; }}
-  }}
-}}
-// sum_j n_j (128 q_j + r_j) for the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i
-// is byte j of (w[i] & 0x0F0F0F0F), element 16 + j of ((w[i] >> 4) & 0x0F0F0F0F)
+{activation}// the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i is byte j of
+// (w[i] & 0x0F0F0F0F), element 16 + j of ((w[i] >> 4) & 0x0F0F0F0F)
 __device__ __forceinline__ int vf_dot_q4_q8(vf_int4 w, const vf_q8_1& a) {{
   const int n[8] = {{w.x & 0x0F0F0F0F, w.y & 0x0F0F0F0F, w.z & 0x0F0F0F0F, w.w & 0x0F0F0F0F,
                     (w.x >> 4) & 0x0F0F0F0F, (w.y >> 4) & 0x0F0F0F0F, (w.z >> 4) & 0x0F0F0F0F, (w.w >> 4) & 0x0F0F0F0F}};
-  int q = 0, r = 0;
-  for (int i = 0; i < 8; ++i) {{ q = vf_dot4_i8(n[i], a.q[i], q); r = vf_dot4_i8(n[i], a.r[i], r); }}
-  return 128 * q + r;
+  return vf_dot_q8(n, a);
 }}
-// weight block b (of nb) with activation block a: sum_j d (n_j - 8) x_j = d (a.d sum_j n_j (128 q_j + r_j) - 8 a.s)
+// weight block b (of nb) with activation block a (x_j = a.d v_j, v_j its integers): sum_j d (n_j - 8) x_j = d (a.d sum_j n_j v_j - 8 a.s)
 __device__ __forceinline__ float vf_dot_q4_0(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
   const vf_int4 q = *(const vf_int4*)(w + 16 * b);
   const float d = vf_h2f(((const vf_half*)(w + 16 * nb))[b]);
   return d * (a.d * (float)vf_dot_q4_q8(q, a) - 8.0f * a.s);
 }}
-// sum_j (d n_j + m) x_j = d a.d sum_j n_j (128 q_j + r_j) + m a.s
+// sum_j (d n_j + m) x_j = d a.d sum_j n_j v_j + m a.s
 __device__ __forceinline__ float vf_dot_q4_1(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
   const vf_int4 q = *(const vf_int4*)(w + 16 * b);
   const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * b;
@@ -302,10 +276,63 @@ __device__ __forceinline__ float vf_dot_q4_1(const vf_byte* __restrict__ w, int 
 __device__ __forceinline__ float vf_dot_q8_0(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
   const vf_int4 w0 = *(const vf_int4*)(w + 32 * b), w1 = *(const vf_int4*)(w + 32 * b + 16);
   const int n[8] = {{w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w}};
-  int q = 0, r = 0;
-  for (int i = 0; i < 8; ++i) {{ q = vf_dot4_i8(n[i], a.q[i], q); r = vf_dot4_i8(n[i], a.r[i], r); }}
-  return vf_h2f(((const vf_half*)(w + 32 * nb))[b]) * a.d * (float)(128 * q + r);
+  return vf_h2f(((const vf_half*)(w + 32 * nb))[b]) * a.d * (float)vf_dot_q8(n, a);
 }}
+"""
+
+_Q8_1R = r"""// a q8_1 activation block with a residual plane: 32 values x_j = d * (128 q_j + r_j), q_j = round(x_j / step)
+// with step = max|x| / 127, and r_j = round(128 (x_j / step - q_j)) in [-64, 64] (so |error| <= step / 256,
+// about f16's precision); int8 quants 4 per int (element 4i in the low byte of q[i] and r[i]),
+// d = step / 128 and s = d * sum(128 q + r)
+struct vf_q8_1 { int q[8]; int r[8]; float d, s; };
+__device__ __forceinline__ int vf_pack4(int a, int b, int c, int d) {
+  return (a & 255) | (b & 255) << 8 | (c & 255) << 16 | (int)((unsigned)d << 24);
+}
+// the 8 consecutive lanes of a block quantize it together, 4 values each (group g: elements 4g..4g+3);
+// the step is NaN when a value is NaN; a lane with active false only helps
+__device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {
+  const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
+  const float step = amax / 127.0f, id = step != 0.0f ? 1.0f / step : 0.0f;
+  const float t0 = x0 * id, t1 = x1 * id, t2 = x2 * id, t3 = x3 * id;
+  const int q0 = (int)roundf(t0), q1 = (int)roundf(t1), q2 = (int)roundf(t2), q3 = (int)roundf(t3);
+  const int r0 = (int)roundf((t0 - q0) * 128.0f), r1 = (int)roundf((t1 - q1) * 128.0f);
+  const int r2 = (int)roundf((t2 - q2) * 128.0f), r3 = (int)roundf((t3 - q3) * 128.0f);
+  const int sum = vf_sum8(128 * (q0 + q1 + q2 + q3) + r0 + r1 + r2 + r3);
+  if (active) {
+    a[g / 8].q[g % 8] = vf_pack4(q0, q1, q2, q3);
+    a[g / 8].r[g % 8] = vf_pack4(r0, r1, r2, r3);
+    if (g % 8 == 0) { a[g / 8].d = step * 0.0078125f; a[g / 8].s = step * 0.0078125f * (float)sum; }
+  }
+}
+// sum_j n_j (128 q_j + r_j) over a block's 32 weight integers n (4 per int, as the quants)
+__device__ __forceinline__ int vf_dot_q8(const int* n, const vf_q8_1& a) {
+  int q = 0, r = 0;
+  for (int i = 0; i < 8; ++i) { q = vf_dot4_i8(n[i], a.q[i], q); r = vf_dot4_i8(n[i], a.r[i], r); }
+  return 128 * q + r;
+}
+"""
+
+_Q8_1 = r"""// a q8_1 activation block: 32 values x_j = d q_j, q_j = round(x_j / d) with d = max|x| / 127; int8 quants
+// 4 per int (element 4i in the low byte of q[i]) and s = d * sum(q)
+struct vf_q8_1 { int q[8]; float d, s; };
+// the 8 consecutive lanes of a block quantize it together, 4 values each (group g: elements 4g..4g+3);
+// d is NaN when a value is NaN; a lane with active false only helps
+__device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {
+  const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
+  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  const int q0 = (int)roundf(x0 * id), q1 = (int)roundf(x1 * id), q2 = (int)roundf(x2 * id), q3 = (int)roundf(x3 * id);
+  const int sum = vf_sum8(q0 + q1 + q2 + q3);
+  if (active) {
+    a[g / 8].q[g % 8] = (q0 & 255) | (q1 & 255) << 8 | (q2 & 255) << 16 | (int)((unsigned)q3 << 24);
+    if (g % 8 == 0) { a[g / 8].d = d; a[g / 8].s = d * (float)sum; }
+  }
+}
+// sum_j n_j q_j over a block's 32 weight integers n (4 per int, as the quants)
+__device__ __forceinline__ int vf_dot_q8(const int* n, const vf_q8_1& a) {
+  int q = 0;
+  for (int i = 0; i < 8; ++i) q = vf_dot4_i8(n[i], a.q[i], q);
+  return q;
+}
 """
 
 _AMD_INT8 = r"""typedef int vf_int4 __attribute__((ext_vector_type(4)));
@@ -384,7 +411,7 @@ def prelude(t: Target, act: str | None = None, quant: bool = False) -> str:
     """Everything target-specific in a kernel's source, from the target table
     (``act``: the GEMV activation dtype in LDS, see ``act_dtype``; ``quant``: the kernel reads
     quantized weights, so the helpers that read them are included)."""
-    act = act_dtype(t, 0) if act in (None, "q8_1") else act
+    act, int8 = (act_dtype(t, 0), act) if act in (None, "q8_1", "q8_1r") else (act, None)
     if t.vendor == "amd":
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
         head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
@@ -392,5 +419,6 @@ def prelude(t: Target, act: str | None = None, quant: bool = False) -> str:
         head = _NVIDIA.format(name=t.name, how=_nv_how(t), wave=_nv_wave(t),
                               pdl=_NV_PDL if t.pdl else _NV_NO_PDL) + _NV_WAVE_SUM
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
-    tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _QUANT.format()) if quant else ""
+    activation = _Q8_1 if int8 == "q8_1" else _Q8_1R         # the int8 GEMV's activation blocks
+    tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _QUANT.format(activation=activation)) if quant else ""
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format() + tail

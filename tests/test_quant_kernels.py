@@ -78,6 +78,17 @@ def test_cpu_int8_dot_products_with_and_without_vnni(vnni, monkeypatch):
         check_int8(dsl.jit(lambda x, w: dsl.dot_t(x, w))(x, w), x, w)
 
 
+def test_without_the_residual_plane_the_activation_is_plain_q8_1(monkeypatch):
+    """``VEGAFUSE_QUANT_RESIDUAL=0``: half the integer work, each activation within half a q8_1 step."""
+    monkeypatch.setenv("VEGAFUSE_QUANT_RESIDUAL", "0")
+    for fmt in FORMATS:
+        x, w = rng.standard_normal((2, 96)).astype(np.float32), quantized((40, 96), fmt)
+        got = np.asarray(dsl.jit(lambda x, w: dsl.dot_t(x, w))(x, w), np.float64)
+        scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+        np.testing.assert_allclose(got, q8_1_gemv(x, w, residual=False), rtol=0, atol=1e-5 * scale.max())
+        assert np.abs(got - q8_1_gemv(x, w)).max() > 1e-3 * scale.max()        # the residual plane is gone
+
+
 def test_the_float_activation_switch_matches_the_float64_interpreter(monkeypatch):
     """``VEGAFUSE_QUANT_ACT=float``: each weight dequantized as it is loaded, the activation in f32."""
     monkeypatch.setenv("VEGAFUSE_QUANT_ACT", "float")
@@ -211,22 +222,25 @@ def round_half_away(v):
     return (np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))).astype(np.float32)
 
 
-def q8_1(x):
+def q8_1(x, residual=True):
     """x [K] (f32) as the kernels quantize it: per block of 32, step = max|x| / 127, t = x * (1 / step),
     q = roundf(t), r = roundf(128 (t - q)), all in float32.  Returns the float64 values
-    step / 128 * (128 q + r)."""
+    step / 128 * (128 q + r), or step * q without the residual plane (``VEGAFUSE_QUANT_RESIDUAL=0``)."""
     b = x.astype(np.float32).reshape(-1, 32)
     step = (np.abs(b).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
     inv = np.where(step != 0, np.float32(1) / np.where(step != 0, step, 1), np.float32(0)).astype(np.float32)
     t = (b * inv).astype(np.float32)
     q = round_half_away(t)
+    if not residual:
+        return (step.astype(np.float64) * q).reshape(-1)
     r = round_half_away(((t - q) * np.float32(128)).astype(np.float32))
     return (step.astype(np.float64) / 128 * (128 * q.astype(np.float64) + r)).reshape(-1)
 
 
-def q8_1_gemv(x, w):
-    """The int8 GEMV's result in float64: the activation through q8_1, the weights exact."""
-    return np.stack([q8_1(row) for row in np.atleast_2d(x)]) @ w.dequantize().astype(np.float64).T
+def q8_1_gemv(x, w, residual=True):
+    """The int8 GEMV's result in float64: the activation through q8_1 (with its residual plane), the
+    weights exact."""
+    return np.stack([q8_1(row, residual) for row in np.atleast_2d(x)]) @ w.dequantize().astype(np.float64).T
 
 
 def _shadowed(body, bound=()):
