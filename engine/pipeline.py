@@ -49,10 +49,82 @@ def compile_program(f, args=(), traced=None) -> Executable:
 
 def lower_program(traced, fusion=None):
     """The passes before rendering: ``traced`` (a ``dsl.jit.Lowered``) to a ``fusion.Plan``
-    whose kernels are simplified Loop IR.  ``fusion``: ``{rule: bool}`` overrides."""
+    whose kernels are simplified Loop IR.  ``fusion``: ``{rule: bool}`` overrides.  The plan of a
+    program seen before (same IR text, argument names, donations, rules and compiler sources)
+    comes from the disk cache (``plan_cache_key``); ``VEGAFUSE_PLAN_CACHE=0`` turns that off."""
     typecheck(traced.program)
-    plan = build_plan(traced.program, enabled_rules(fusion), traced.in_names, traced.donated)  # partition, lower
-    plan.kernels = [simplify(k) for k in plan.kernels]
+    rules = enabled_rules(fusion)
+
+    def lower():
+        plan = build_plan(traced.program, rules, traced.in_names, traced.donated)  # partition, lower
+        plan.kernels = [simplify(k) for k in plan.kernels]
+        return plan
+    if os.environ.get("VEGAFUSE_PLAN_CACHE", "1") == "0":
+        return lower()
+    from engine.build import code_cache
+    built = []
+    blob, _ = code_cache().get_or_build(plan_cache_key(traced, rules), lambda: _pack_plan(built.append(lower()) or built[0],
+                                                                                       traced.program))
+    if built:
+        return built[0]
+    try:
+        return _unpack_plan(blob, traced.program)
+    except Exception:                      # an entry from elsewhere, or damaged: lower it again
+        return lower()
+
+
+_SOURCES = None
+
+
+def _compiler_sources() -> str:
+    """A hash of the compiler's own source (dsl, fusion, codegen, this file): a plan cached by
+    another version of them is never used."""
+    global _SOURCES
+    if _SOURCES is None:
+        import hashlib
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        h = hashlib.sha256()
+        for d in ("dsl", "fusion", "codegen"):
+            for name in sorted(os.listdir(os.path.join(root, d))):
+                if name.endswith(".py"):
+                    with open(os.path.join(root, d, name), "rb") as fh:
+                        h.update(name.encode() + fh.read())
+        with open(os.path.abspath(__file__), "rb") as fh:
+            h.update(fh.read())
+        _SOURCES = h.hexdigest()
+    return _SOURCES
+
+
+def plan_cache_key(traced, rules) -> dict:
+    """The disk-cache key of a program's plan: its IR text, the names and donations of its
+    inputs, the fusion rules and the compiler's source hash."""
+    import hashlib
+    prog = traced.program
+    donated = [i for i, v in enumerate(prog.inputs) if v in set(traced.donated)]
+    return {"kind": "plan", "program": hashlib.sha256(prog.as_text().encode()).hexdigest(),
+            "inputs": list(traced.in_names), "donated": donated, "rules": sorted(rules),
+            "compiler": _compiler_sources()}
+
+
+def _pack_plan(plan, prog) -> bytes:
+    """The plan as bytes: each kernel's equations as indices into the program's."""
+    import pickle
+    index = {id(e): i for i, e in enumerate(prog.eqns)}
+    eqns = [k.eqns for k in plan.kernels]
+    try:
+        for k in plan.kernels:
+            k.eqns = tuple(index[id(e)] for e in k.eqns)
+        return pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        for k, es in zip(plan.kernels, eqns):
+            k.eqns = es
+
+
+def _unpack_plan(blob: bytes, prog):
+    import pickle
+    plan = pickle.loads(blob)
+    for k in plan.kernels:
+        k.eqns = tuple(prog.eqns[i] for i in k.eqns)
     return plan
 
 

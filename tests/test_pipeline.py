@@ -46,6 +46,7 @@ def check_against_reference(jf, args, ex):
 
 # ----------------------------------------------------------------------------- the pipeline
 def test_compile_program_runs_every_pass_and_matches_the_reference(monkeypatch):
+    monkeypatch.setenv("VEGAFUSE_PLAN_CACHE", "0")                 # every pass runs, none from the disk cache
     seen = []
     real = pipeline.simplify
     monkeypatch.setattr(pipeline, "simplify", lambda k: seen.append(k.name) or real(k))
@@ -56,6 +57,30 @@ def test_compile_program_runs_every_pass_and_matches_the_reference(monkeypatch):
     assert [ck.kernel for ck in ex.kernels] == ex.plan.kernels
     check_against_reference(jf, args, ex)
     assert jf.compile(*args).plan.kernels[0].name == ex.plan.kernels[0].name      # dsl.jit takes the same path
+
+
+def test_a_program_seen_before_takes_its_plan_from_the_disk_cache(tmp_path, monkeypatch):
+    """The second lowering of the same program (a warm start) runs no partition or simplifier; the
+    plan is equal, its kernels hold the program's own equations; a damaged entry is lowered again."""
+    monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path))
+    args = block_args()
+    first = pipeline.lower_program(dsl.jit(block).lower(*args))
+    calls = []
+    real = pipeline.simplify
+    monkeypatch.setattr(pipeline, "simplify", lambda k: calls.append(k) or real(k))
+    low = dsl.jit(block).lower(*args)
+    again = pipeline.lower_program(low)
+    assert calls == [] and [k.body for k in again.kernels] == [k.body for k in first.kernels]
+    assert again.buffers == first.buffers and again.outputs == first.outputs
+    assert all(e in low.program.eqns for k in again.kernels for e in k.eqns)
+    for entry in tmp_path.rglob("*"):                        # damage every entry: each is lowered again
+        if entry.is_file():
+            entry.write_bytes(b"garbage")
+    third = pipeline.lower_program(dsl.jit(block).lower(*args))
+    from codegen.loopir import canonicalize      # lowering again draws fresh local names
+    assert calls and [canonicalize(k).body for k in third.kernels] == [canonicalize(k).body for k in first.kernels]
+    ex = dsl.jit(block).compile(*args)
+    check_against_reference(dsl.jit(block), args, ex)
 
 
 def test_reference_backend_has_no_kernels_but_a_plan():
