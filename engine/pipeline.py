@@ -50,21 +50,31 @@ def compile_program(f, args=(), traced=None) -> Executable:
 def lower_program(traced, fusion=None):
     """The passes before rendering: ``traced`` (a ``dsl.jit.Lowered``) to a ``fusion.Plan``
     whose kernels are simplified Loop IR.  ``fusion``: ``{rule: bool}`` overrides.  The plan of a
-    program seen before (same IR text, argument names, donations, rules and compiler sources)
-    comes from the disk cache (``plan_cache_key``); ``VEGAFUSE_PLAN_CACHE=0`` turns that off."""
+    program seen before comes from the disk cache (``cached_plan``)."""
     typecheck(traced.program)
     rules = enabled_rules(fusion)
+    return cached_plan(traced, rules, lambda: plan_program(traced, rules))
 
-    def lower():
-        plan = build_plan(traced.program, rules, traced.in_names, traced.donated)  # partition, lower
-        plan.kernels = [simplify(k) for k in plan.kernels]
-        return plan
+
+def plan_program(traced, rules):
+    plan = build_plan(traced.program, rules, traced.in_names, traced.donated)      # partition, lower
+    plan.kernels = [simplify(k) for k in plan.kernels]
+    return plan
+
+
+def cached_plan(traced, rules, lower):
+    """``lower()``'s plan through the disk cache: keyed by ``plan_cache_key`` (the program's IR
+    text, its inputs' names and donations, the rules, the compiler's sources), written atomically,
+    lowered again when an entry does not load.  ``VEGAFUSE_PLAN_CACHE=0`` turns it off."""
     if os.environ.get("VEGAFUSE_PLAN_CACHE", "1") == "0":
         return lower()
     from engine.build import code_cache
     built = []
-    blob, _ = code_cache().get_or_build(plan_cache_key(traced, rules), lambda: _pack_plan(built.append(lower()) or built[0],
-                                                                                       traced.program))
+
+    def pack():
+        built.append(lower())
+        return _pack_plan(built[0], traced.program)
+    blob, _ = code_cache().get_or_build(plan_cache_key(traced, rules), pack)
     if built:
         return built[0]
     try:
