@@ -7,7 +7,8 @@ The table has, per kernel: registers, LDS (static + the launch's occupancy pad),
 waves per SIMD, code size; counts of ``global_load_dwordx4``, ``flat_load_*``, ``s_waitcnt``
 and ``ds_*`` instructions in the kernel's main loop (the innermost loop that loads 16-byte
 weight vectors, else the whole kernel), LDS instructions per byte its global loads read
-(``ds/B``), ``v_dot4_i32_i8`` (quantized weights); and bytes moved and FLOPs per call.
+(``ds/B``), ``v_dot4_i32_i8`` (quantized weights), the widths of its global loads (``16x8``:
+eight 16-byte loads); and bytes moved and FLOPs per call.
 """
 from __future__ import annotations
 
@@ -161,12 +162,18 @@ def decode_plan(model=None, context=512, dtype="native"):
     return lower_program(low)
 
 
+def widths(it) -> str:
+    """The main loop's global loads as ``bytes x count``: ``16x8,2x8``."""
+    w = load_widths(main_loop(it.isa()))
+    return ",".join(f"{b}x{n}" for b, n in sorted(w.items(), reverse=True)) or "-"
+
+
 def table(items, layers_once=True):
     """The report as text; kernels identical up to names (the same layer) are listed once."""
     w = max([40] + [len(it.kernel.name) for it in items])
     head = (f"{'kernel':<{w}} {'family':<11} {'VGPR':>4} {'SGPR':>4} {'LDS':>6} {'scr':>3} {'w/SIMD':>6} "
-            f"{'code':>5} {'x4':>3} {'flat':>4} {'wait':>4} {'ds':>3} {'ds/B':>5} {'dot4':>4} {'KB/call':>8} "
-            f"{'MFLOP':>7}  copies")
+            f"{'code':>5} {'x4':>3} {'flat':>4} {'wait':>4} {'ds':>3} {'ds/B':>5} {'dot4':>4} {'loads':<10} "
+            f"{'KB/call':>8} {'MFLOP':>7}  copies")
     rows, seen = [head, "-" * len(head)], {}
     for it in items:
         key = it.code
@@ -179,7 +186,7 @@ def table(items, layers_once=True):
         rows.append([f"{k.name:<{w}} {k.family:<11} {r['vgprs']:>4} {r['sgprs']:>4} {lds:>6} "
                      f"{r['scratch_bytes']:>3} {r['waves_per_simd']:>6} {r['code_bytes']:>5} {c['dwordx4']:>3} "
                      f"{c['flat']:>4} {c['waitcnt']:>4} {c['ds']:>3} {c['lds_per_byte']:>5.3f} {c['dot4']:>4} "
-                     f"{k.bytes / 1e3:>8.1f} {k.flops / 1e6:>7.2f}"])
+                     f"{widths(it):<10} {k.bytes / 1e3:>8.1f} {k.flops / 1e6:>7.2f}"])
     for row, n in seen.values():
         rows[row] = rows[row][0] + f"  x{n}"
     return "\n".join(rows)

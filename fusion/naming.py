@@ -113,6 +113,9 @@ def _nearest_layer(graph, v, names):
         found, nxt = [], []
         for x in level:
             e = graph.producer.get(x)
+            while e is not None and e.prim.name == "dequantize":        # a quantized weight: its input
+                x = e.inputs[0]
+                e = graph.producer.get(x)
             if e is None:
                 found += [layer_of(names[x])] if x in names else []
                 continue
