@@ -145,7 +145,7 @@ class _Renderer:
     def qload(self, e, env):
         """Element ``e.index`` of a quantized buffer (``dsl/quant.py``'s device layout): its quant
         from the block's 16 or 32 quant bytes, times the block's f16 scale ``d`` (plus ``m`` for
-        q4_1), in f32 without fast-math flags, as ``gguf.quants.dequantize`` computes it."""
+        q4_1; ``d * (q - z)`` for gptq_int4), in f32 without fast-math flags, as ``gguf.quants.dequantize`` computes it."""
         kind, base, dtype = self.lookup(env, e.buf, e)
         if kind != "buf" or dtype != e.fmt:
             self.fail(f"{e.buf!r} is not a {e.fmt} buffer", e)
@@ -167,6 +167,8 @@ class _Renderer:
         if e.fmt == "q4_0":
             return b.fmul(d, b.sitofp(b.sub(q, ir.Constant(I32, 8)), TYPES["f32"]))
         m = b.fpext(at(b.add(scales, ir.Constant(I32, 2)), ir.HalfType(), 2), TYPES["f32"])
+        if e.fmt == "gptq_int4":                                    # m is the zero point z: d * (q - z)
+            return b.fmul(d, b.fsub(b.uitofp(q, TYPES["f32"]), m))
         return b.fadd(b.fmul(d, b.uitofp(q, TYPES["f32"])), m)
 
     def byte_ptr(self, base, offset):
