@@ -62,6 +62,7 @@ FORMATS = {
     "gptq_int4": Format("gptq_int4", 16, 4),
 }
 QUANT_DTYPES = tuple(FORMATS)
+GGUF_FORMATS = ("q4_0", "q4_1", "q8_0")     # ggml's block formats: the ones ``quantize`` writes
 
 
 def nbytes(fmt: str, n: int) -> int:
@@ -181,9 +182,10 @@ def quantize(fmt: str, x) -> "QArray":
 
     Raises ValueError for an unknown format, a last axis that is not a multiple of 32, or a
     value that is not finite in float32 (naming its index)."""
-    if fmt not in _QUANTIZERS:
-        hint = "; gptq_int4 weights come from GPTQ checkpoints (from_gptq)" if fmt in FORMATS else ""
-        raise ValueError(f"cannot quantize to {fmt!r}; use one of {', '.join(_QUANTIZERS)}{hint}")
+    if fmt not in GGUF_FORMATS:
+        what = ("gptq_int4 weights come from GPTQ checkpoints (from_gptq), not from this quantizer"
+                if fmt in FORMATS else f"unknown quantized format {fmt!r}")
+        raise ValueError(f"{what}; quantize to one of {', '.join(GGUF_FORMATS)}")
     x = np.asarray(x)
     if x.ndim == 0 or x.shape[-1] % BLOCK:
         raise ValueError(f"{fmt} quantizes blocks of {BLOCK} along the last axis; shape {list(x.shape)} "
