@@ -116,6 +116,37 @@ def test_gfx906_gemv_with_a_permuted_activation_keeps_the_isa_gates():
     assert c["lds_per_byte"] <= 0.056 and it.res["scratch_bytes"] == 0, (c, it.res)
 
 
+@pytest.mark.parametrize("act", ["q8_1", "float"])
+@pytest.mark.parametrize("wave", [32, 64])
+def test_cuda_gemv_with_a_permuted_activation(wave, act, monkeypatch):
+    """On a CUDA GPU (skipped without one), at wave 32 and gfx906's wave 64: the q8_1 activation
+    path errs by at most half a q8_1 step per activation element; the float path by f16 rounding of
+    the activation."""
+    from engine.executable import get_device
+    try:
+        get_device("cuda", wave=32)
+    except Exception as e:                                   # no driver, no GPU, no cuda-python
+        pytest.skip(f"CUDA tests skipped: {e}")
+    monkeypatch.setenv("VEGAFUSE_CUDA_WAVE", str(wave))
+    monkeypatch.setenv("VEGAFUSE_QUANT_ACT", act)
+    n, k = 4096, 3584
+    parts, ref = gptq_layer(n, k, 128, False, True)
+    w, perm = from_gptq(*parts, sym=False)
+    x, g = rng.standard_normal((1, k)).astype(np.float32), rng.uniform(0.5, 1.5, k).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    got = np.asarray(dsl.jit(lambda x, g, w, b, perm: linear(rms_norm(x, g), w, b, perm), backend="cuda")(
+        x, g, w, b, perm), np.float64)
+    h = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+    want = h @ ref.T.astype(np.float64) + b
+    scale = (np.abs(h) @ np.abs(ref.T)).max()
+    if act == "q8_1":                                        # half a step of each block's scale max|h| / 127
+        step = np.repeat(np.abs(h[:, perm]).reshape(1, -1, 32).max(axis=2), 32, axis=1) / 127
+        bound = (step / 2) @ np.abs(w.dequantize().T) + 1e-4 * scale
+    else:                                                    # the activation may sit in LDS as f16
+        bound = 2.0 ** -11 * (np.abs(h) @ np.abs(ref.T)) + 1e-4 * scale
+    assert (np.abs(got - want) <= bound).all(), np.abs(got - want).max()
+
+
 # ------------------------------------------------------------------------- a tiny checkpoint
 N_LAYERS, GROUP, N_TOKENS = 2, 64, 16
 # (sym, desc_act, checkpoint_format, where the settings are)
