@@ -291,7 +291,8 @@ def random_qarray(shape, fmt: str, seed: int = 0, scale: float = 0.02) -> QArray
     f, nb = FORMATS[fmt], int(np.prod(shape, dtype=np.int64)) // BLOCK
     quants = np.frombuffer(rng.bytes(nb * f.quant_bytes), np.uint8)
     d = (scale / (127 if fmt == "q8_0" else 8) * rng.uniform(0.5, 1.5, nb)).astype(np.float16)
-    scales = d[:, None] if f.scale_bytes == 2 else np.stack([d, (-8 * d).astype(np.float16)], axis=1)
+    m = (-8 * d).astype(np.float16) if fmt == "q4_1" else np.full(nb, 8, np.float16)     # gptq_int4: z = 8
+    scales = d[:, None] if f.scale_bytes == 2 else np.stack([d, m], axis=1)
     return QArray.from_device(np.concatenate([quants, scales.view(np.uint8).reshape(-1)]), shape, fmt)
 
 

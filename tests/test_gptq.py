@@ -140,6 +140,9 @@ def test_cuda_gemv_with_a_permuted_activation(wave, act, monkeypatch):
     want = h @ ref.T.astype(np.float64) + b
     scale = (np.abs(h) @ np.abs(ref.T)).max()
     if act == "q8_1":                                        # half a step of each block's scale max|h| / 127
+        from tests.test_quant_kernels import q8_1_gemv
+        np.testing.assert_allclose(got, q8_1_gemv(h[:, perm].astype(np.float32), w) + b, rtol=0,
+                                   atol=1e-5 * scale + 1e-6)   # the same arithmetic in float64
         step = np.repeat(np.abs(h[:, perm]).reshape(1, -1, 32).max(axis=2), 32, axis=1) / 127
         bound = (step / 2) @ np.abs(w.dequantize().T) + 1e-4 * scale
     else:                                                    # the activation may sit in LDS as f16
