@@ -329,8 +329,9 @@ def _pack(values, bits, axis):
 
 
 def _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format):
-    """Check and unpack a GPTQ layer (see ``gptq_dequantize``): q int32 [K, N], zero int32 [G, N]
-    (the zero point itself, whatever the checkpoint format), scales f16 [G, N], g_idx int64 [K]."""
+    """Check a GPTQ layer (see ``gptq_dequantize``) and unpack its zeros: qweight uint32 [K / F, N],
+    zero int32 [G, N] (the zero point itself, whatever the checkpoint format), scales f16 [G, N],
+    g_idx int64 [K]."""
     if bits not in (2, 4, 8):
         raise ValueError(f"GPTQ bits must be 2, 4 or 8 (fields that tile an int32), got {bits}")
     if checkpoint_format not in GPTQ_FORMATS:
@@ -350,13 +351,12 @@ def _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format):
     if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= G):
         raise ValueError(f"GPTQ g_idx must lie in 0..{G - 1} (one per group of scales), got "
                          f"{g_idx.min()}..{g_idx.max()}")
-    q = _unpack(qweight, bits, axis=0)                                            # [K, N]
     zero = _unpack(qzeros, bits, axis=1) + (checkpoint_format == "gptq")          # [G, N]
     if sym and (zero != 1 << (bits - 1)).any():
         raise ValueError(f"a symmetric GPTQ checkpoint ({checkpoint_format}) has zeros "
                          f"{1 << (bits - 1)}, but these range {zero.min()}..{zero.max()}; "
                          "check 'sym' and 'checkpoint_format' in quantize_config.json")
-    return q, zero, scales, g_idx.astype(np.int64)
+    return np.ascontiguousarray(qweight).view(np.uint32), zero, scales, g_idx.astype(np.int64)
 
 
 def gptq_dequantize(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint_format="gptq") -> np.ndarray:
@@ -382,9 +382,23 @@ def gptq_dequantize(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint
     Raises ValueError for bits other than 2, 4, 8, an unknown ``checkpoint_format``, shapes or
     dtypes that do not fit together, a ``g_idx`` out of range, or a symmetric checkpoint whose
     zeros are not 2**(bits - 1)."""
-    q, zero, scales, g = _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format)
+    qweight, zero, scales, g = _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format)
+    q = _unpack(qweight, bits, axis=0)                                            # [K, N]
     w = scales.astype(np.float32)[g] * (q - zero[g]).astype(np.float32)        # [K, N]
     return np.ascontiguousarray(w.T)
+
+
+def _repack_words(qweight):
+    """GPTQ 4-bit words [K / 8, N] (element 8r + i in nibble i of word r) -> our quant bytes
+    [N * K / 32, 16] (``_nibbles`` of each row's blocks), without unpacking: per block of a row,
+    words 0, 1 hold elements 0..15 and words 2, 3 elements 16..31, so byte j joins nibble j % 8
+    of word j // 8 (low) and of word 2 + j // 8 (high)."""
+    w = np.ascontiguousarray(qweight.T).reshape(-1, 4)                            # [N * K / 32, 4]
+    lo, hi, m = w[:, :2], w[:, 2:], np.uint32(0x0F0F0F0F)
+    even = (lo & m) | (hi & m) << 4                  # byte i: nibbles 2i of lo (low) and of hi (high)
+    odd = (lo >> 4 & m) | (hi >> 4 & m) << 4         # byte i: nibbles 2i + 1
+    pairs = np.stack([even.view(np.uint8).reshape(-1, 2, 4), odd.view(np.uint8).reshape(-1, 2, 4)], axis=-1)
+    return pairs.reshape(-1, 16)                                                  # byte 8p + 2i + parity
 
 
 def from_gptq(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint_format="gptq"):
@@ -404,20 +418,23 @@ def from_gptq(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint_forma
     size is not a multiple of 32 (a block must not span two groups)."""
     if bits != 4:
         raise ValueError(f"gptq_int4 holds 4-bit GPTQ weights, got bits = {bits}; only 4-bit checkpoints run quantized")
-    q, zero, scales, g = _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format)
-    K, N = q.shape
+    qweight, zero, scales, g = _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format)
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
     counts = np.bincount(g, minlength=scales.shape[0])
     if (counts % BLOCK).any():
         bad = int(np.flatnonzero(counts % BLOCK)[0])
         raise ValueError(f"gptq_int4 needs GPTQ groups of a multiple of {BLOCK} inputs, but group {bad} has "
                          f"{counts[bad]} of K = {K}; use a checkpoint with group_size 32, 64, 128 ...")
     perm = None if (np.diff(g) >= 0).all() else np.argsort(g, kind="stable").astype(np.int32)
-    if perm is not None:
-        q, g = q[perm], g[perm]
+    if perm is None:
+        quants = _repack_words(qweight)
+    else:
+        g = g[perm]
+        q = _unpack(qweight, 4, axis=0)[perm].astype(np.uint8)                     # [K, N], columns by group
+        quants = _nibbles(np.ascontiguousarray(q.T).reshape(-1, BLOCK))           # [N * K / 32, 16]
     gb = g[::BLOCK]                                                               # [K / 32]: each block's group
     d = np.ascontiguousarray(scales[gb].T, np.float16)                             # [N, K / 32], the bits as stored
     z = np.ascontiguousarray(zero[gb].T, np.float16)                              # small integers: exact
-    quants = _nibbles(np.ascontiguousarray(q.T).reshape(-1, BLOCK))               # [N * K / 32, 16]
     data = np.concatenate([d.reshape(-1, 1).view(np.uint8), z.reshape(-1, 1).view(np.uint8), quants], axis=1)
     return QArray(data.reshape(-1), (N, K), "gptq_int4"), perm
 

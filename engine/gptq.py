@@ -68,6 +68,9 @@ def quant_config(d: str, hf: dict) -> GPTQConfig | None:
     if method != "gptq":
         raise bad("quant_method", "only GPTQ checkpoints are supported (quant_method \"gptq\"); "
                                   "use a GPTQ or float checkpoint")
+    if q.get("is_marlin_format"):
+        raise bad("is_marlin_format", "Marlin-packed GPTQ checkpoints are not supported; use the plain "
+                                      "GPTQ checkpoint (qweight/qzeros/scales/g_idx)")
     if q.get("bits") != 4:
         raise bad("bits", "only 4-bit GPTQ checkpoints are supported; use a 4-bit one")
     group = q.get("group_size", -1)

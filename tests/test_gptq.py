@@ -260,7 +260,8 @@ def test_gptq_settings_and_tensors_are_checked(smol_hf, tmp_path):
            ({"group_size": 48}, r"key 'quantization_config.group_size' = 48: must be -1 or a multiple of 32"),
            ({"quant_method": "awq"}, r"quant_method' = \"awq\": only GPTQ"),
            ({"checkpoint_format": "marlin"}, r"checkpoint_format' = \"marlin\": must be one of gptq, gptq_v2"),
-           ({"desc_act": "yes"}, r"desc_act' = \"yes\": must be true or false")]
+           ({"desc_act": "yes"}, r"desc_act' = \"yes\": must be true or false"),
+           ({"is_marlin_format": True}, r"is_marlin_format' = true: Marlin-packed")]
     small = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
     for i, (change, message) in enumerate(bad):
         d = tmp_path / f"bad{i}"
