@@ -186,7 +186,8 @@ class _Renderer:
         (``q``, ``r``), the four 8-lane quarters added (any partition of the 32 products into 8
         partial sums will do; contiguous quarters need no shuffles), ``128 q + r``, times
         ``d_w * a.d``; plus the
-        scalar term of the format's offset (q4_0: ``-8 d_w a.s``; q4_1: ``m_w a.s``)."""
+        scalar term of the format's offset (q4_0: ``-8 d_w a.s``; q4_1: ``m_w a.s``; gptq_int4:
+        ``-z_w d_w a.s``)."""
         b, f = self.b, FORMATS[e.fmt]
         f32 = TYPES["f32"]
         _, w, _ = self.lookup(env, e.w, e)
@@ -235,6 +236,9 @@ class _Renderer:
         if e.fmt == "q4_1":                  # sum_j (d n_j + m) x_j = d a.d sum n (128 q + r) + m a.s
             m = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2), flags=["nsw"])), typ=ir.HalfType(), align=2), f32)
             return part, fm(m, asum)
+        if e.fmt == "gptq_int4":             # sum_j d (n_j - z) x_j = d a.d sum n (128 q + r) - z d a.s
+            z = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2))), typ=ir.HalfType(), align=2), f32)
+            return part, fm(fm(d, b.fneg(z, flags=FMF)), asum)
         return part, (fm(fm(d, ir.Constant(f32, -128.0)), asum) if self.vnni else None)
 
     def un(self, e, env):
@@ -559,7 +563,7 @@ def int8_gemv(k: Kernel) -> Kernel:
         for s in body:
             if isinstance(s, Array) and s.name == act:
                 out += [s, Array(q8, int8_activation(), K)]
-            elif isinstance(s, Loop) and s.body and isinstance(s.body[0], Store) and s.body[0].buf == act:
+            elif isinstance(s, Loop) and s.body and isinstance(s.body[-1], Store) and s.body[-1].buf == act:
                 blk = Sym(f"{act}_blk", "i32")
                 vals = tuple(Load(act, Bin("add", Bin("mul", blk, Const(32, "i32")), Const(i, "i32")), "f32")
                              for i in range(32))

@@ -75,9 +75,14 @@ def rms_norm(x, g):
     return x * dsl.rsqrt(dsl.mean(x * x, axis=-1, keepdims=True) + 1e-5) * g
 
 
+@pytest.mark.parametrize("act", ["q8_1", "float"])
 @pytest.mark.parametrize("t", [1, 5])
 @pytest.mark.parametrize("desc_act", [False, True])
-def test_linear_gathers_the_activation_by_perm_inside_the_gemv(t, desc_act):
+def test_linear_gathers_the_activation_by_perm_inside_the_gemv(t, desc_act, act, monkeypatch):
+    """On the CPU: with the q8_1 activation (the default), against that arithmetic in float64 on
+    the permuted activation; with ``VEGAFUSE_QUANT_ACT=float``, against the float64 interpreter."""
+    from tests.test_quant_kernels import check_int8, rms_norm_np
+    monkeypatch.setenv("VEGAFUSE_QUANT_ACT", act)
     n, k = 96, 256
     parts, ref = gptq_layer(n, k, 64, False, desc_act)
     w, perm = from_gptq(*parts, sym=False)
@@ -89,8 +94,11 @@ def test_linear_gathers_the_activation_by_perm_inside_the_gemv(t, desc_act):
     want = jf.lower(*args).program.run(*args, compute_dtype="f64")[0]
     h = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * g
     np.testing.assert_allclose(want, h @ ref.T.astype(np.float64) + b, rtol=1e-9, atol=1e-9)
-    scale = np.abs(h) @ np.abs(ref.T)
-    assert (np.abs(got - want) <= 2e-5 * scale.max()).all()
+    if act == "q8_1":
+        check_int8(got, rms_norm_np(x, g)[:, slice(None) if perm is None else perm], w, b)
+    else:
+        scale = np.abs(h) @ np.abs(ref.T)
+        assert (np.abs(got - want) <= 2e-5 * scale.max()).all()
     kernels = jf.compile(*args).plan.kernels
     if t == 1:
         assert len(kernels) == 1 and kernels[0].family == "contract"  # norm, gather, GEMV, bias: one kernel
@@ -218,20 +226,23 @@ def gptq_checkpoint(smol_hf, tmp_path, sym, desc_act, fmt, where):
     return qdir, fdir
 
 
-def decode(cfg, params, tok, n=N_TOKENS):
-    """Greedy ids and the logits of each step, token by token on the CPU."""
+def decode(cfg, params, tok, feed=None, n=N_TOKENS):
+    """Greedy ids and the logits of each step, token by token on the CPU; ``feed``: ids to feed
+    instead of the greedy ones (teacher forcing)."""
     m = Model(cfg, params, context=64, backend="cpu")
     logits = [np.asarray(m.prefill(tok.encode("The capital of France is")))]
-    ids = []
-    for _ in range(n - 1):
+    ids = [int(np.argmax(logits[-1]))]
+    for i in range(n - 1):
+        logits.append(np.asarray(m.decode(ids[-1] if feed is None else feed[i])))
         ids.append(int(np.argmax(logits[-1])))
-        logits.append(np.asarray(m.decode(ids[-1])))
-    return ids + [int(np.argmax(logits[-1]))], np.array(logits)
+    return ids, np.array(logits)
 
 
 @pytest.mark.parametrize("sym,desc_act,fmt,where", CHECKPOINTS)
-def test_tiny_gptq_checkpoint_loads_and_decodes_as_its_dequantized_weights(smol_hf, tmp_path, sym, desc_act,
-                                                                           fmt, where):
+def test_tiny_gptq_checkpoint_loads_and_decodes_as_its_dequantized_weights(smol_hf, tmp_path, monkeypatch, sym,
+                                                                           desc_act, fmt, where):
+    """Dequantized as loaded (``VEGAFUSE_QUANT_ACT=float``) the GPTQ model decodes as its f32 copy; with
+    the activations through q8_1 (the default), fed the same ids, its logits stay within 1% of them."""
     qdir, fdir = gptq_checkpoint(smol_hf, tmp_path, sym, desc_act, fmt, where)
     cfg, params, tok = load_model(str(qdir), "f32")
     fcfg, fparams, _ = load_model(str(fdir), "f32")
@@ -247,10 +258,17 @@ def test_tiny_gptq_checkpoint_loads_and_decodes_as_its_dequantized_weights(smol_
             inv = np.arange(w.shape[1]) if perm is None else np.argsort(perm)
             np.testing.assert_array_equal(w.dequantize()[:, inv], fp[key])     # loaded without a float step
     np.testing.assert_array_equal(params["embed"], fparams["embed"])
-    ids, logits = decode(cfg, params, tok)
     fids, flogits = decode(fcfg, fparams, tok)
+    assert len(set(fids)) > 3                                    # a real continuation, not one token repeated
+    monkeypatch.setenv("VEGAFUSE_QUANT_ACT", "float")
+    ids, logits = decode(cfg, params, tok)
     assert ids == fids
     np.testing.assert_allclose(logits, flogits, rtol=1e-4, atol=1e-4 * np.abs(flogits).max())
+    monkeypatch.setenv("VEGAFUSE_QUANT_ACT", "q8_1")
+    ids, logits = decode(cfg, params, tok, feed=fids)
+    err = np.abs(logits - flogits).max() / np.abs(flogits).max()
+    assert 1e-4 < err <= 1e-2                                    # the int8 path ran, within q8_1's rounding
+    assert sum(a == b for a, b in zip(ids, fids)) >= N_TOKENS - 3, (ids, fids)
 
 
 def test_gptq_settings_and_tensors_are_checked(smol_hf, tmp_path):
