@@ -145,7 +145,8 @@ class _Renderer:
     def qload(self, e, env):
         """Element ``e.index`` of a quantized buffer (``dsl/quant.py``'s device layout): its quant
         from the block's 16 or 32 quant bytes, times the block's f16 scale ``d`` (plus ``m`` for
-        q4_1; ``d * (q - z)`` for gptq_int4), in f32 without fast-math flags, as ``gguf.quants.dequantize`` computes it."""
+        q4_1; ``d * (q - z)`` for gptq_int4), in f32 without fast-math flags, as
+        ``gguf.quants.dequantize`` computes it."""
         kind, base, dtype = self.lookup(env, e.buf, e)
         if kind != "buf" or dtype != e.fmt:
             self.fail(f"{e.buf!r} is not a {e.fmt} buffer", e)

@@ -29,7 +29,7 @@ class DSLError(Exception):
     """A user error found while tracing; the message starts with the user's ``file:line``."""
 
 
-QUANT_DTYPES = ("q4_0", "q4_1", "q8_0", "gptq_int4")      # quantized weights (dsl/quant.py): read through dequantize
+QUANT_DTYPES = ("q4_0", "q4_1", "q8_0", "gptq_int4")   # quantized weights (dsl/quant.py): read through dequantize
 
 
 def dtype_of(x) -> str:
