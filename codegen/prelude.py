@@ -279,7 +279,7 @@ __device__ __forceinline__ float vf_dot_q4_1(const vf_byte* __restrict__ w, int 
   const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * b;
   return vf_h2f(dm[0]) * a.d * (float)vf_dot_q4_q8(q, a) + vf_h2f(dm[1]) * a.s;
 }}
-// sum_j d (q_j - z) a.d aq_j = d (a.d sum_j q_j aq_j - z a.s)
+// sum_j d (n_j - z) x_j = d (a.d sum_j n_j (128 q_j + r_j) - z a.s)
 __device__ __forceinline__ float vf_dot_gptq_int4(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
   const vf_int4 q = *(const vf_int4*)(w + 16 * b);
   const vf_half* dz = (const vf_half*)(w + 16 * nb) + 2 * b;
