@@ -14,7 +14,7 @@ import dsl
 from dsl.quant import QArray, from_gptq, gptq_dequantize, gptq_quantize
 from engine.errors import ModelError
 from engine.model import Model
-from engine.weights import _LAYER_TENSORS, default_model_path, export_hf_dir, load_model
+from engine.weights import _LAYER_TENSORS, default_dtype, default_model_path, export_hf_dir, load_model
 from stdlib.nn import linear
 
 rng = np.random.default_rng()
@@ -244,7 +244,8 @@ def test_tiny_gptq_checkpoint_loads_and_decodes_as_its_dequantized_weights(smol_
     largest (measured 0.004-0.007%: the int8 path's activation with its residual plane) and, each
     weight dequantized as it is loaded (``VEGAFUSE_QUANT_ACT=float``), within float rounding."""
     qdir, fdir = gptq_checkpoint(smol_hf, tmp_path, sym, desc_act, fmt, where)
-    cfg, params, tok = load_model(str(qdir), "f32")
+    assert default_dtype(str(qdir)) == "native" and default_dtype(str(fdir)) == "f16"
+    cfg, params, tok = load_model(str(qdir), "native")
     fcfg, fparams, _ = load_model(str(fdir), "f32")
     assert cfg == fcfg and cfg.n_layers == N_LAYERS
     for p, fp in zip(params["layers"], fparams["layers"]):
@@ -257,7 +258,13 @@ def test_tiny_gptq_checkpoint_loads_and_decodes_as_its_dequantized_weights(smol_
             assert (perm is not None) == desc_act
             inv = np.arange(w.shape[1]) if perm is None else np.argsort(perm)
             np.testing.assert_array_equal(w.dequantize()[:, inv], fp[key])     # loaded without a float step
-    np.testing.assert_array_equal(params["embed"], fparams["embed"])
+    assert params["embed"].dtype == np.float16                   # "native": float tensors as f16
+    np.testing.assert_array_equal(params["embed"], fparams["embed"].astype(np.float16))
+    fparams["embed"] = params["embed"]                           # the same embedding in both models
+    _, floats, _ = load_model(str(qdir), "f32")                 # dequantized at load, columns as in the QArray
+    for p, fp in zip(floats["layers"], fparams["layers"]):
+        assert p.keys() == params["layers"][0].keys()
+        np.testing.assert_array_equal(p["w_down"], fp["w_down"][:, p.get("w_down_perm", slice(None))])
     fids, flogits = decode(fcfg, fparams, tok)
     assert len(set(fids)) > 2                                    # a real continuation, not one token repeated
     ids, logits = decode(cfg, params, tok)                       # integer dot products
