@@ -193,7 +193,8 @@ def _convert(w, name, source, vector, dtype, quant):
     return np.array(w, dtype=_DTYPES.get(dtype, np.float16))
 
 
-_SHORT = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+_SHORT = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
+          np.dtype(np.int32): "i32"}                        # i32: GPTQ desc_act permutations
 
 
 def resident_bytes(params) -> dict:

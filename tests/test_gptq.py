@@ -14,7 +14,8 @@ import dsl
 from dsl.quant import QArray, from_gptq, gptq_dequantize, gptq_quantize
 from engine.errors import ModelError
 from engine.model import Model
-from engine.weights import _LAYER_TENSORS, default_dtype, default_model_path, export_hf_dir, load_model
+from engine.weights import (_LAYER_TENSORS, default_dtype, default_model_path, export_hf_dir, load_model,
+                            resident_bytes)
 from stdlib.nn import linear
 
 rng = np.random.default_rng()
@@ -246,6 +247,7 @@ def test_tiny_gptq_checkpoint_loads_and_decodes_as_its_dequantized_weights(smol_
     qdir, fdir = gptq_checkpoint(smol_hf, tmp_path, sym, desc_act, fmt, where)
     assert default_dtype(str(qdir)) == "native" and default_dtype(str(fdir)) == "f16"
     cfg, params, tok = load_model(str(qdir), "native")
+    assert set(resident_bytes(params)) == {"f16", "gptq_int4", "f32"} | ({"i32"} if desc_act else set())
     fcfg, fparams, _ = load_model(str(fdir), "f32")
     assert cfg == fcfg and cfg.n_layers == N_LAYERS
     for p, fp in zip(params["layers"], fparams["layers"]):
