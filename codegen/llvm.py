@@ -238,7 +238,7 @@ class _Renderer:
             m = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2), flags=["nsw"])), typ=ir.HalfType(), align=2), f32)
             return part, fm(m, asum)
         if e.fmt == "gptq_int4":             # sum_j d (n_j - z) x_j = d a.d sum n (128 q + r) - z d a.s
-            z = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2))), typ=ir.HalfType(), align=2), f32)
+            z = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2), flags=["nsw"])), typ=ir.HalfType(), align=2), f32)
             return part, fm(fm(d, b.fneg(z, flags=FMF)), asum)
         return part, (fm(fm(d, ir.Constant(f32, -128.0)), asum) if self.vnni else None)
 

@@ -144,9 +144,9 @@ class Load:
 @dataclass(frozen=True)
 class QLoad(Load):
     """Element ``index`` of a quantized buffer ``buf`` (format ``fmt``: "q4_0", "q4_1", "q8_0",
-    "gptq_int4"; ``count`` elements in all), as its f32 value: its block's scale times its quant.  The buffer
-    holds the device layout of ``dsl/quant.py`` (every block's quants, then every block's scales,
-    which start at byte ``count / 32 * quant_bytes``).  ``dtype`` is "f32"."""
+    "gptq_int4"; ``count`` elements in all), as its f32 value: its block's scale times its quant.
+    The buffer holds the device layout of ``dsl/quant.py`` (every block's quants, then every block's
+    scales, which start at byte ``count / 32 * quant_bytes``).  ``dtype`` is "f32"."""
     fmt: str = ""
     count: int = 0
 
