@@ -22,6 +22,7 @@ from .targets import Target, get_target, occupancy_lds
 
 CTYPE = {"f32": "float", "f16": "vf_half", "i32": "int", "bool": "bool",
          "q4_0": "vf_byte", "q4_1": "vf_byte", "q8_0": "vf_byte",     # quantized weights: their bytes
+         "gptq_int4": "vf_byte",
          "q8_1r": "vf_q8_1", "q8_1": "vf_q8_1"}                       # an activation in LDS: one per block
 
 

@@ -145,7 +145,8 @@ class _Renderer:
     def qload(self, e, env):
         """Element ``e.index`` of a quantized buffer (``dsl/quant.py``'s device layout): its quant
         from the block's 16 or 32 quant bytes, times the block's f16 scale ``d`` (plus ``m`` for
-        q4_1), in f32 without fast-math flags, as ``gguf.quants.dequantize`` computes it."""
+        q4_1; ``d * (q - z)`` for gptq_int4), in f32 without fast-math flags, as
+        ``gguf.quants.dequantize`` computes it."""
         kind, base, dtype = self.lookup(env, e.buf, e)
         if kind != "buf" or dtype != e.fmt:
             self.fail(f"{e.buf!r} is not a {e.fmt} buffer", e)
@@ -167,6 +168,8 @@ class _Renderer:
         if e.fmt == "q4_0":
             return b.fmul(d, b.sitofp(b.sub(q, ir.Constant(I32, 8)), TYPES["f32"]))
         m = b.fpext(at(b.add(scales, ir.Constant(I32, 2)), ir.HalfType(), 2), TYPES["f32"])
+        if e.fmt == "gptq_int4":                                    # m is the zero point z: d * (q - z)
+            return b.fmul(d, b.fsub(b.uitofp(q, TYPES["f32"]), m))
         return b.fadd(b.fmul(d, b.uitofp(q, TYPES["f32"])), m)
 
     def byte_ptr(self, base, offset):
@@ -184,7 +187,8 @@ class _Renderer:
         (``q``, ``r``), the four 8-lane quarters added (any partition of the 32 products into 8
         partial sums will do; contiguous quarters need no shuffles), ``128 q + r``, times
         ``d_w * a.d``; plus the
-        scalar term of the format's offset (q4_0: ``-8 d_w a.s``; q4_1: ``m_w a.s``)."""
+        scalar term of the format's offset (q4_0: ``-8 d_w a.s``; q4_1: ``m_w a.s``; gptq_int4:
+        ``-z_w d_w a.s``)."""
         b, f = self.b, FORMATS[e.fmt]
         f32 = TYPES["f32"]
         _, w, _ = self.lookup(env, e.w, e)
@@ -233,6 +237,9 @@ class _Renderer:
         if e.fmt == "q4_1":                  # sum_j (d n_j + m) x_j = d a.d sum n (128 q + r) + m a.s
             m = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2), flags=["nsw"])), typ=ir.HalfType(), align=2), f32)
             return part, fm(m, asum)
+        if e.fmt == "gptq_int4":             # sum_j d (n_j - z) x_j = d a.d sum n (128 q + r) - z d a.s
+            z = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2), flags=["nsw"])), typ=ir.HalfType(), align=2), f32)
+            return part, fm(fm(d, b.fneg(z, flags=FMF)), asum)
         return part, (fm(fm(d, ir.Constant(f32, -128.0)), asum) if self.vnni else None)
 
     def un(self, e, env):
@@ -557,7 +564,7 @@ def int8_gemv(k: Kernel) -> Kernel:
         for s in body:
             if isinstance(s, Array) and s.name == act:
                 out += [s, Array(q8, int8_activation(), K)]
-            elif isinstance(s, Loop) and s.body and isinstance(s.body[0], Store) and s.body[0].buf == act:
+            elif isinstance(s, Loop) and s.body and isinstance(s.body[-1], Store) and s.body[-1].buf == act:
                 blk = Sym(f"{act}_blk", "i32")
                 vals = tuple(Load(act, Bin("add", Bin("mul", blk, Const(32, "i32")), Const(i, "i32")), "f32")
                              for i in range(32))

@@ -56,7 +56,8 @@ from typing import Union
 
 DTYPES = ("f32", "f16", "i32", "bool")
 FLOAT_DTYPES = ("f32", "f16")
-QUANT_DTYPES = ("q4_0", "q4_1", "q8_0")        # buffers of quantized weights (dsl/quant.py), read by QLoad, QDot
+# buffers of quantized weights (dsl/quant.py), read by QLoad, QDot
+QUANT_DTYPES = ("q4_0", "q4_1", "q8_0", "gptq_int4")
 ACT_Q8 = ("q8_1r", "q8_1")                     # an int8 GEMV's activation: q8_1 with its residual plane, or without
 
 
@@ -142,10 +143,10 @@ class Load:
 
 @dataclass(frozen=True)
 class QLoad(Load):
-    """Element ``index`` of a quantized buffer ``buf`` (format ``fmt``: "q4_0", "q4_1", "q8_0";
-    ``count`` elements in all), as its f32 value: its block's scale times its quant.  The buffer
-    holds the device layout of ``dsl/quant.py`` (every block's quants, then every block's scales,
-    which start at byte ``count / 32 * quant_bytes``).  ``dtype`` is "f32"."""
+    """Element ``index`` of a quantized buffer ``buf`` (format ``fmt``: "q4_0", "q4_1", "q8_0",
+    "gptq_int4"; ``count`` elements in all), as its f32 value: its block's scale times its quant.
+    The buffer holds the device layout of ``dsl/quant.py`` (every block's quants, then every block's
+    scales, which start at byte ``count / 32 * quant_bytes``).  ``dtype`` is "f32"."""
     fmt: str = ""
     count: int = 0
 
@@ -806,7 +807,8 @@ def canonicalize(k: Kernel) -> Kernel:
 ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1,
             # bytes per element of the block formats (dsl/quant.py), and of a q8_1 activation with its
             # residual plane in LDS (32 int8 quants, 32 int8 residuals, f32 d and s: 72 bytes per 32)
-            "q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 34 / 32, "q8_1r": 72 / 32,
+            "q4_0": 18 / 32, "q4_1": 20 / 32, "q8_0": 34 / 32, "gptq_int4": 20 / 32,
+            "q8_1r": 72 / 32,
             "q8_1": 40 / 32}               # without the residual plane (VEGAFUSE_QUANT_RESIDUAL=0)
 
 

@@ -254,6 +254,9 @@ def _contract_rows(body, t, info):
         comments = []
         if isinstance(s, L.Store) and s.buf in arrays:         # K = 1: the fill without its loop
             s = L.Loop(f"{s.buf}_k", L.c(0), L.c(1), (s,))
+        if isinstance(s, L.Loop) and isinstance(s.body[-1], L.Store) and s.body[-1].buf in arrays \
+                and all(isinstance(d, L.Declare) for d in s.body[:-1]):
+            s = replace(s, body=(_inlined(s.body),))           # a fill with locals (a gathered activation)
         if isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays and info["q8"]:
             info["act"], info["K"], info["act_dtype"] = s.body[0].buf, s.stop.value, L.int8_activation()
             out += [_quantize_fill(s, t), L.Barrier()]
@@ -279,6 +282,14 @@ def _contract_rows(body, t, info):
     if segs:
         out += _wave_loop(segs, t, info)
     return tuple(out + comments)
+
+
+def _inlined(body):
+    """The last statement of ``body`` (a Store) with the locals declared before it substituted."""
+    *decls, st = body
+    for d in reversed(decls):
+        st = L.substitute((st,), {d.name: d.init})[0]
+    return st
 
 
 def _quantize_fill(s, t):

@@ -251,6 +251,12 @@ __device__ __forceinline__ float vf_dequant_q4_1(const vf_byte* __restrict__ w, 
   const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * b;      // d, m
   return vf_h2f(dm[0]) * (float)q + vf_h2f(dm[1]);
 }}
+__device__ __forceinline__ float vf_dequant_gptq_int4(const vf_byte* __restrict__ w, int i, int nb) {{
+  const int b = i / 32, j = i % 32;
+  const int q = (w[16 * b + j % 16] >> (j / 16 * 4)) & 15;
+  const vf_half* dz = (const vf_half*)(w + 16 * nb) + 2 * b;      // d, z (the zero point)
+  return vf_h2f(dz[0]) * ((float)q - vf_h2f(dz[1]));
+}}
 __device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, int i, int nb) {{
   return vf_h2f(((const vf_half*)(w + 32 * nb))[i / 32]) * (float)(signed char)w[i];
 }}
@@ -272,6 +278,12 @@ __device__ __forceinline__ float vf_dot_q4_1(const vf_byte* __restrict__ w, int 
   const vf_int4 q = *(const vf_int4*)(w + 16 * b);
   const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * b;
   return vf_h2f(dm[0]) * a.d * (float)vf_dot_q4_q8(q, a) + vf_h2f(dm[1]) * a.s;
+}}
+// sum_j d (n_j - z) x_j = d (a.d sum_j n_j (128 q_j + r_j) - z a.s)
+__device__ __forceinline__ float vf_dot_gptq_int4(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
+  const vf_int4 q = *(const vf_int4*)(w + 16 * b);
+  const vf_half* dz = (const vf_half*)(w + 16 * nb) + 2 * b;
+  return vf_h2f(dz[0]) * (a.d * (float)vf_dot_q4_q8(q, a) - vf_h2f(dz[1]) * a.s);
 }}
 __device__ __forceinline__ float vf_dot_q8_0(const vf_byte* __restrict__ w, int b, int nb, const vf_q8_1& a) {{
   const vf_int4 w0 = *(const vf_int4*)(w + 32 * b), w1 = *(const vf_int4*)(w + 32 * b + 16);

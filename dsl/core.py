@@ -29,12 +29,12 @@ class DSLError(Exception):
     """A user error found while tracing; the message starts with the user's ``file:line``."""
 
 
-QUANT_DTYPES = ("q4_0", "q4_1", "q8_0")      # quantized weights (dsl/quant.py): read through dequantize
+QUANT_DTYPES = ("q4_0", "q4_1", "q8_0", "gptq_int4")   # quantized weights (dsl/quant.py): read through dequantize
 
 
 def dtype_of(x) -> str:
     """Our dtype name for a numpy array or dtype, or a quantized array (``dsl.QArray``: "q4_0",
-    "q4_1", "q8_0"); raises DSLError for unsupported dtypes."""
+    "q4_1", "q8_0", "gptq_int4"); raises DSLError for unsupported dtypes."""
     if getattr(x, "dtype", x) in QUANT_DTYPES:
         return getattr(x, "dtype", x)
     dt = np.dtype(getattr(x, "dtype", x))

@@ -89,7 +89,7 @@ atom: NAME -> ref
 literal: (NUMBER | BOOL) ":" DTYPE
 BOOL.4: "True" | "False"
 VARDEF.3: /(?!(?:inf|nan|True|False)(?![a-zA-Z0-9_]))[a-zA-Z_][a-zA-Z0-9_]*(?=:)/
-DTYPE.2: /(f32|f16|i32|bool|f64|q4_0|q4_1|q8_0)(?=[\[\s)])/
+DTYPE.2: /(f32|f16|i32|bool|f64|q4_0|q4_1|q8_0|gptq_int4)(?=[\[\s)])/
 NUMBER.2: /-?(inf|nan|\d+(\.\d*)?([eE][-+]?\d+)?)(?![a-zA-Z_])/
 NAME: /[a-zA-Z_][a-zA-Z0-9_]*/
 INT: /\d+/

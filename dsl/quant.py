@@ -8,8 +8,11 @@ authority is the ``gguf`` package's ``gguf.quants``)::
     q4_0  18 bytes: d f16, qs[16]          x[j] = d * ((qs[j % 16] >> 4 * (j >= 16) & 15) - 8)
     q4_1  20 bytes: d f16, m f16, qs[16]   x[j] = d * (qs[j % 16] >> 4 * (j >= 16) & 15) + m
     q8_0  34 bytes: d f16, qs[32] int8     x[j] = d * qs[j]
+    gptq_int4  20 bytes: d f16, z f16, qs[16]   x[j] = d * ((qs[j % 16] >> 4 * (j >= 16) & 15) - z)
 
-(products in float32, as ``gguf.quants.dequantize`` computes them).
+(products in float32, as ``gguf.quants.dequantize`` computes them).  ``gptq_int4`` is ours, for
+GPTQ checkpoints (``from_gptq``): the group's scale ``d`` and its zero point ``z`` (an integer,
+exact in f16) are copied into each of the group's blocks.
 
 Kernels read the *device layout* of the same bytes: the quants of every block first (16 or 32
 bytes per block, so that each block's quants are one or two aligned 16-byte loads), then the
@@ -29,8 +32,8 @@ and ``d``, ``m`` stored as f16 (round to nearest even).  Where the reference con
 to an integer (a block whose ``1 / d`` overflows float32, below about 2e-38, or a q4_1 range
 beyond float32) the quant is 0, as x86's conversion makes it there.
 
-GPTQ (``gptq_int4``): the safetensors tensors of AutoGPTQ / GPTQModel checkpoints; see
-``gptq_dequantize``.
+GPTQ: the safetensors tensors of AutoGPTQ / GPTQModel checkpoints (``gptq_dequantize``, the
+reference) become ``gptq_int4`` arrays through ``from_gptq``, an integer repack.
 """
 from __future__ import annotations
 
@@ -56,8 +59,10 @@ FORMATS = {
     "q4_0": Format("q4_0", 16, 2),
     "q4_1": Format("q4_1", 16, 4),
     "q8_0": Format("q8_0", 32, 2),
+    "gptq_int4": Format("gptq_int4", 16, 4),
 }
 QUANT_DTYPES = tuple(FORMATS)
+GGUF_FORMATS = ("q4_0", "q4_1", "q8_0")     # ggml's block formats: the ones ``quantize`` writes
 
 
 def nbytes(fmt: str, n: int) -> int:
@@ -82,7 +87,8 @@ def _blocks(fmt, data):
 
 def dequantize_blocks(fmt: str, data: np.ndarray) -> np.ndarray:
     """float32 [n_blocks * 32] values of GGUF blocks ``data`` (uint8, any shape, n_blocks *
-    block_bytes bytes), equal bit for bit to ``gguf.quants.dequantize``."""
+    block_bytes bytes), equal bit for bit to ``gguf.quants.dequantize`` (for gptq_int4, to
+    ``gptq_dequantize``)."""
     b = _blocks(fmt, data)
     f = FORMATS[fmt]
     d = b[:, :2].copy().view(np.float16).astype(np.float32)                     # [nb, 1]
@@ -93,6 +99,8 @@ def dequantize_blocks(fmt: str, data: np.ndarray) -> np.ndarray:
     if fmt == "q4_0":
         return (d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)).reshape(-1)
     m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+    if fmt == "gptq_int4":
+        return (d * (q.astype(np.float32) - m)).reshape(-1)
     return (d * q.astype(np.float32) + m).reshape(-1)
 
 
@@ -174,8 +182,10 @@ def quantize(fmt: str, x) -> "QArray":
 
     Raises ValueError for an unknown format, a last axis that is not a multiple of 32, or a
     value that is not finite in float32 (naming its index)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown quantized format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if fmt not in GGUF_FORMATS:
+        what = ("gptq_int4 weights come from GPTQ checkpoints (from_gptq), not from this quantizer"
+                if fmt in FORMATS else f"unknown quantized format {fmt!r}")
+        raise ValueError(f"{what}; quantize to one of {', '.join(GGUF_FORMATS)}")
     x = np.asarray(x)
     if x.ndim == 0 or x.shape[-1] % BLOCK:
         raise ValueError(f"{fmt} quantizes blocks of {BLOCK} along the last axis; shape {list(x.shape)} "
@@ -196,7 +206,7 @@ def quantize(fmt: str, x) -> "QArray":
 
 class QArray:
     """A quantized array: logical ``shape`` (its last axis a multiple of 32), ``dtype`` the format
-    name ("q4_0", "q4_1", "q8_0"), ``data`` the GGUF blocks as uint8 (row-major blocks; a
+    name ("q4_0", "q4_1", "q8_0", "gptq_int4"), ``data`` the GGUF blocks as uint8 (row-major blocks; a
     memory map of a GGUF file works as it is).
 
     ``QArray.quantize(x, fmt)`` quantizes a float array; ``dequantize()`` gives float32 values;
@@ -281,7 +291,8 @@ def random_qarray(shape, fmt: str, seed: int = 0, scale: float = 0.02) -> QArray
     f, nb = FORMATS[fmt], int(np.prod(shape, dtype=np.int64)) // BLOCK
     quants = np.frombuffer(rng.bytes(nb * f.quant_bytes), np.uint8)
     d = (scale / (127 if fmt == "q8_0" else 8) * rng.uniform(0.5, 1.5, nb)).astype(np.float16)
-    scales = d[:, None] if f.scale_bytes == 2 else np.stack([d, (-8 * d).astype(np.float16)], axis=1)
+    m = (-8 * d).astype(np.float16) if fmt == "q4_1" else np.full(nb, 8, np.float16)     # gptq_int4: z = 8
+    scales = d[:, None] if f.scale_bytes == 2 else np.stack([d, m], axis=1)
     return QArray.from_device(np.concatenate([quants, scales.view(np.uint8).reshape(-1)]), shape, fmt)
 
 
@@ -317,6 +328,37 @@ def _pack(values, bits, axis):
     return words.view(np.int32)
 
 
+def _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format):
+    """Check a GPTQ layer (see ``gptq_dequantize``) and unpack its zeros: qweight uint32 [K / F, N],
+    zero int32 [G, N] (the zero point itself, whatever the checkpoint format), scales f16 [G, N],
+    g_idx int64 [K]."""
+    if bits not in (2, 4, 8):
+        raise ValueError(f"GPTQ bits must be 2, 4 or 8 (fields that tile an int32), got {bits}")
+    if checkpoint_format not in GPTQ_FORMATS:
+        raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}; use 'gptq' or 'gptq_v2'")
+    qweight, qzeros, scales = (np.asarray(a) for a in (qweight, qzeros, scales))
+    per = 32 // bits
+    for name, a in (("qweight", qweight), ("qzeros", qzeros)):
+        if a.ndim != 2 or a.dtype not in (np.int32, np.uint32):
+            raise ValueError(f"GPTQ {name} must be a 2-D int32 array, got {a.dtype}{list(a.shape)}")
+    K, N = qweight.shape[0] * per, qweight.shape[1]
+    G = scales.shape[0] if scales.ndim == 2 else -1
+    g_idx = np.arange(K) * G // K if g_idx is None else np.asarray(g_idx)       # None: groups in order
+    if scales.shape != (G, N) or qzeros.shape != (G, N // per) or N % per or g_idx.shape != (K,):
+        raise ValueError(f"GPTQ shapes do not fit together: qweight {list(qweight.shape)}, qzeros "
+                         f"{list(qzeros.shape)}, scales {list(scales.shape)}, g_idx {list(g_idx.shape)}; "
+                         f"expected [K/{per}, N], [G, N/{per}], [G, N], [K]")
+    if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= G):
+        raise ValueError(f"GPTQ g_idx must lie in 0..{G - 1} (one per group of scales), got "
+                         f"{g_idx.min()}..{g_idx.max()}")
+    zero = _unpack(qzeros, bits, axis=1) + (checkpoint_format == "gptq")          # [G, N]
+    if sym and (zero != 1 << (bits - 1)).any():
+        raise ValueError(f"a symmetric GPTQ checkpoint ({checkpoint_format}) has zeros "
+                         f"{1 << (bits - 1)}, but these range {zero.min()}..{zero.max()}; "
+                         "check 'sym' and 'checkpoint_format' in quantize_config.json")
+    return np.ascontiguousarray(qweight).view(np.uint32), zero, scales, g_idx.astype(np.int64)
+
+
 def gptq_dequantize(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint_format="gptq") -> np.ndarray:
     """float32 [N, K] (PyTorch's [out, in] layout) of a GPTQ-quantized linear layer.
 
@@ -340,34 +382,61 @@ def gptq_dequantize(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint
     Raises ValueError for bits other than 2, 4, 8, an unknown ``checkpoint_format``, shapes or
     dtypes that do not fit together, a ``g_idx`` out of range, or a symmetric checkpoint whose
     zeros are not 2**(bits - 1)."""
-    if bits not in (2, 4, 8):
-        raise ValueError(f"GPTQ bits must be 2, 4 or 8 (fields that tile an int32), got {bits}")
-    if checkpoint_format not in GPTQ_FORMATS:
-        raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}; use 'gptq' or 'gptq_v2'")
-    qweight, qzeros, scales = (np.asarray(a) for a in (qweight, qzeros, scales))
-    per = 32 // bits
-    for name, a in (("qweight", qweight), ("qzeros", qzeros)):
-        if a.ndim != 2 or a.dtype not in (np.int32, np.uint32):
-            raise ValueError(f"GPTQ {name} must be a 2-D int32 array, got {a.dtype}{list(a.shape)}")
-    K, N = qweight.shape[0] * per, qweight.shape[1]
-    G = scales.shape[0] if scales.ndim == 2 else -1
-    g_idx = np.arange(K) * G // K if g_idx is None else np.asarray(g_idx)       # None: groups in order
-    if scales.shape != (G, N) or qzeros.shape != (G, N // per) or N % per or g_idx.shape != (K,):
-        raise ValueError(f"GPTQ shapes do not fit together: qweight {list(qweight.shape)}, qzeros "
-                         f"{list(qzeros.shape)}, scales {list(scales.shape)}, g_idx {list(g_idx.shape)}; "
-                         f"expected [K/{per}, N], [G, N/{per}], [G, N], [K]")
-    if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= G):
-        raise ValueError(f"GPTQ g_idx must lie in 0..{G - 1} (one per group of scales), got "
-                         f"{g_idx.min()}..{g_idx.max()}")
+    qweight, zero, scales, g = _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format)
     q = _unpack(qweight, bits, axis=0)                                            # [K, N]
-    zero = _unpack(qzeros, bits, axis=1) + (checkpoint_format == "gptq")          # [G, N]
-    if sym and (zero != 1 << (bits - 1)).any():
-        raise ValueError(f"a symmetric GPTQ checkpoint ({checkpoint_format}) has zeros "
-                         f"{1 << (bits - 1)}, but these range {zero.min()}..{zero.max()}; "
-                         "check 'sym' and 'checkpoint_format' in quantize_config.json")
-    g = g_idx.astype(np.int64)
     w = scales.astype(np.float32)[g] * (q - zero[g]).astype(np.float32)        # [K, N]
     return np.ascontiguousarray(w.T)
+
+
+def _repack_words(qweight):
+    """GPTQ 4-bit words [K / 8, N] (element 8r + i in nibble i of word r) -> our quant bytes
+    [N * K / 32, 16] (``_nibbles`` of each row's blocks), without unpacking: per block of a row,
+    words 0, 1 hold elements 0..15 and words 2, 3 elements 16..31, so byte j joins nibble j % 8
+    of word j // 8 (low) and of word 2 + j // 8 (high)."""
+    w = np.ascontiguousarray(qweight.T).reshape(-1, 4)                            # [N * K / 32, 4]
+    lo, hi, m = w[:, :2], w[:, 2:], np.uint32(0x0F0F0F0F)
+    even = (lo & m) | (hi & m) << 4                  # byte i: nibbles 2i of lo (low) and of hi (high)
+    odd = (lo >> 4 & m) | (hi >> 4 & m) << 4         # byte i: nibbles 2i + 1
+    pairs = np.stack([even.view(np.uint8).reshape(-1, 2, 4), odd.view(np.uint8).reshape(-1, 2, 4)], axis=-1)
+    return pairs.reshape(-1, 16)                                                  # byte 8p + 2i + parity
+
+
+def from_gptq(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint_format="gptq"):
+    """A GPTQ layer (the tensors ``gptq_dequantize`` describes) as a ``QArray`` of format
+    ``gptq_int4`` [N, K], and the column order ``perm``: returns ``(w, perm)``.
+
+    An integer repack, no float arithmetic: each 32-element block of a row takes its 32 quants
+    and its group's scale and zero point (copied into every block of the group), so
+    ``w.dequantize()`` holds ``scales[g, n] * (q - zero[g, n])`` exactly as ``gptq_dequantize``.
+    Without ``desc_act`` (``g_idx`` sorted, or None) the columns stay in order and ``perm`` is
+    None.  With it, the columns are sorted by group (a stable argsort of ``g_idx``) so that each
+    group is contiguous, and ``perm`` (int32 [K]) says which input column each weight column
+    reads: ``x @ W.T == x[..., perm] @ w.dequantize().T``, and ``w.dequantize()[:, argsort(perm)]``
+    equals ``gptq_dequantize(...)`` bit for bit.
+
+    Raises ValueError as ``gptq_dequantize`` does, for bits other than 4, and for a group whose
+    size is not a multiple of 32 (a block must not span two groups)."""
+    if bits != 4:
+        raise ValueError(f"gptq_int4 holds 4-bit GPTQ weights, got bits = {bits}; only 4-bit checkpoints run quantized")
+    qweight, zero, scales, g = _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format)
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    counts = np.bincount(g, minlength=scales.shape[0])
+    if (counts % BLOCK).any():
+        bad = int(np.flatnonzero(counts % BLOCK)[0])
+        raise ValueError(f"gptq_int4 needs GPTQ groups of a multiple of {BLOCK} inputs, but group {bad} has "
+                         f"{counts[bad]} of K = {K}; use a checkpoint with group_size 32, 64, 128 ...")
+    perm = None if (np.diff(g) >= 0).all() else np.argsort(g, kind="stable").astype(np.int32)
+    if perm is None:
+        quants = _repack_words(qweight)
+    else:
+        g = g[perm]
+        q = _unpack(qweight, 4, axis=0)[perm].astype(np.uint8)                     # [K, N], columns by group
+        quants = _nibbles(np.ascontiguousarray(q.T).reshape(-1, BLOCK))           # [N * K / 32, 16]
+    gb = g[::BLOCK]                                                               # [K / 32]: each block's group
+    d = np.ascontiguousarray(scales[gb].T, np.float16)                             # [N, K / 32], the bits as stored
+    z = np.ascontiguousarray(zero[gb].T, np.float16)                              # small integers: exact
+    data = np.concatenate([d.reshape(-1, 1).view(np.uint8), z.reshape(-1, 1).view(np.uint8), quants], axis=1)
+    return QArray(data.reshape(-1), (N, K), "gptq_int4"), perm
 
 
 def gptq_quantize(w, group_size=128, sym=True, desc_act=False, perm=None, rng=None, bits=4,

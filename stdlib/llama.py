@@ -13,14 +13,15 @@ from .nn import causal_attention, linear, rms_norm, rope, silu
 
 
 def block(cfg: LlamaConfig, p, x, k_cache, v_cache, pos):
-    """One decoder layer.  x f32 [T, D] -> (x, k_cache, v_cache)."""
+    """One decoder layer.  x f32 [T, D] -> (x, k_cache, v_cache).  A weight ``w`` may come with
+    ``w_perm``, the input column each of its columns reads (GPTQ desc_act; see ``linear``)."""
     T = x.shape[0]
     hq, hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
     h = rms_norm(x, p["attn_norm"], cfg.norm_eps)                       # (T, D)
-    q = linear(h, p["wq"], p.get("bq"))                                 # (T, hq*hd)
-    k = linear(h, p["wk"], p.get("bk"))                                 # (T, hkv*hd)
-    v = linear(h, p["wv"], p.get("bv"))                                 # (T, hkv*hd)
+    q = linear(h, p["wq"], p.get("bq"), p.get("wq_perm"))               # (T, hq*hd)
+    k = linear(h, p["wk"], p.get("bk"), p.get("wk_perm"))               # (T, hkv*hd)
+    v = linear(h, p["wv"], p.get("bv"), p.get("wv_perm"))               # (T, hkv*hd)
     q = q.reshape(T, hq, hd).transpose(1, 0, 2)                         # (hq, T, hd)
     k = k.reshape(T, hkv, hd).transpose(1, 0, 2)                        # (hkv, T, hd)
     v = v.reshape(T, hkv, hd).transpose(1, 0, 2)                        # (hkv, T, hd)
@@ -28,12 +29,12 @@ def block(cfg: LlamaConfig, p, x, k_cache, v_cache, pos):
     k = rope(k, pos, cfg.rope_theta)                                    # (hkv, T, hd)
     a, k_cache, v_cache = causal_attention(q, k_cache, v_cache, k, v, pos)   # (hq, T, hd)
     a = a.transpose(1, 0, 2).reshape(T, hq * hd)                        # (T, hq*hd)
-    x = x + linear(a, p["wo"])                                          # (T, D)
+    x = x + linear(a, p["wo"], perm=p.get("wo_perm"))                   # (T, D)
 
     h = rms_norm(x, p["ffn_norm"], cfg.norm_eps)                        # (T, D)
-    gate = silu(linear(h, p["w_gate"]))                                 # (T, F)
-    up = linear(h, p["w_up"])                                           # (T, F)
-    x = x + linear(gate * up, p["w_down"])                              # (T, D)
+    gate = silu(linear(h, p["w_gate"], perm=p.get("w_gate_perm")))      # (T, F)
+    up = linear(h, p["w_up"], perm=p.get("w_up_perm"))                  # (T, F)
+    x = x + linear(gate * up, p["w_down"], perm=p.get("w_down_perm"))   # (T, D)
     return x, k_cache, v_cache
 
 

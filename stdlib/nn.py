@@ -34,8 +34,15 @@ def softmax(x, axis=-1):
     return e / dsl.where(s == 0.0, 1.0, s)
 
 
-def linear(x, w, b=None):
-    """x [..., K] @ w[N, K]^T (+ b[N]) -> f32 [..., N]; ``w`` uses PyTorch's nn.Linear layout."""
+def linear(x, w, b=None, perm=None):
+    """x [..., K] @ w[N, K]^T (+ b[N]) -> f32 [..., N]; ``w`` uses PyTorch's nn.Linear layout.
+
+    ``perm`` (i32 [K], optional): column j of ``w`` multiplies input ``perm[j]``, so the product
+    is ``x[..., perm] @ w^T`` (a GPTQ ``desc_act`` weight, whose columns are sorted by group:
+    ``dsl.quant.from_gptq``).  The gather is fused into the kernel that reads ``x``."""
+    if perm is not None:
+        K = x.shape[-1]
+        x = dsl.take(x.reshape(-1, K).T, perm).T.reshape(x.shape)     # x[..., perm]
     y = dsl.dot_t(x, w)
     return y if b is None else y + b.astype("f32")
 

@@ -39,7 +39,7 @@ def test_smollm2_decode_kernels_are_named_after_the_model(plan):
 def test_ops_point_at_the_model_line_not_the_helper(plan):
     k = plan.kernels[0]
     texts = [source_text(e) for e in k.eqns if e.prim.name == "dot"]
-    assert [t.split("  ")[1] for t in texts] == [f'{x} = linear(h, p["w{x}"], p.get("b{x}"))' for x in "qkv"]
+    assert [t.split("  ")[1] for t in texts] == [f'{x} = linear(h, p["w{x}"], p.get("b{x}"), p.get("w{x}_perm"))' for x in "qkv"]
     assert all(t.startswith("stdlib/llama.py:") for t in texts)
     norm = [e for e in k.eqns if e.scope == ("rms_norm",)]
     assert norm and all('rms_norm(x, p["attn_norm"]' in source_text(e) for e in norm)

@@ -8,8 +8,8 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from dsl.quant import (BLOCK, FORMATS, QArray, dequantize_blocks, from_device_layout, gptq_dequantize,
-                       gptq_quantize, quantize, to_device_layout)
+from dsl.quant import (BLOCK, FORMATS, GGUF_FORMATS, QArray, dequantize_blocks, from_device_layout,
+                       gptq_dequantize, gptq_quantize, quantize, to_device_layout)
 
 GGML = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
         "q8_0": gguf.GGMLQuantizationType.Q8_0}
@@ -68,7 +68,7 @@ def near_halves(fmt, rng, nb):
     return x
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
 def test_quantize_equals_gguf(fmt):
     rng = np.random.default_rng(11)
     scale = 10.0 ** rng.uniform(-8, 8, (300, 1))                      # a different scale per block
@@ -80,7 +80,7 @@ def test_quantize_equals_gguf(fmt):
     np.testing.assert_array_equal(QArray.quantize(x, fmt).data, q.data)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
 def test_quantize_other_float_dtypes_equals_gguf(fmt, dtype):
     rng = np.random.default_rng(12)
@@ -88,7 +88,7 @@ def test_quantize_other_float_dtypes_equals_gguf(fmt, dtype):
     np.testing.assert_array_equal(quantize(fmt, x).data, gguf_quantize(fmt, x))
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
 def test_quantize_then_dequantize_within_a_step(fmt):
     rng = np.random.default_rng(13)
     x = (rng.standard_normal((64, 8 * BLOCK)) * rng.uniform(0.1, 10, (64, 1))).astype(np.float32)
@@ -122,7 +122,7 @@ def random_blocks(fmt, rng, nb):
     return b.reshape(-1)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
 def test_dequantize_equals_gguf_bit_for_bit(fmt):
     rng = np.random.default_rng(14)
     data = random_blocks(fmt, rng, 4000)
@@ -133,7 +133,7 @@ def test_dequantize_equals_gguf_bit_for_bit(fmt):
     np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))      # NaN bits too
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
 def test_device_layout_and_take_rows(fmt):
     rng = np.random.default_rng(15)
     x = rng.standard_normal((6, 3 * BLOCK)).astype(np.float32)

@@ -1,26 +1,43 @@
-"""Quantized weights (q4_0, q4_1, q8_0) in kernels: GEMVs, matmuls and gathers on the CPU against
+"""Quantized weights (q4_0, q4_1, q8_0, gptq_int4) in kernels: GEMVs, matmuls and gathers on the CPU against
 the float64 interpreter, the fusion rule that keeps a float copy from being written, and the
 gfx906 quantized GEMV's ISA gates (int8 dot products, 16-byte weight loads, LDS per weight byte).
-Weights are quantized by the gguf package's quantizer, an independent reference."""
+Weights are quantized by the gguf package's quantizer, an independent reference; gptq_int4
+weights are a GPTQ checkpoint of them (gptq_quantize) repacked by from_gptq, whose values
+gptq_dequantize computes."""
 import gguf
 import numpy as np
 import pytest
 
 import dsl
 from dsl.core import DSLError
-from dsl.quant import QArray
+from dsl.quant import QArray, from_gptq, gptq_dequantize, gptq_quantize
 from engine.pipeline import lower_program
 
 rng = np.random.default_rng()
-FORMATS = ("q4_0", "q4_1", "q8_0")
+FORMATS = ("q4_0", "q4_1", "q8_0", "gptq_int4")
 GGML = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
         "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
 
-def quantized(shape, fmt, scale=0.5):
-    """Fresh normal weights quantized by gguf's reference quantizer."""
+def quantized_and_values(shape, fmt, scale=0.5):
+    """Fresh normal weights quantized by gguf's reference quantizer, and their float32 values by
+    gguf's dequantization.  gptq_int4: an asymmetric GPTQ checkpoint (groups of 32 in order, so no
+    column permutation; rows padded to GPTQ's multiple of 8, then dropped) repacked by from_gptq,
+    and its values by gptq_dequantize."""
     w = (rng.standard_normal(shape) * scale).astype(np.float32)
-    return QArray(gguf.quants.quantize(w, GGML[fmt]).reshape(-1), shape, fmt)
+    if fmt == "gptq_int4":
+        n = shape[0]
+        parts = gptq_quantize(np.pad(w, ((0, -n % 8), (0, 0))), 32, sym=False)
+        q, perm = from_gptq(*parts, sym=False)
+        assert perm is None
+        return q.take_rows(np.arange(n)), gptq_dequantize(*parts, sym=False)[:n]
+    q = QArray(gguf.quants.quantize(w, GGML[fmt]).reshape(-1), shape, fmt)
+    return q, gguf.quants.dequantize(q.data, GGML[fmt]).reshape(shape)
+
+
+def quantized(shape, fmt, scale=0.5):
+    """``quantized_and_values``' quantized array."""
+    return quantized_and_values(shape, fmt, scale)[0]
 
 
 def check(f, *args, rtol=2e-5, **jit):
@@ -125,12 +142,12 @@ def test_matmul_rows_and_matmul_with_weights_stored_k_by_n(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_embedding_gather_and_dequantize_are_exact(fmt):
-    emb = quantized((50, 64), fmt)
+    emb, values = quantized_and_values((50, 64), fmt)
     ids = rng.integers(0, 50, 7).astype(np.int32)
     rows = dsl.jit(lambda e, i: dsl.take(e, i))(emb, ids)
-    np.testing.assert_array_equal(rows, emb.dequantize()[ids])    # f32 bits of gguf's dequantization
+    np.testing.assert_array_equal(rows, values[ids])               # f32 bits of the reference dequantization
     full = dsl.jit(lambda e: dsl.dequantize(e))(emb)
-    np.testing.assert_array_equal(full, gguf.quants.dequantize(emb.data, GGML[fmt]).reshape(50, 64))
+    np.testing.assert_array_equal(full, values)
     half = dsl.jit(lambda e: e.astype("f16"))(emb)
     np.testing.assert_array_equal(half, emb.dequantize().astype(np.float16))
 
