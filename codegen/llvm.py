@@ -38,7 +38,7 @@ from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Cons
                      Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, serial_reduce)
 from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
 from .loopir import spelling as op_spelling
-from .loopir import walk_stmts
+from .loopir import walk_exprs, walk_stmts
 from dsl.quant import FORMATS, QUANT_DTYPES, nbytes
 
 I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()
@@ -287,9 +287,27 @@ class _Renderer:
         return self.const(e.value, e.dtype)
 
     def select_expr(self, e, env):
+        """``cond ? a : b``.  An arm that loads is evaluated only when chosen (a branch and a phi,
+        as C's ``?:``): the other arm's index may be out of its buffer (a concatenation's), and a
+        load there could fault.  LLVM if-converts it back where it can prove the load safe."""
         if e.cond.dtype != "bool" or e.a.dtype != e.b.dtype:
             self.fail("select needs a bool condition and equal branch dtypes", e)
-        return self.select(self.expr(e.cond, env), self.expr(e.a, env), self.expr(e.b, env))
+        cond = self.expr(e.cond, env)
+        if not any(isinstance(x, (Load, QDot)) for arm in (e.a, e.b) for x in walk_exprs(arm)):
+            return self.select(cond, self.expr(e.a, env), self.expr(e.b, env))
+        b, fn = self.b, self.b.function
+        then, other, done = (fn.append_basic_block(f"sel.{x}") for x in ("a", "b", "end"))
+        b.cbranch(cond, then, other)
+        values = []
+        for block, arm in ((then, e.a), (other, e.b)):
+            b.position_at_end(block)
+            values.append((self.expr(arm, env), b.block))
+            b.branch(done)
+        b.position_at_end(done)
+        phi = b.phi(values[0][0].type)
+        for v, block in values:
+            phi.add_incoming(v, block)
+        return phi
 
     def cast(self, e, env):
         x, src, dst = self.expr(e.x, env), e.x.dtype, e.dtype

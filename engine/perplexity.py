@@ -13,7 +13,6 @@ prints one line ``error: ...`` and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import time
 
@@ -108,7 +107,9 @@ def parse_args(argv=None):
     p.add_argument("--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip", "reference"],
                    help="where kernels run (default cpu)")
-    p.add_argument("--dtype", default="f16", help="weight dtype in memory, as load_model takes it (default f16)")
+    p.add_argument("--dtype", default=None,
+                   help="weights in memory: native, f16 or f32, as load_model takes them (default: native for a GGUF on the cpu, "
+                        "else f16, as engine.generate)")
     p.add_argument("--quant", default=None, help="quantize float weights at load (q4_0, q4_1, q8_0)")
     p.add_argument("--tokens", type=int, default=None, help="evaluate the first N tokens (default: all)")
     return p.parse_args(argv)
@@ -143,17 +144,13 @@ def read_text(path: str) -> str:
 
 def run(args):
     from .model import Model
-    from .weights import default_model_path, load_model
+    from .weights import default_dtype, default_model_path, format_resident, load_model
     if args.tokens is not None and args.tokens < 2:
         raise ModelError(f"--tokens must be at least 2, got {args.tokens}")
     text = read_text(args.file)
-    kw = {}
-    if args.quant is not None:
-        # --quant reaches load_model once it takes a ``quant`` parameter (weights loading of issue 8).
-        if "quant" not in inspect.signature(load_model).parameters:
-            raise ModelError("this build cannot quantize weights at load; drop --quant")
-        kw["quant"] = args.quant
-    cfg, params, tok = load_model(args.model or default_model_path(), args.dtype, **kw)
+    path = args.model or default_model_path()
+    dtype = args.dtype or default_dtype(path, args.backend)
+    cfg, params, tok = load_model(path, dtype, quant=args.quant)
     ids = tok.encode(text)[:args.tokens]
     if len(ids) < 2:
         raise ModelError(f"{args.file} encodes to {len(ids)} token(s); perplexity needs at least 2")
@@ -163,10 +160,9 @@ def run(args):
     model = Model(cfg, params, backend=args.backend, context=positions_needed(len(ids)))
     model.compile(1)
     res = evaluate(model, ids)
-    quant = f", quant {args.quant}" if args.quant else ""
     print(f"perplexity {res['perplexity']:.4f} over {res['n_predicted']} predicted tokens "
           f"(mean NLL {res['mean_nll']:.5f}); {res['tokens_per_s']:.1f} tokens/s; "
-          f"backend {args.backend}, dtype {args.dtype}{quant}")
+          f"backend {args.backend}; {format_resident(params)}")
     return 0
 
 

@@ -340,7 +340,7 @@ def test_shared_values_do_not_blow_up_compile_time():
         for _ in range(24):
             z = z * dsl.tanh(z) + z * 0.5
         return y, z
-    c = check(chain, randn(2, 64), randn(16, 64, scale=0.2), rtol=1e-4, atol=1e-5)
+    c = check(chain, randn(2, 64), randn(16, 64, scale=0.2), rtol=2e-4, atol=1e-5)   # 48 f32 steps
     assert len(c.plan.kernels) > 3                      # cut, where 2**24-op trees would not finish
 
 
