@@ -119,6 +119,12 @@ def asarray(x, dtype=None):
     if isinstance(x, (bool, int, float, np.number)):
         d = dtype or ("bool" if isinstance(x, bool) else "i32" if isinstance(x, (int, np.integer)) else "f32")
         return _lit(x, d)
+    from .core import _TRACES
+    if not _TRACES:
+        raise DSLError(f"{user_source()}: DSL operations need a traced function: wrap the code in dsl.jit "
+                       "(a QArray's own float values: its .dequantize())"
+                       if hasattr(x, "dequantize") else
+                       f"{user_source()}: DSL operations need a traced function: wrap the code in dsl.jit")
     raise DSLError(f"{user_source()}: cannot use {type(x).__name__} inside a traced function; "
                    "pass arrays as arguments of the jitted function")
 
