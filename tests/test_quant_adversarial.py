@@ -17,7 +17,10 @@ GGML = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationTyp
 
 
 def quantized(shape, fmt, scale=0.5):
-    """Fresh normal weights quantized by gguf's reference quantizer."""
+    """Fresh normal weights quantized by gguf's reference quantizer (gptq_int4: random blocks)."""
+    if fmt == "gptq_int4":
+        from dsl.quant import random_qarray
+        return random_qarray(shape, fmt, seed=int(rng.integers(1 << 30)), scale=scale)
     w = (rng.standard_normal(shape) * scale).astype(np.float32)
     return QArray(gguf.quants.quantize(w, GGML[fmt]).reshape(-1), shape, fmt)
 
@@ -41,7 +44,7 @@ def test_where_on_a_quantized_operand_is_a_one_line_dsl_error():
 
 @pytest.mark.xfail(strict=True, reason="returning a quantized argument reshapes its bytes to the logical "
                                        "shape: ValueError 'cannot reshape array of size 320 into shape (8,64)'")
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "gptq_int4"])
 def test_a_quantized_argument_returned_as_an_output(fmt):
     """Either the QArray comes back with its values, or one DSLError line says it cannot."""
     w, x = quantized((8, 64), fmt), rng.standard_normal((8, 64)).astype(np.float32)
@@ -73,7 +76,7 @@ def test_ir_text_that_reads_a_quantized_array_without_dequantize_fails_typecheck
 @pytest.mark.xfail(strict=True, reason="for activation blocks with max |x| below ~3.7e-37 (normal float32) the "
                                        "q8_1 quantizer's 1 / step overflows to inf and the GEMV returns exactly 0 "
                                        "(VEGAFUSE_QUANT_ACT=float gives the right values)")
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "gptq_int4"])
 def test_int8_gemv_of_tiny_normal_activations_is_not_flushed_to_zero(fmt):
     w = quantized((16, 128), fmt)
     x = (rng.choice([-1, 1], (1, 128)) * rng.uniform(1, 3, (1, 128)) * 1e-37).astype(np.float32)  # normal float32
@@ -168,7 +171,11 @@ import numpy as np
 import dsl
 fmt, prog = sys.argv[1], sys.argv[2]
 rng = np.random.default_rng()
-e = dsl.QArray.quantize(rng.standard_normal((24, 32)).astype(np.float32), fmt)
+if fmt == "gptq_int4":
+    from dsl.quant import random_qarray
+    e = random_qarray((24, 32), fmt, seed=int(rng.integers(1 << 30)), scale=1.0)
+else:
+    e = dsl.QArray.quantize(rng.standard_normal((24, 32)).astype(np.float32), fmt)
 ids = np.array([0, 5, 23], np.int32)
 if prog == "dequantize":
     got = dsl.jit(lambda e: dsl.concatenate([dsl.dequantize(e), dsl.dequantize(e) * 2.0], axis=1))(e)
@@ -188,7 +195,7 @@ print("equal")
 @pytest.mark.xfail(strict=True, reason="CPU: concatenate renders an LLVM select that loads both sides; "
                                        "for the side not taken the quantized element index is negative, and qload's "
                                        "lshr makes it a block ~2**27 far: the process dies with SIGSEGV")
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "gptq_int4"])
 @pytest.mark.parametrize("prog", ["dequantize", "take", "axis0"])
 def test_concatenating_dequantized_weights_does_not_crash(fmt, prog):
     import subprocess
