@@ -31,19 +31,20 @@ LANE, WAVE, THREAD = L.Hw("lane"), L.Hw("wave"), L.Hw("thread")
 MAX_GRID = 65535
 
 
-def map_kernel(k: L.Kernel, t: Target) -> L.Kernel:
+def map_kernel(k: L.Kernel, t: Target, lds_limit: int = 0) -> L.Kernel:
     """``k`` with every loop and reduction assigned to a hardware unit and its launch recorded
-    (``k.launch``).  A kernel already mapped is returned as it is."""
+    (``k.launch``).  A kernel already mapped is returned as it is.  ``lds_limit``: static LDS
+    bytes the kernel must fit besides ``t``'s own (the target whose text it runs on)."""
     if k.launch is not None:
         return k
     if t.maps_like:                        # another target's kernel text, launched within this one's limits
-        m = map_kernel(k, get_target(t.maps_like))
+        m = map_kernel(k, get_target(t.maps_like), t.max_static_lds)
         if m.launch.bounds == "VF_ATT_BLOCK":
             m = replace(m, launch=_attention(m.body, t)[1])
         return m
     body = L.drop_unit_loops(k.body, keep_parallel=k.family == "contract")
     if k.family == "contract":
-        body, launch = _contract(body, t)
+        body, launch = _contract(body, t, min(t.max_static_lds, lds_limit or t.max_static_lds))
     elif any(isinstance(s, L.Attention) for s in body):
         body, launch = _attention(body, t)
     else:
@@ -201,20 +202,23 @@ def quant_weights(r: L.Reduce, act: str):
     return out
 
 
-def _int8_path(body, t) -> bool:
-    """Does the GEMV run on int8 dot products: the target has them, and every weight is quantized?"""
+def _int8_path(body, t, lds_limit) -> bool:
+    """Does the GEMV run on int8 dot products: the target has them, every weight is quantized, and
+    the quantized activation fits ``lds_limit`` bytes of static LDS (with room for the reductions')?"""
     reds = [r for s in L.walk_stmts(body) if isinstance(s, L.Loop) and s.parallel
             for r in s.body[:1] if isinstance(r, L.Reduce)]
-    act = {a.name for a in L.walk_stmts(body) if isinstance(a, L.Array)}
-    on = t.int8_dot and os.environ.get("VEGAFUSE_QUANT_ACT", "q8_1") != "float"
+    arrays = [a for a in L.walk_stmts(body) if isinstance(a, L.Array)]
+    act = {a.name for a in arrays}
+    fits = all(a.size * ITEMSIZE[L.int8_activation()] <= lds_limit - 2048 for a in arrays)
+    on = t.int8_dot and fits and os.environ.get("VEGAFUSE_QUANT_ACT", "q8_1") != "float"
     return bool(on and reds and act) and all(quant_weights(r, n) for r in reds for n in act
                                                      if any(x == L.Load(n, L.Sym(r.var, "i32"), "f32")
                                                             for a in r.accs for x in L.walk_exprs(a.value)))
 
 
-def _contract(body, t):
+def _contract(body, t, lds_limit):
     """Map the body of a contraction kernel (see the module docstring)."""
-    info = {"q8": _int8_path(body, t)}
+    info = {"q8": _int8_path(body, t, lds_limit)}
     body = _contract_rows(body, t, info)
     if info.get("act_dtype") == "f16":                     # the activation is read back as f16
         act = info["act"]

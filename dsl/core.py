@@ -45,6 +45,10 @@ def dtype_of(x) -> str:
 
 
 def promote(a: str, b: str) -> str:
+    """The dtype two operands compute in (numpy's order: bool < i32 < f16 < f32 < f64)."""
+    if a in QUANT_DTYPES or b in QUANT_DTYPES:
+        raise DSLError(f"{user_source()}: a {a if a in QUANT_DTYPES else b} array is quantized; read it through "
+                       "dsl.dequantize (linear, dot_t, matmul, take and astype do that for you)")
     return a if _RANK[a] >= _RANK[b] else b
 
 

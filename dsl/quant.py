@@ -175,13 +175,14 @@ _QUANTIZERS = {"q4_0": _quantize_q4_0, "q4_1": _quantize_q4_1, "q8_0": _quantize
 _CHUNK = 4096                               # blocks quantized at a time (512 KiB of float32)
 
 
-def quantize(fmt: str, x) -> "QArray":
+def quantize(fmt: str, x, strict: bool = False) -> "QArray":
     """Quantize a float array ``x`` (any float dtype, converted to float32 first; last axis a
     multiple of 32) to ``fmt`` ("q4_0", "q4_1", "q8_0"): a ``QArray`` of ``x``'s shape whose
     bytes equal ``gguf.quants.quantize``'s (the rules are in the module docstring).
 
-    Raises ValueError for an unknown format, a last axis that is not a multiple of 32, or a
-    value that is not finite in float32 (naming its index)."""
+    Raises ValueError for an unknown format, a last axis that is not a multiple of 32, a value
+    that is not finite in float32, or (``strict``) a block whose scale passes f16's range, naming
+    the index; without ``strict`` such a block's scale is inf, as gguf's quantizer writes it."""
     if fmt not in GGUF_FORMATS:
         what = ("gptq_int4 weights come from GPTQ checkpoints (from_gptq), not from this quantizer"
                 if fmt in FORMATS else f"unknown quantized format {fmt!r}")
@@ -200,6 +201,12 @@ def quantize(fmt: str, x) -> "QArray":
             raise ValueError(f"cannot quantize to {fmt}: x{[int(j) for j in i]} = {x[i]} is not finite "
                              "in float32; quantized formats hold finite values only")
         scales, quants = _QUANTIZERS[fmt](b)
+        halves = scales.copy().view(np.float16)                              # d (and m): f16 each
+        if strict and not np.isfinite(halves).all():
+            blk = start + int(np.flatnonzero(~np.isfinite(halves).all(axis=1))[0])
+            i = np.unravel_index(blk * BLOCK + int(np.argmax(np.abs(b[blk - start]))), x.shape)
+            raise ValueError(f"cannot quantize to {fmt}: the block of x{[int(j) for j in i]} = {x[i]} needs a "
+                             "scale beyond f16's range (65504); scale the tensor down or keep it in float")
         out[start:start + _CHUNK] = np.concatenate([scales, quants], axis=1)
     return QArray(out.reshape(-1), x.shape, fmt)
 

@@ -145,6 +145,8 @@ class Executable:
                 outs.append(np.asarray(o[1], NP_DTYPES[o[2]]))
             elif o[1] in by_name and o[1] in donated:  # a donated input updated in place
                 outs.append(by_name[o[1]])
+            elif o[1] in by_name and self.plan.buffers[o[1]][1] in QUANT_DTYPES:   # a QArray: itself
+                outs.append(leaves[self.plan.inputs.index(o[1])])
             elif o[1] in by_name:                      # an input returned as it is: a copy of its own
                 outs.append(np.array(self.device.to_host(by_name[o[1]]), copy=True).reshape(o[2]))
             else:                                      # a view output: its base's buffer, reshaped

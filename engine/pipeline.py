@@ -172,6 +172,8 @@ def typecheck(program: Program) -> None:
                                "order the equations so that each value is computed before its use")
             if not isinstance(a, (Var, Lit)):
                 raise DSLError(f"{where}: input {a!r} is not a Var or Lit")
+            if a.dtype in QUANT_DTYPES and e.prim.name != "dequantize":
+                raise DSLError(f"{where}: a {_type(a)} array is quantized; only dequantize reads it")
         try:
             shape, dtype = e.prim.rule([(a.shape, a.dtype) for a in e.inputs], **e.params)
         except (DSLError, TypeError, ValueError) as err:

@@ -182,7 +182,7 @@ def _convert(w, name, source, vector, dtype, quant):
                              f"not a multiple of {dsl_quant.BLOCK}, so it cannot be quantized to "
                              f"{quant}; load the model without --quant")
         try:
-            return dsl_quant.quantize(quant, w.dequantize() if isinstance(w, QArray) else w)
+            return dsl_quant.quantize(quant, w.dequantize() if isinstance(w, QArray) else w, strict=True)
         except ValueError as e:                   # a value that is not finite
             raise ModelError(f"{source}: tensor {name} cannot be quantized to {quant}: {e}; "
                              "fix the checkpoint or load it without --quant") from None
@@ -432,7 +432,11 @@ class _GGUFFile:
                 raise ValueError(f"tensor {name} appears twice")
             names.add(name)
             block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-            n = int(np.prod(dims, dtype=np.int64))
+            n = 1
+            for d in dims:                                   # exact integers: no int64 wrap-around
+                n *= int(d)
+            if n >= 2 ** 62:
+                raise ValueError(f"tensor {name} has dimensions {list(dims)}, {n} elements: not a real tensor")
             if n % block or (dims and dims[0] % block):
                 raise ValueError(f"tensor {name} {list(dims)} is not whole {kind.name} blocks")
             self.tensors.append(_GGUFTensor(name, dims, kind, start + offset, n // block * block_bytes))

@@ -1,5 +1,5 @@
-"""Quantized weights under bad input and odd programs: each test here states what should happen
-and fails today (strict xfail), so it turns green, and must be unmarked, when the behaviour is fixed.
+"""Quantized weights under bad input and odd programs: each test states what should happen.  Those
+still marked (strict xfail) describe what is not done yet; they turn red when it is, to be unmarked.
 
 References are independent of the kernels: gguf's quantizer for the weights, float64 numpy for the
 products."""
@@ -35,15 +35,11 @@ def one_line_dsl_error(f, *args):
 
 
 # ----------------------------------------------------------------------------- the DSL
-@pytest.mark.xfail(strict=True, reason="dsl.where with a quantized operand raises KeyError 'q4_1' from "
-                                       "dsl.core.promote instead of the 'read it through dsl.dequantize' DSLError")
 def test_where_on_a_quantized_operand_is_a_one_line_dsl_error():
     w, x = quantized((8, 64), "q4_1"), rng.standard_normal((8, 64)).astype(np.float32)
     one_line_dsl_error(lambda w, x: dsl.where(x > 0, w, x), w, x)
 
 
-@pytest.mark.xfail(strict=True, reason="returning a quantized argument reshapes its bytes to the logical "
-                                       "shape: ValueError 'cannot reshape array of size 320 into shape (8,64)'")
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "gptq_int4"])
 def test_a_quantized_argument_returned_as_an_output(fmt):
     """Either the QArray comes back with its values, or one DSLError line says it cannot."""
@@ -58,9 +54,6 @@ def test_a_quantized_argument_returned_as_an_output(fmt):
     np.testing.assert_array_equal(out.dequantize(), w.dequantize())
 
 
-@pytest.mark.xfail(strict=True, reason="typecheck does not apply the tracer's rule that only dequantize reads a "
-                                       "quantized array: IR text 'add b b' / 'take b i' on q4_0 passes it, then "
-                                       "lowering fails with KeyError/NotImplementedError")
 @pytest.mark.parametrize("text", [
     "{ lambda b:q4_0[8,64] ; let c:q4_0[8,64] = add b b in ( c ) }",
     "{ lambda b:q4_0[8,64] i:i32[2] ; let c:q4_0[2,64] = take b i d:f32[2,64] = dequantize[dtype=f32] c in ( d ) }",
@@ -73,9 +66,6 @@ def test_ir_text_that_reads_a_quantized_array_without_dequantize_fails_typecheck
 
 
 # ----------------------------------------------------------------------------- the int8 GEMV
-@pytest.mark.xfail(strict=True, reason="for activation blocks with max |x| below ~3.7e-37 (normal float32) the "
-                                       "q8_1 quantizer's 1 / step overflows to inf and the GEMV returns exactly 0 "
-                                       "(VEGAFUSE_QUANT_ACT=float gives the right values)")
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "gptq_int4"])
 def test_int8_gemv_of_tiny_normal_activations_is_not_flushed_to_zero(fmt):
     w = quantized((16, 128), fmt)
@@ -111,11 +101,14 @@ def test_gfx906_quantized_siblings_of_a_float_gemv_keep_int8_dot_products():
     assert c["dot4"] >= 8 and c["dwordx4"] >= 1, (kern.name, c)
 
 
-@pytest.mark.xfail(strict=True, reason="the int8 GEMV keeps the whole q8_1 activation (72 bytes per 32 values) in "
-                                       "static LDS without checking the target's limit: K = 29568 (Qwen2.5-72B's "
-                                       "down projection) declares 66656 bytes; hiprtc: 'local memory (66528) exceeds "
-                                       "limit (65536)'; sm_90's 48 KiB is passed from K of about 21500 (Qwen2.5-32B: 27648)")
-@pytest.mark.parametrize("target,k", [("gfx906", 29568), ("sm_90", 27648), ("sm_90_wave64", 27648)])
+@pytest.mark.parametrize("target,k", [
+    ("gfx906", 29568),
+    # the int8 path now leaves such K to the float GEMV, whose f16 activation (2 bytes a value) still
+    # passes NVIDIA's 48 KiB of static LDS beyond K of about 23500: that needs the activation in
+    # dynamic LDS or global memory (not done)
+    pytest.param("sm_90", 27648, marks=pytest.mark.xfail(strict=True, reason="float GEMV's f16 activation > 48 KiB")),
+    pytest.param("sm_90_wave64", 27648, marks=pytest.mark.xfail(strict=True, reason="float GEMV's f16 activation > 46 KiB")),
+])
 def test_int8_gemv_of_a_long_k_fits_the_targets_static_lds(target, k):
     from codegen.mapping import map_kernel
     from codegen.targets import get_target
@@ -128,9 +121,6 @@ def test_int8_gemv_of_a_long_k_fits_the_targets_static_lds(target, k):
 
 
 # ----------------------------------------------------------------------------- loading
-@pytest.mark.xfail(strict=True, reason="--quant of a finite weight whose block scale exceeds f16 "
-                                       "(q4_0: |x| > 8 * 65504) writes a scale of inf and loads NaN/inf weights "
-                                       "silently; a non-finite weight is a ModelError")
 @pytest.mark.parametrize("fmt,value", [("q4_0", 7e5), ("q4_1", -7e4), ("q8_0", 1e7)])
 def test_quant_at_load_rejects_a_weight_whose_block_scale_overflows_f16(tmp_path, fmt, value):
     from engine.errors import ModelError
@@ -145,9 +135,6 @@ def test_quant_at_load_rejects_a_weight_whose_block_scale_overflows_f16(tmp_path
     assert "\n" not in msg and "blk.1.ffn_up.weight" in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason="the GGUF header reader computes a tensor's element count in int64: a "
-                                       "dimension of 2**63 or more wraps, passes the truncation check, and "
-                                       "load_model leaks ValueError 'Maximum allowed dimension exceeded'")
 @pytest.mark.parametrize("dim", [2 ** 64 - 64, 2 ** 63 + 64])
 def test_a_gguf_tensor_dimension_past_int64_is_a_model_error(tmp_path, dim):
     import struct
@@ -192,9 +179,6 @@ print("equal")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="CPU: concatenate renders an LLVM select that loads both sides; "
-                                       "for the side not taken the quantized element index is negative, and qload's "
-                                       "lshr makes it a block ~2**27 far: the process dies with SIGSEGV")
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "gptq_int4"])
 @pytest.mark.parametrize("prog", ["dequantize", "take", "axis0"])
 def test_concatenating_dequantized_weights_does_not_crash(fmt, prog):
