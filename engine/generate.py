@@ -14,9 +14,7 @@ import time
 
 import numpy as np
 
-from dsl.core import DSLError
-
-from .errors import ModelError
+from .errors import ModelError, run_cli
 from .sampling import is_eos, sample
 
 
@@ -77,22 +75,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (ModelError, ValueError, DSLError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:                  # a GPU backend that cannot start (no driver, no device)
-        if type(e).__name__ not in ("CudaError", "HipUnavailable", "HipError"):
-            raise
-        print(f"error: {str(e).splitlines()[0]}; use --backend cpu", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:                    # the reader went away (e.g. | head)
-        sys.stderr.close()
-        return 0
+    return run_cli(run, parse_args(argv))
 
 
 def run(args):
