@@ -173,13 +173,19 @@ def ksplit(t: Target, rows, K: int, vec: int) -> int:
     a workgroup takes at once), so that the combine's barriers are safe."""
     if vec == 1:
         return 1
-    total = sum(rows)
+    return _waves_per_row(t, rows, K // vec, 2 * t.wave)
+
+
+def _waves_per_row(t: Target, rows, steps: int, least: int) -> int:
+    """2 or 4 waves share each of ``rows`` (of ``steps`` lane steps: vectors, blocks) while the rows
+    leave most of the chip idle, each wave's slice whole and at least ``least`` steps, and every
+    segment's rows a multiple of those a workgroup takes at once; else 1."""
     capacity = t.compute_units * t.blocks_per_cu * t.waves_per_block
     ks = 1
     # measured on an H200: splitting rows that fill half the chip (Qwen2.5-7B's O/down) lost 18%;
     # split only rows that leave most of it idle
-    while ks < 4 and total * ks * 4 <= capacity and K % (ks * 2 * vec) == 0 \
-            and K // (ks * 2) >= 2 * vec * t.wave and t.waves_per_block % (ks * 2) == 0 \
+    while ks < 4 and sum(rows) * ks * 4 <= capacity and steps % (ks * 2) == 0 \
+            and steps // (ks * 2) >= least and t.waves_per_block % (ks * 2) == 0 \
             and all(n % (t.waves_per_block // (ks * 2)) == 0 for n in rows):
         ks *= 2
     return ks
@@ -335,20 +341,6 @@ def rows_per_lane(sizes, rows_per_wave, most=4) -> int:
     return next(u for u in (8, 4, 2, 1) if u <= most and all(n % (u * rows_per_wave) == 0 for n in sizes))
 
 
-def quant_ksplit(t: Target, tiles, blocks: int) -> int:
-    """Waves per tile of a quantized GEMV whose rows take whole waves, as ``ksplit``: when the
-    tiles leave most of the chip idle, 2 or 4 waves share a tile's blocks and combine in LDS; each
-    wave's slice at least a block per lane, and every segment's tiles a multiple of the tiles a
-    workgroup takes at once (uniform trips: the combine's barriers are safe)."""
-    capacity = t.compute_units * t.blocks_per_cu * t.waves_per_block
-    ks = 1
-    while ks < 4 and sum(tiles) * ks * 4 <= capacity and blocks % (ks * 2) == 0 \
-            and blocks // (ks * 2) >= t.wave and t.waves_per_block % (ks * 2) == 0 \
-            and all(n % (t.waves_per_block // (ks * 2)) == 0 for n in tiles):
-        ks *= 2
-    return ks
-
-
 def _renamed(a, u):
     """Accumulator ``a`` for the ``u``-th row of a lane: ``acc_w_q_12`` -> ``acc_w_q_r1_12``."""
     base, num = re.fullmatch(r"(.*?)(_\d+)?", a).groups()
@@ -364,7 +356,8 @@ def _quant_wave_loop(segs, t, info):
     lanes = _lanes_per_row(t, K, sizes)
     side = t.wave // lanes                               # tiles a wave takes side by side
     per = rows_per_lane(sizes, side, t.int8_rows_per_lane)
-    ks = quant_ksplit(t, [n // per for n in sizes], K // 32) if lanes == t.wave else 1
+    # waves share a tile's blocks when the tiles leave the chip idle (as ksplit), a block per lane at least
+    ks = _waves_per_row(t, [n // per for n in sizes], K // 32, t.wave) if lanes == t.wave else 1
     info.update(split=ks, total=sum(sizes), vec=32, rows_per_wave=side * per, lanes=lanes, rows_per_lane=per)
     tile = L.Sym("tile_0", "i32")
     kb = L.Sym("kb_0", "i32")
@@ -397,13 +390,8 @@ def _quant_wave_loop(segs, t, info):
             seg = (L.Declare(own.name, "i32", L.Bin("sub", tile, L.c(off // per))),) + seg
         branches.append(((off + n) // per, comments + seg))
         off += n
-    chain = branches[-1][1]
-    for stop, seg in reversed(branches[:-1]):
-        chain = (L.If(L.Bin("lt", tile, L.c(stop)), seg, chain),)
-    part = (L.Array("vf_part", "f32", t.waves_per_block * per * max(len(s.body[0].accs) for _, s in segs), "lds"),) \
-        if ks > 1 else ()
-    return part + (L.Loop(tile.name, L.c(0), L.c(off // per), chain, parallel=True, map="wave", split=ks,
-                          lanes=0 if lanes == t.wave else lanes),)
+    return _segments(tile, branches, t, ks, per * max(len(s.body[0].accs) for _, s in segs), off // per,
+                     lanes=0 if lanes == t.wave else lanes)
 
 
 def _wave_loop(segs, t, info):
@@ -431,9 +419,15 @@ def _wave_loop(segs, t, info):
             seg = (L.Declare(own.name, "i32", L.Bin("sub", row, L.c(off))),) + L.substitute(seg, {s.var: own})
         branches.append((off + n, comments + seg))
         off += n
+    return _segments(row, branches, t, ks, max(len(s.body[0].accs) for _, s in segs), off)
+
+
+def _segments(var, branches, t, ks, accs, stop, lanes=0):
+    """The wave loop over ``var`` in [0, stop) whose body picks a segment by ``var`` (``branches``:
+    (end, statements) in order); with ``ks`` waves per iteration, the LDS their ``accs`` partial
+    sums combine through."""
     chain = branches[-1][1]
-    for stop, seg in reversed(branches[:-1]):
-        chain = (L.If(L.Bin("lt", row, L.c(stop)), seg, chain),)
-    part = (L.Array("vf_part", "f32", t.waves_per_block * max(len(s.body[0].accs) for _, s in segs), "lds"),) \
-        if ks > 1 else ()
-    return part + (L.Loop(row.name, L.c(0), L.c(off), chain, parallel=True, map="wave", split=ks),)
+    for end, seg in reversed(branches[:-1]):
+        chain = (L.If(L.Bin("lt", var, L.c(end)), seg, chain),)
+    part = (L.Array("vf_part", "f32", t.waves_per_block * accs, "lds"),) if ks > 1 else ()
+    return part + (L.Loop(var.name, L.c(0), L.c(stop), chain, parallel=True, map="wave", split=ks, lanes=lanes),)
