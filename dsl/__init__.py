@@ -16,4 +16,5 @@ for _api in _array.ELEMENTWISE_API:          # dsl.exp, dsl.add, ...: one per el
 from .irtext import parse_ir  # noqa: F401
 from .quant import QArray  # noqa: F401
 from .jit import jit  # noqa: F401
+from . import lax, nn  # noqa: F401  (jax.lax and jax.nn names)
 from .pytree import flatten as tree_flatten, tree_map, unflatten as tree_unflatten  # noqa: F401
