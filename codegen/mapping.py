@@ -233,18 +233,30 @@ def _contract(body, t, lds_limit):
     body = _scratch(body, t) + body
     ks, total, K, vec = info["split"], info["total"], info["K"], info["vec"]
     per_wave = info.get("rows_per_wave", 1)
-    per_cu = (t.int8_blocks_per_cu or t.blocks_per_cu) if info["q8"] else t.blocks_per_cu
-    per_cu = int(os.environ.get("VEGAFUSE_GEMV_BLOCKS_PER_CU", per_cu))                  # A/B switch
+    per_cu = _blocks_per_cu(t, K, info["q8"])
     grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * per_cu))
     if info["q8"]:
         lanes, per = info["lanes"], info["rows_per_lane"]
         how = (f"{K}-element activation quantized to q8_1 in LDS; {'a wave' if lanes == t.wave else f'{lanes} lanes'} "
-               f"per {per} output rows ({total} rows); each lane takes whole weight blocks of its rows "
+               f"per {f'{per} output rows' if per > 1 else 'output row'} ({total} rows); each lane takes whole weight blocks of its rows "
                f"(16-byte loads, int8 dot products)")
         return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info["act_dtype"])
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
     return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info.get("act_dtype", "f32"))
+
+
+def _blocks_per_cu(t: Target, K: int, int8: bool) -> int:
+    """Workgroups per CU a GEMV grid aims for: the target's; for int8 dot products its own figure,
+    fewer when the activation is so long that its quantization (every workgroup's prologue) would
+    take more than the target's budget of elements per CU.  ``VEGAFUSE_GEMV_BLOCKS_PER_CU``
+    overrides (A/B)."""
+    per_cu = t.blocks_per_cu
+    if int8:
+        per_cu = t.int8_blocks_per_cu or per_cu
+        if t.int8_prologue_budget and _balance():
+            per_cu = max(1, min(per_cu, t.int8_prologue_budget // K))
+    return int(os.environ.get("VEGAFUSE_GEMV_BLOCKS_PER_CU", per_cu))
 
 
 def _contract_rows(body, t, info):
@@ -332,13 +344,33 @@ def _lanes_per_row(t, K, sizes):
     return lanes
 
 
-def rows_per_lane(sizes, rows_per_wave, most=4) -> int:
+def rows_per_lane(sizes, rows_per_wave, most=4, idle=None) -> int:
     """Rows each lane folds against every activation block it reads from LDS (``most`` or fewer, a
     power of two dividing every segment's rows): one LDS read serves several weight blocks (the
     LDS-per-weight-byte metric of ``codegen.inspect``), and more 16-byte loads are in flight.
+    ``idle(u)``, when given, is the share of wave slots idle in the grid's rounds with ``u`` rows
+    per lane: the largest ``u`` within 0.1 of the least idle one wins (a last round that keeps a
+    few waves busy while the rest wait costs more than the LDS reads saved).
     ``VEGAFUSE_QUANT_ROWS`` overrides ``most`` (A/B)."""
     most = int(os.environ.get("VEGAFUSE_QUANT_ROWS", most))
-    return next(u for u in (8, 4, 2, 1) if u <= most and all(n % (u * rows_per_wave) == 0 for n in sizes))
+    fits = [u for u in (8, 4, 2, 1) if u <= most and all(n % (u * rows_per_wave) == 0 for n in sizes)]
+    if idle is None:
+        return fits[0]
+    least = min(idle(u) for u in fits)
+    return next(u for u in fits if idle(u) <= least + 0.1)
+
+
+def _balance() -> bool:
+    """The int8 GEMV's balance rules (``Target.int8_balance``, ``int8_prologue_budget``) are on;
+    ``VEGAFUSE_GEMV_BALANCE=0`` turns them off (A/B)."""
+    return os.environ.get("VEGAFUSE_GEMV_BALANCE", "1") != "0"
+
+
+def _idle_share(tasks: int, capacity: int) -> float:
+    """The share of ``capacity`` wave slots idle over the rounds that ``tasks`` wave tasks take (0 when
+    they fit one round: filling the chip is the k split's business)."""
+    rounds = -(-tasks // capacity)
+    return 0.0 if rounds <= 1 else 1 - tasks / (rounds * capacity)
 
 
 def _renamed(a, u):
@@ -355,9 +387,12 @@ def _quant_wave_loop(segs, t, info):
     K = info["K"]
     lanes = _lanes_per_row(t, K, sizes)
     side = t.wave // lanes                               # tiles a wave takes side by side
-    per = rows_per_lane(sizes, side, t.int8_rows_per_lane)
     # waves share a tile's blocks when the tiles leave the chip idle (as ksplit), a block per lane at least
-    ks = _waves_per_row(t, [n // per for n in sizes], K // 32, t.wave) if lanes == t.wave else 1
+    split = lambda u: _waves_per_row(t, [n // u for n in sizes], K // 32, t.wave) if lanes == t.wave else 1  # noqa: E731
+    capacity = t.compute_units * _blocks_per_cu(t, K, True) * t.waves_per_block
+    idle = (lambda u: _idle_share(sum(sizes) // (side * u) * split(u), capacity)) if t.int8_balance and _balance() else None  # noqa: E731
+    per = rows_per_lane(sizes, side, t.int8_rows_per_lane, idle)
+    ks = split(per)
     info.update(split=ks, total=sum(sizes), vec=32, rows_per_wave=side * per, lanes=lanes, rows_per_lane=per)
     tile = L.Sym("tile_0", "i32")
     kb = L.Sym("kb_0", "i32")

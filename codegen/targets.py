@@ -51,6 +51,11 @@ class Target:
     int8_blocks_per_cu: int = 0  # the same for GEMVs on int8 dot products (0: blocks_per_cu); on an H200 they take
                                  # 64 registers, so 4 workgroups of 256 fit an SM and a grid of 8 per SM ran a second
                                  # round: 4 gave 427.8 against 410.3/410.5 tok/s (Qwen2.5-7B q4_0, A/B/A, 2026-12-01)
+    int8_balance: bool = False   # fewer rows per lane when the int8 GEMV's tiles leave waves idle in a last round
+                                 # of the grid (codegen.mapping.rows_per_lane); gfx906 keeps 8 for its LDS metric
+    int8_prologue_budget: int = 0  # activation elements the int8 GEMV prologues of one CU quantize (0: no limit):
+                                 # every workgroup quantizes the whole activation, so a long one takes fewer
+                                 # workgroups per CU (codegen.mapping._blocks_per_cu)
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
     attention_block: int = 1024  # threads of an attention workgroup: its waves split the context
@@ -80,7 +85,11 @@ TARGETS = {
                      sgpr_granule=16,         # LLVM getSGPRAllocGranule (gfx8-gfx9)
                      max_barriers=16),        # LLVM getMaxWorkGroupsPerCU
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
-                    lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132, int8_blocks_per_cu=4),
+                    lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132, int8_blocks_per_cu=4,
+                    # measured on an H200 (Qwen2.5-7B q4_0, one layer, 2026-12-01): gate/up 41.6 -> 28.9 us with
+                    # the balance (4736 tiles of 4 rows ran 1.12 rounds of 4224 waves); down (K 18944)
+                    # 30.4 -> 24.1 us at 2 workgroups per SM
+                    int8_balance=True, int8_prologue_budget=40960),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,
 # so a workgroup holds at most 15 waves (attention: 8 of 64 lanes); the wave exchange's LDS comes out of
