@@ -366,8 +366,9 @@ class _Renderer:
 
     def quantize_q8(self, s, env):
         """One activation block from its 32 values (``len(s.values) == 32`` on the CPU), as the GPU
-        prelude's vf_quantize_q8_1: step = max|x| / 127 (NaN when a value is NaN), t = x / step (0 when
-        the step is),
+        prelude's vf_quantize_q8_1: step = max|x| / 127 (NaN when a value is NaN), t = x / step computed
+        as x * (127 / max|x|) when max|x| >= 1e-30 (one division per block), else divided (0 when the
+        step is),
         q = round(t) (half away from zero, as C's roundf); q8_1r also r = round(128 (t - q)),
         d = step / 128 and s = d * sum(128 q + r); q8_1: d = step, s = d * sum(q)."""
         if len(s.values) != 32:
@@ -379,13 +380,15 @@ class _Renderer:
             ax = self.intr("llvm.fabs", x)
             amax = ax if amax is None else self.intr("llvm.maximum", amax, ax)
         step = b.fdiv(amax, ir.Constant(f32, 127.0))
-        nonzero = b.fcmp_ordered("!=", step, ir.Constant(f32, 0.0))     # x / step: 1 / step overflows for tiny steps
+        nonzero = b.fcmp_ordered("!=", step, ir.Constant(f32, 0.0))
+        normal = b.fcmp_ordered(">=", amax, ir.Constant(f32, 1e-30))      # 127 / max|x| cannot overflow
+        inv = b.fdiv(ir.Constant(f32, 127.0), amax)
         _, base, dtype = self.lookup(env, s.arr)
         size, residual = Q8_BYTES[dtype], dtype == "q8_1r"
         block = self.byte_ptr(base, b.mul(self.expr(s.group, env), ir.Constant(I32, size)))
         total = ir.Constant(I32, 0)
         for i, x in enumerate(xs):
-            t = b.select(nonzero, b.fdiv(x, step), ir.Constant(f32, 0.0))
+            t = b.select(normal, b.fmul(x, inv), b.select(nonzero, b.fdiv(x, step), ir.Constant(f32, 0.0)))
             qf = self.intr("llvm.round", t)
             q = b.fptosi(qf, I32)
             b.store(b.trunc(q, I8), self.byte_ptr(block, ir.Constant(I32, i)))

@@ -304,9 +304,15 @@ __device__ __forceinline__ int vf_pack4(int a, int b, int c, int d) {
 // the step is NaN when a value is NaN; a lane with active false only helps
 __device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {
   const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
-  const float step = amax / 127.0f;                  // divided by, not multiplied by 1 / step: that overflows for tiny steps
-  const float t0 = step != 0.0f ? x0 / step : 0.0f, t1 = step != 0.0f ? x1 / step : 0.0f;
-  const float t2 = step != 0.0f ? x2 / step : 0.0f, t3 = step != 0.0f ? x3 / step : 0.0f;
+  const float step = amax / 127.0f;
+  float t0, t1, t2, t3;                              // x / step
+  if (amax >= 1e-30f) {                              // as x * (127 / max|x|): one division per block
+    const float inv = 127.0f / amax;
+    t0 = x0 * inv; t1 = x1 * inv; t2 = x2 * inv; t3 = x3 * inv;
+  } else {                                           // tiny (or NaN): divided, since 127 / max|x| may overflow
+    t0 = step != 0.0f ? x0 / step : 0.0f; t1 = step != 0.0f ? x1 / step : 0.0f;
+    t2 = step != 0.0f ? x2 / step : 0.0f; t3 = step != 0.0f ? x3 / step : 0.0f;
+  }
   const int q0 = (int)roundf(t0), q1 = (int)roundf(t1), q2 = (int)roundf(t2), q3 = (int)roundf(t3);
   const int r0 = (int)roundf((t0 - q0) * 128.0f), r1 = (int)roundf((t1 - q1) * 128.0f);
   const int r2 = (int)roundf((t2 - q2) * 128.0f), r3 = (int)roundf((t3 - q3) * 128.0f);
@@ -332,9 +338,16 @@ struct vf_q8_1 { int q[8]; float d, s; };
 // d is NaN when a value is NaN; a lane with active false only helps
 __device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {
   const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
-  const float d = amax / 127.0f;                     // divided by, not multiplied by 1 / d: that overflows for tiny d
-  const int q0 = d != 0.0f ? (int)roundf(x0 / d) : 0, q1 = d != 0.0f ? (int)roundf(x1 / d) : 0;
-  const int q2 = d != 0.0f ? (int)roundf(x2 / d) : 0, q3 = d != 0.0f ? (int)roundf(x3 / d) : 0;
+  const float d = amax / 127.0f;
+  float t0, t1, t2, t3;                              // x / d
+  if (amax >= 1e-30f) {                              // as x * (127 / max|x|): one division per block
+    const float inv = 127.0f / amax;
+    t0 = x0 * inv; t1 = x1 * inv; t2 = x2 * inv; t3 = x3 * inv;
+  } else {                                           // tiny (or NaN): divided, since 127 / max|x| may overflow
+    t0 = d != 0.0f ? x0 / d : 0.0f; t1 = d != 0.0f ? x1 / d : 0.0f;
+    t2 = d != 0.0f ? x2 / d : 0.0f; t3 = d != 0.0f ? x3 / d : 0.0f;
+  }
+  const int q0 = (int)roundf(t0), q1 = (int)roundf(t1), q2 = (int)roundf(t2), q3 = (int)roundf(t3);
   const int sum = vf_sum8(q0 + q1 + q2 + q3);
   if (active) {
     a[g / 8].q[g % 8] = (q0 & 255) | (q1 & 255) << 8 | (q2 & 255) << 16 | (int)((unsigned)q3 << 24);

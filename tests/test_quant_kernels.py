@@ -240,12 +240,16 @@ def round_half_away(v):
 
 
 def q8_1(x, residual=True):
-    """x [K] (f32) as the kernels quantize it: per block of 32, step = max|x| / 127, t = x / step,
-    q = roundf(t), r = roundf(128 (t - q)), all in float32.  Returns the float64 values
-    step / 128 * (128 q + r), or step * q without the residual plane (``VEGAFUSE_QUANT_RESIDUAL=0``)."""
+    """x [K] (f32) as the kernels quantize it: per block of 32, step = max|x| / 127, t = x / step as
+    x * (127 / max|x|) (divided when max|x| < 1e-30), q = roundf(t), r = roundf(128 (t - q)), all in
+    float32.  Returns the float64 values step / 128 * (128 q + r), or step * q without the residual
+    plane (``VEGAFUSE_QUANT_RESIDUAL=0``)."""
     b = x.astype(np.float32).reshape(-1, 32)
-    step = (np.abs(b).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
-    t = np.where(step != 0, b / np.where(step != 0, step, 1), np.float32(0)).astype(np.float32)
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    step = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        t = np.where(amax >= np.float32(1e-30), b * (np.float32(127) / amax),
+                     np.where(step != 0, b / np.where(step != 0, step, 1), np.float32(0))).astype(np.float32)
     q = round_half_away(t)
     if not residual:
         return (step.astype(np.float64) * q).reshape(-1)
