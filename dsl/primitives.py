@@ -6,6 +6,8 @@ one touches this file and its test only.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from codegen import loopir as L
@@ -463,16 +465,15 @@ primitive("attention", "opaque", _attention_rule, _attention_impl)
 # spellings are composed from the Loop IR expression it is written as, by the renderers themselves.
 USER: dict = {}         # name -> the Loop IR expression text of each primitive defined by a user
 _ARGS = {1: ("x",), 2: ("a", "b")}
-_TOKEN = r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf|nan)|(?P<name>[A-Za-z_]\w*)|(?P<punct>[(),]))"
+_TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf\b|nan\b)|(?P<name>[A-Za-z_]\w*)|(?P<punct>[(),]))")
 
 
 def _parse_expr(text, where):
     """``text`` (Loop IR's printed form: ``add(max(x, 0.0), log(add(1.0, exp(neg(abs(x))))))``) as
     a tree of ``("arg", name)``, ``("num", value)``, ``("call", op, children)``."""
-    import re
     toks, pos = [], 0
     while pos < len(text.rstrip()):
-        m = re.compile(_TOKEN).match(text, pos)
+        m = _TOKEN.match(text, pos)
         if not m or m.end() == pos:
             raise DSLError(f"{where}: cannot read {text[pos:].strip()[:20]!r} in the expression {text!r}")
         toks.append(m.group("num") or m.group("name") or m.group("punct"))
@@ -513,9 +514,10 @@ def _typed(tree, dtype, where):
         v = tree[1]
         if isinstance(v, bool):
             return L.Const(v, "bool")
-        if dtype == "i32" and v != int(v):
-            raise DSLError(f"{where}: the literal {v} is not an integer, but the inputs are i32")
-        return L.Const(int(v) if dtype in ("i32", "bool") else v, dtype if dtype != "bool" else "i32")
+        if dtype == "bool" or (dtype == "i32" and v != int(v)):
+            raise DSLError(f"{where}: the literal {v} does not fit {dtype} inputs"
+                           + (" (write true or false)" if dtype == "bool" else ""))
+        return L.Const(int(v) if dtype == "i32" else v, dtype)
     op, args = tree[1], [_typed(c, dtype, where) for c in tree[2]]
     if op == "select":
         if len(args) != 3 or args[0].dtype != "bool" or args[1].dtype != args[2].dtype:
@@ -568,11 +570,15 @@ def define_elementwise(name, rule, reference, expr):
     shape).  ``reference(*arrays) -> array``: the numpy reference (the interpreter, and the tests'
     float64 oracle).  ``expr``: its scalar expression in Loop IR ops (``codegen.loopir.OPS``, as
     ``format_kernel`` prints them, and ``select(c, a, b)``), over ``x`` for one input or ``a`` and
-    ``b`` for two; literals take the inputs' dtype.  Example::
+    ``b`` for two; literals take the inputs' dtype (``true``, ``false``: bool).  Example::
 
-        softplus = dsl.define_elementwise(
-            "stable_softplus", lambda avals: avals[0], lambda x: np.logaddexp(0, x),
-            "add(max(x, 0.0), log(add(1.0, exp(neg(abs(x))))))")
+        def float_rule(avals):
+            (shape, dtype), = avals
+            if dtype not in ("f32", "f16"):
+                raise dsl.DSLError(f"needs a float input, got {dtype}")
+            return shape, dtype
+        softplus = dsl.define_elementwise("my_softplus", float_rule, lambda x: np.logaddexp(0, x),
+                                          "add(max(x, 0.0), log(add(1.0, exp(neg(abs(x))))))")
 
     The primitive is then a built-in in every respect: it fuses (into a GEMV epilogue, say), the
     Loop IR shows it as one op, each renderer spells it from the expression, ``dsl.parse_ir``
@@ -583,7 +589,6 @@ def define_elementwise(name, rule, reference, expr):
 
     Differs from JAX (``jax.core.Primitive`` with ``def_impl``, ``def_abstract_eval`` and lowering
     rules): one call, elementwise only, and no differentiation."""
-    import re
     from .core import PRIMITIVES
     where = f"primitive {name!r}"
     if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
@@ -608,10 +613,10 @@ def define_elementwise(name, rule, reference, expr):
             shape, dtype = out
             shape, dtype = tuple(int(d) for d in shape), dtype if dtype in DTYPES else _dtype_name(dtype)
         except (TypeError, ValueError, DSLError):
-            raise DSLError(f"its shape rule returned {out!r}; return (shape, dtype), dtype one of "
+            raise _BadRule(f"its shape rule returned {out!r}; return (shape, dtype), dtype one of "
                            f"{', '.join(DTYPES)}") from None
         if shape != tuple(avals[0][0]):
-            raise DSLError(f"its shape rule gives shape {list(shape)} for inputs of shape {list(avals[0][0])}; "
+            raise _BadRule(f"its shape rule gives shape {list(shape)} for inputs of shape {list(avals[0][0])}; "
                            "an elementwise primitive keeps its inputs' shape")
         return shape, dtype
 
@@ -620,9 +625,9 @@ def define_elementwise(name, rule, reference, expr):
     for dt in DTYPES:
         try:
             out = checked_rule([((2, 3), dt)] * arity)
-        except DSLError as e:
-            if "shape rule" in str(e):
-                raise DSLError(f"{where}: {e}") from None
+        except _BadRule as e:
+            raise DSLError(f"{where}: {e}") from None
+        except DSLError:                    # the rule refuses this dtype
             continue
         except Exception as e:              # a rule refuses with DSLError; anything else is a bug in it
             raise DSLError(f"{where}: its shape rule raised {type(e).__name__}: {e}; refuse inputs with "
@@ -651,8 +656,9 @@ def define_elementwise(name, rule, reference, expr):
                               equal_nan=True)
         if bad.any():
             i = tuple(int(k) for k in np.argwhere(bad)[0])
-            raise DSLError(f"{where}: the reference gives {got[i]!r} and the expression {want[i]!r} at "
-                           f"{', '.join(f'{n}={x[i]!r}' for n, x in zip(_ARGS[arity], xs))} ({dt}); make them agree")
+            at = ", ".join(f"{n}={_show(x[i])}" for n, x in zip(_ARGS[arity], xs))
+            raise DSLError(f"{where}: the reference gives {_show(got[i])} and the expression {_show(want[i])} "
+                           f"at {at} ({dt}); make them agree")
     compare = any(t.dtype != dt for dt, t in trees.items())         # gives bool on other inputs
     if compare and any(t.dtype != "bool" for t in trees.values()):
         raise DSLError(f"{where}: the expression gives bool on some input dtypes and not on others; "
@@ -663,13 +669,20 @@ def define_elementwise(name, rule, reference, expr):
     for dt, t in trees.items():
         kinds.setdefault(L.kind_of(dt), (hip.expr(_typed(tree, "f32" if dt == "f16" else dt, where)), spell))
     USER[name] = expr
-    elementwise(name, lambda avals, **_: checked_rule(avals), reference,
-                compare=compare,
-                **kinds)
+    elementwise(name, lambda avals, **_: checked_rule(avals), reference, compare=compare, **kinds)
     from .array import _make_api
     f = _make_api(name, name, arity)
     f.__doc__ = f"``{name}``: a user-defined elementwise primitive, {expr}"
     return f
+
+
+class _BadRule(DSLError):
+    """A shape rule's result that is not a valid one (not a refusal)."""
+
+
+def _show(v) -> str:
+    v = np.asarray(v).item()
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
 def _dtype_name(dtype) -> str:

@@ -49,7 +49,8 @@ def register_dataclass(nodetype=None, data_fields=None, meta_fields=None, drop_f
     if nodetype is None:
         return lambda cls: register_dataclass(cls, data_fields, meta_fields, drop_fields)
     if not dataclasses.is_dataclass(nodetype):
-        raise TypeError(f"register_dataclass: {nodetype.__name__} is not a dataclass; decorate it with @dataclass first")
+        raise TypeError(f"register_dataclass: {nodetype.__name__} is not a dataclass; "
+                        "decorate it with @dataclass first")
     init = [f for f in dataclasses.fields(nodetype) if f.init and f.name not in drop_fields]
     if data_fields is None and meta_fields is None:
         meta_fields = [f.name for f in init if f.metadata.get("static", False)]

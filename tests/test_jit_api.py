@@ -87,6 +87,19 @@ def test_nested_jit_traces_inline():
     assert len(outer.compile(x, g, w).plan.kernels) == 1            # fused as if written in one function
 
 
+def test_donate_argnames_updates_a_keyword_argument_in_place():
+    def write(u, pos, *, cache):
+        return dsl.dynamic_update_slice(cache, u * 2.0, [pos, 0])
+    f = dsl.jit(write, donate_argnames="cache")
+    cache, u = randn(8, 16), randn(2, 16)
+    want = cache.astype(np.float64)
+    want[3:5] = 2 * f64(u)
+    out = f(u, 3, cache=cache)
+    assert out is cache                                   # written in place, as donated
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    assert f.lower(u, 3, cache=cache).in_names == ["u", "pos", "cache"]
+
+
 # ----------------------------------------------------------------------------- compiled objects
 def test_compiled_object_takes_the_jitted_functions_pytree():
     def f(p, x, *, scale):
