@@ -90,7 +90,7 @@ def _cast_like(f):
     return g
 
 
-def elementwise(name, rule, impl, *, api=None, compare=False, **spellings):
+def elementwise(name, rule, impl, *, api=None, compare=False, arity=None, **spellings):
     """Define an elementwise primitive, all of it in one place.
 
     ``rule``: the shape/dtype rule; ``impl``: the numpy reference; ``api``: the public name that
@@ -99,7 +99,7 @@ def elementwise(name, rule, impl, *, api=None, compare=False, **spellings):
     ``int``, ``bool``), a pair ``(c, llvm)`` giving the scalar Loop IR op to each renderer (see
     ``codegen.loopir.ScalarOp``).  Fusion, the Loop IR and both renderers need nothing else.
     """
-    arity = 1 if "{x}" in next(iter(spellings.values()))[0] else 2
+    arity = arity or (1 if "{x}" in next(iter(spellings.values()))[0] else 2)     # from the C template
     L.define_op(name, arity, {k: c for k, (c, _) in spellings.items()},
                 {k: ll for k, (_, ll) in spellings.items()}, compare)
     prim = primitive(name, "elementwise", rule, impl)
@@ -462,7 +462,7 @@ primitive("attention", "opaque", _attention_rule, _attention_impl)
 
 # ----------------------------------------------------------------------------- user-defined primitives
 # A user's elementwise primitive is defined by ``elementwise`` like a built-in: its scalar op's
-# spellings are composed from the Loop IR expression it is written as, by the renderers themselves.
+# spellings render the Loop IR expression it is written as, with each renderer's own expressions.
 USER: dict = {}         # name -> the Loop IR expression text of each primitive defined by a user
 _ARGS = {1: ("x",), 2: ("a", "b")}
 _TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf\b|nan\b)|(?P<name>[A-Za-z_]\w*)|(?P<punct>[(),]))")
@@ -503,13 +503,14 @@ def _parse_expr(text, where):
     return tree
 
 
-def _typed(tree, dtype, where):
+def _typed(tree, dtype, where, operands=None):
     """The Loop IR expression of ``tree`` on inputs of ``dtype`` (literals take that dtype, ``true``
-    and ``false`` are bool); DSLError for an op that is not a Loop IR op or not spelled for its
-    operands' dtype, or operands of different dtypes."""
+    and ``false`` are bool), its operands ``operands[name]`` (Loop IR expressions) or placeholders
+    ``Sym("{x}")``; DSLError for an op that is not a Loop IR op or not spelled for its operands'
+    dtype, or operands of different dtypes."""
     kind = tree[0]
     if kind == "arg":
-        return L.Sym("{%s}" % tree[1], dtype)
+        return operands[tree[1]] if operands else L.Sym("{%s}" % tree[1], dtype)
     if kind == "num":
         v = tree[1]
         if isinstance(v, bool):
@@ -518,7 +519,7 @@ def _typed(tree, dtype, where):
             raise DSLError(f"{where}: the literal {v} does not fit {dtype} inputs"
                            + (" (write true or false)" if dtype == "bool" else ""))
         return L.Const(int(v) if dtype == "i32" else v, dtype)
-    op, args = tree[1], [_typed(c, dtype, where) for c in tree[2]]
+    op, args = tree[1], [_typed(c, dtype, where, operands) for c in tree[2]]
     if op == "select":
         if len(args) != 3 or args[0].dtype != "bool" or args[1].dtype != args[2].dtype:
             raise DSLError(f"{where}: select takes (bool condition, a, b) with a and b of one dtype")
@@ -547,6 +548,15 @@ def _evaluate(e, env):
         return np.where(*[_evaluate(x, env) for x in (e.cond, e.a, e.b)])
     from .core import PRIMITIVES
     return PRIMITIVES[e.op].impl(*[_evaluate(x, env) for x in ((e.x,) if isinstance(e, L.Un) else (e.a, e.b))])
+
+
+def _c_spelling(tree, where):
+    """The C spelling of a composed op: the expression on the operands, rendered by
+    ``codegen/hip.py`` (literals in the operands' dtype, as a hand-written composition has them)."""
+    def spell(*operands):
+        from codegen import hip
+        return hip.expr(_typed(tree, operands[0].dtype, where, dict(zip(_ARGS[len(operands)], operands))))
+    return spell
 
 
 def _llvm_spelling(trees):
@@ -663,13 +673,10 @@ def define_elementwise(name, rule, reference, expr):
     if compare and any(t.dtype != "bool" for t in trees.values()):
         raise DSLError(f"{where}: the expression gives bool on some input dtypes and not on others; "
                        "restrict the rule to one kind")
-    from codegen import hip
-    spell = _llvm_spelling(trees)
-    kinds = {}
-    for dt, t in trees.items():
-        kinds.setdefault(L.kind_of(dt), (hip.expr(_typed(tree, "f32" if dt == "f16" else dt, where)), spell))
+    spelled = (_c_spelling(tree, where), _llvm_spelling(trees))
+    kinds = {L.kind_of(dt): spelled for dt in trees}
     USER[name] = expr
-    elementwise(name, lambda avals, **_: checked_rule(avals), reference, compare=compare, **kinds)
+    elementwise(name, lambda avals, **_: checked_rule(avals), reference, compare=compare, arity=arity, **kinds)
     from .array import _make_api
     f = _make_api(name, name, arity)
     f.__doc__ = f"``{name}``: a user-defined elementwise primitive, {expr}"
