@@ -156,3 +156,21 @@ def test_the_example_runs():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "my_softplus(add(acc_" in r.stdout and "max |error| against numpy float64" in r.stdout
+
+
+@pytest.mark.parametrize("wave", [32, 64])
+def test_on_a_cuda_gpu(wave, monkeypatch):
+    """The NVIDIA flavour of the HIP source, at the warp's width and at gfx906's (skipped without a GPU)."""
+    try:
+        from engine.executable import get_device
+        get_device("cuda", wave=wave)
+    except Exception as e:                               # no driver, no GPU, no cuda-python
+        pytest.skip(f"no CUDA device: {e}")
+    monkeypatch.setenv("VEGAFUSE_CUDA_WAVE", str(wave))
+    f = dsl.jit(lambda x, w, b: (leaky(softplus(nn.linear(x, w) + b) - 1.0), hypot(x, 2.0)), backend="cuda")
+    x, w, b = randn(1, 512), randn(1024, 512) / 16, randn(1024)
+    y, h = f(x, w, b)
+    z = np.logaddexp(0, f64(x) @ f64(w).T + b) - 1.0
+    np.testing.assert_allclose(f64(y), np.where(z > 0, z, 0.1 * z), rtol=1e-2, atol=1e-2)   # f16 activation in LDS
+    np.testing.assert_allclose(f64(h), np.hypot(f64(x), 2.0), rtol=1e-5, atol=1e-5)
+    assert "t_softplus" in f.compile(x, w, b).fusion_report()
