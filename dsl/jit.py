@@ -156,6 +156,7 @@ class jit:  # noqa: N801  (named like jax.jit)
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", "f")
         self.__doc__ = getattr(fn, "__doc__", None)
+        self.__wrapped__ = fn                         # inspect.signature(jitted) is fn's
         self._params = self._signature()
         self.static_argnums, self.static_argnames = self._infer(
             _argnums(static_argnums, "static_argnums"), _argnames(static_argnames, "static_argnames"), "static")

@@ -8,7 +8,8 @@ a dataclass is a leaf until it is registered (``QArray``, a dataclass, is a leaf
     leaves, treedef = tree_flatten(tree)      # treedef: hashable, compared for equality
     tree = tree_unflatten(treedef, leaves)
     tree_map(f, tree, *rest)                  # f on the leaves of trees of one structure
-    tree_flatten_with_path(tree)              # [(path, leaf)], path a tuple of keys / indices / fields
+    tree_flatten_with_path(tree)              # ([(path, leaf)], treedef), path a tuple of keys,
+                                              # indices and field names (JAX wraps each in a KeyEntry)
 
 ``dsl.tree_util`` is this module.
 """
