@@ -53,7 +53,8 @@ def _infix(e):
     """The C operator of a Bin spelled infix, or None."""
     if not isinstance(e, L.Bin):
         return None
-    m = re.fullmatch(r"\(\{a\} (\S+) \{b\}\)", L.spelling(e.op, e.a.dtype, "c"))
+    t = L.spelling(e.op, e.a.dtype, "c")
+    m = re.fullmatch(r"\(\{a\} (\S+) \{b\}\)", t) if isinstance(t, str) else None
     return m.group(1) if m else None
 
 
@@ -99,12 +100,16 @@ def expr(e) -> str:
         return f"vf_dot_{e.fmt}({e.w}, {bare(e.block)}, {e.count // 32}, {e.act}[{bare(e.ablock)}])"
     if isinstance(e, L.Un):
         t = L.spelling(e.op, e.x.dtype, "c")
+        if callable(t):                        # an op composed of others (a user's primitive)
+            return t(e.x)
         (alone,) = _args(t, "x")
         return t.format(x=bare(e.x) if alone else expr(e.x))
     if isinstance(e, (L.Bin, L.Select)) and (_infix(e) or isinstance(e, L.Select)):
         return f"({bare(e)})"
     if isinstance(e, L.Bin):
         t = L.spelling(e.op, e.a.dtype, "c")
+        if callable(t):
+            return t(e.a, e.b)
         a_alone, b_alone = _args(t, "a", "b")
         return t.format(a=bare(e.a) if a_alone else expr(e.a), b=bare(e.b) if b_alone else expr(e.b))
     if isinstance(e, L.Cast):

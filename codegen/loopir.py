@@ -81,7 +81,8 @@ class ScalarOp:
     """One elementwise operation of ``Un``/``Bin``, with its spelling for every renderer.
 
     ``c`` and ``llvm`` map a dtype kind (``float``, ``int``, ``bool``) to the op's spelling for
-    ``codegen/hip.py`` (a C expression template over ``{x}``, or ``{a}`` and ``{b}``) and for
+    ``codegen/hip.py`` (a C expression template over ``{x}``, or ``{a}`` and ``{b}``; or a function
+    ``(*operands) -> str`` of the operands' expressions, for an op composed of others) and for
     ``codegen/llvm.py`` (an intrinsic such as ``"llvm.exp"``; an IRBuilder instruction with an
     optional predicate and ``nsw``, such as ``"fadd"``, ``"icmp_signed <"``, ``"add nsw"``; or a
     function ``(renderer, *values) -> value``).  ``compare``: the result is ``bool``.

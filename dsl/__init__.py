@@ -18,3 +18,5 @@ from .quant import QArray  # noqa: F401
 from .jit import jit  # noqa: F401
 from . import lax, nn  # noqa: F401  (jax.lax and jax.nn names)
 from .pytree import flatten as tree_flatten, tree_map, unflatten as tree_unflatten  # noqa: F401
+from . import pytree as tree_util  # noqa: F401  (jax.tree_util: register_dataclass, register_pytree_node, ...)
+from .primitives import define_elementwise  # noqa: F401  (user-defined elementwise primitives)

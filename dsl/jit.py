@@ -1,14 +1,17 @@
-"""``jit``: trace once per signature, fuse, compile, run.
+"""``jit``: trace once per signature, fuse, compile, run (``jax.jit``).
 
-    f = dsl.jit(fn, static_argnums=(), donate_argnums=(), backend="cpu", fusion=None)
-    f(*args)                      # traces on the first call per signature, then reuses
+    f = dsl.jit(fn, static_argnums=(), donate_argnums=(), backend="cpu", fusion=None,
+                static_argnames=(), donate_argnames=())
+    @dsl.jit(static_argnames="n")                # or functools.partial(dsl.jit, static_argnames="n")
+    f(*args, **kwargs)            # traces on the first call per signature, then reuses
     f.lower(*args).as_text()      # the traced IR
-    c = f.compile(*args)          # the executable: c.kernels, c.fusion_report()
+    c = f.compile(*args)          # the executable: c(*args), c.fusion_report(), c.cost_analysis()
 
-The signature (the cache key) is the pytree structure of the arguments, the
-shape and dtype of every array leaf, the values of static arguments and the
-fusion rules.  Python ints are runtime i32 scalars and Python floats f32
-scalars: changing their value never retraces.
+The signature (the cache key) is the pytree structure of the arguments (dicts, lists, tuples,
+namedtuples, registered dataclasses and nodes: ``dsl.tree_util``), the shape and dtype of every
+array leaf, the values of static arguments and the fusion rules.  Python ints are runtime i32
+scalars and Python floats f32 scalars: changing their value never retraces.  A jitted function
+called inside another traced function is traced inline.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 from . import array as _array  # noqa: F401  (registers the primitives)
 from .array import Tracer
 from .core import _TRACES, DSLError, Lit, Program, Trace, Var, check_shape, dtype_of
-from .pytree import flatten, unflatten
+from .pytree import flatten, tree_flatten_with_path, unflatten
 
 BACKENDS = ("cpu", "reference", "cuda", "hip")
 
@@ -29,17 +32,6 @@ def default_backend():
     if b not in BACKENDS:
         raise ValueError(f"VEGAFUSE_BACKEND={b!r} is not a backend; choose one of {', '.join(BACKENDS)}")
     return b
-
-
-def _paths(tree, prefix=""):
-    """Dotted path of every leaf, in ``flatten`` order (used to name kernel parameters)."""
-    if isinstance(tree, dict):
-        return [p for k in sorted(tree) for p in _paths(tree[k], f"{prefix}{k}.")]
-    if isinstance(tree, (list, tuple)):
-        return [p for i, x in enumerate(tree) for p in _paths(x, f"{prefix}{i}.")]
-    if tree is None:
-        return []
-    return [prefix[:-1]]
 
 
 def _aval(x):
@@ -55,14 +47,71 @@ def _aval(x):
         shape = tuple(int(d) for d in x.shape)
         check_shape(shape, "argument")
         return shape, dtype_of(x)
-    raise DSLError(f"unsupported argument of type {type(x).__name__}; pass numpy arrays, ints or floats")
+    raise DSLError(f"unsupported argument of type {type(x).__name__}; pass numpy arrays, ints or floats"
+                   + _UNREGISTERED(x))
+
+
+
+def _argnums(x, what):
+    x = (x,) if isinstance(x, int) else tuple(x or ())
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in x):
+        raise ValueError(f"{what} must be ints (positions of arguments), got {x!r}")
+    return x
+
+
+def _argnames(x, what):
+    x = (x,) if isinstance(x, str) else tuple(x or ())
+    if not all(isinstance(n, str) for n in x):
+        raise ValueError(f"{what} must be strings (names of parameters), got {x!r}")
+    return x
+
+
+class CallSpec:
+    """How a traced program's inputs come from a call: the static values it was traced for and the
+    pytree of its dynamic arguments (``(positional, keyword)``).  ``leaves(args, kwargs)`` maps a
+    call of the compiled object to the program's inputs."""
+
+    def __init__(self, jitted, args, kwargs, treedef, n_leaves):
+        self.jitted, self.treedef, self.n_leaves = jitted, treedef, n_leaves
+        self.n_args = len(args)
+        self.static_pos = {i: a for i, a in enumerate(args) if i in jitted.static_argnums}
+        self.static_kw = {k: v for k, v in kwargs.items() if k in jitted.static_argnames}
+
+    def leaves(self, args, kwargs):
+        """The program's input leaves for a call with ``args``/``kwargs``: the jitted function's own
+        arguments (static ones equal to those compiled for, or left out as in JAX), or the flat
+        leaves themselves.  TypeError, one line, for anything else."""
+        name = self.jitted.__name__
+        if len(args) == self.n_args:
+            for i, v in self.static_pos.items():
+                if not _same_static(args[i], v):
+                    raise TypeError(f"{name} was compiled for static argument {i} = {v!r}, called with {args[i]!r}; "
+                                    "call the jitted function, which compiles for each static value")
+            args = [a for i, a in enumerate(args) if i not in self.static_pos]
+        for k, v in kwargs.items():
+            if k in self.static_kw and not _same_static(v, self.static_kw[k]):
+                raise TypeError(f"{name} was compiled for static argument {k} = {self.static_kw[k]!r}, called with "
+                                f"{v!r}; call the jitted function, which compiles for each static value")
+        dyn_kw = {k: v for k, v in kwargs.items() if k not in self.jitted.static_argnames}
+        leaves, treedef = flatten((tuple(args), dyn_kw))
+        if treedef == self.treedef:
+            return leaves
+        from .pytree import _node, describe
+        if not kwargs and len(args) == self.n_leaves and all(_node(a) is None for a in args):
+            return list(args)                       # the flat leaves (what Executable.bind takes)
+        raise TypeError(f"{name} was compiled for arguments {describe(self.treedef)}, called with "
+                        f"{describe(treedef)}; pass the same pytree of arguments as to the jitted function")
+
+
+def _same_static(a, b):
+    return type(a) is type(b) and a == b
 
 
 class Lowered:
-    """A traced program and how to call it."""
-    def __init__(self, jitted, program, out_tree, in_names, donated):
+    """A traced program and how to call it (``jax.stages.Lowered``)."""
+    def __init__(self, jitted, program, out_tree, in_names, donated, spec=None):
         self.jitted, self.program, self.out_tree = jitted, program, out_tree
-        self.in_names, self.donated = in_names, donated
+        self.in_names, self.donated, self.spec = in_names, donated, spec
 
     def as_text(self) -> str:
         return self.program.as_text()
@@ -72,12 +121,47 @@ class Lowered:
         from engine.pipeline import compile_program
         return compile_program(self.jitted, traced=self)
 
+    def cost_analysis(self) -> dict:
+        """The fused plan's cost, as ``Compiled.cost_analysis`` (no code is compiled)."""
+        from engine.executable import cost_of
+        from engine.pipeline import lower_program
+        return cost_of(lower_program(self, self.jitted.fusion))
+
 
 class jit:  # noqa: N801  (named like jax.jit)
-    def __init__(self, fn, static_argnums=(), donate_argnums=(), backend=None, fusion=None):
+    """``jax.jit``: ``jit(fn, static_argnums=..., static_argnames=..., donate_argnums=...,
+    donate_argnames=..., backend=None, fusion=None)``; without ``fn`` (``@dsl.jit(static_argnums=1)``)
+    a decorator.
+
+    Static arguments (by position or by name: each is inferred from the other through ``fn``'s
+    signature, as in JAX) are Python values that select the trace (hashable); every other
+    argument, positional or keyword, is a pytree of arrays, ints (i32 scalars) and floats (f32
+    scalars).  Donated arguments may be updated in place.  Called while another function is traced,
+    it traces inline (no nested compile; static/donate options are then moot).
+
+    Where we differ from JAX: ints and floats passed as dynamic arguments are i32/f32 scalars
+    whose value never retraces; bools must be static; ``backend`` and ``fusion`` select our
+    device and fusion rules (see ``engine.pipeline``)."""
+
+    def __new__(cls, fn=None, *args, **kwargs):
+        if fn is None:                                # @dsl.jit(static_argnums=...): a decorator
+            import functools
+            return functools.partial(cls, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, fn, static_argnums=(), donate_argnums=(), backend=None, fusion=None, *,
+                 static_argnames=(), donate_argnames=()):
+        if not callable(fn):
+            raise TypeError(f"jit needs a function, got {type(fn).__name__}")
         self.fn = fn
-        self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
-        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self.__name__ = getattr(fn, "__name__", "f")
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__wrapped__ = fn                         # inspect.signature(jitted) is fn's
+        self._params = self._signature()
+        self.static_argnums, self.static_argnames = self._infer(
+            _argnums(static_argnums, "static_argnums"), _argnames(static_argnames, "static_argnames"), "static")
+        self.donate_argnums, self.donate_argnames = self._infer(
+            _argnums(donate_argnums, "donate_argnums"), _argnames(donate_argnames, "donate_argnames"), "donate")
         self.backend = backend or default_backend()
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -88,33 +172,60 @@ class jit:  # noqa: N801  (named like jax.jit)
             if not isinstance(on, bool):
                 raise ValueError(f"fusion[{name!r}] must be True or False, got {on!r}")
         self._cache = {}
-        self.__name__ = getattr(fn, "__name__", "f")
-        self.__doc__ = getattr(fn, "__doc__", None)
 
-    def _split(self, args):
+    def _signature(self):
+        import inspect
+        try:
+            return list(inspect.signature(self.fn).parameters.values())
+        except (TypeError, ValueError):
+            return []
+
+    def _infer(self, nums, names, what):
+        """Positions and names of the ``what`` (static/donate) arguments, each completed from the
+        other through the signature, as JAX does.  ValueError for a name that is not a parameter."""
+        import inspect
+        pos = [p.name for p in self._params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        named = {p.name for p in self._params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if self._params and not any(p.kind == p.VAR_KEYWORD for p in self._params):
+            for n in names:
+                if n not in named:
+                    raise ValueError(f"{what}_argnames: {n!r} is not a parameter of {self.__name__}"
+                                     f"{inspect.signature(self.fn)}")
+        nums = set(nums) | {pos.index(n) for n in names if n in pos}
+        names = set(names) | {pos[i] for i in nums if 0 <= i < len(pos) and pos[i] in named}
+        return tuple(sorted(nums)), tuple(sorted(names))
+
+    # ------------------------------------------------------------------ calls
+    def _split(self, args, kwargs):
+        """(dynamic positional args, dynamic keyword args, leaves, cache key) of a call."""
         dyn = [a for i, a in enumerate(args) if i not in self.static_argnums]
-        static = tuple((i, type(args[i]).__name__, args[i]) for i in self.static_argnums if i < len(args))
-        leaves, tree = flatten(dyn)
+        dyn_kw = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        static = (tuple((i, type(args[i]).__name__, args[i]) for i in self.static_argnums if i < len(args))
+                  + tuple((k, type(v).__name__, v) for k, v in sorted(kwargs.items()) if k in self.static_argnames))
+        leaves, tree = flatten((tuple(dyn), dyn_kw))
         avals = tuple(_aval(x) for x in leaves)
         fusion_env = os.environ.get("VEGAFUSE_FUSION_OFF", "")
+        key = (tree, avals, static, tuple(sorted(self.fusion.items())), fusion_env, len(args))
         try:
-            hash(static)
+            hash(key)
         except TypeError:
-            raise DSLError("static arguments must be hashable") from None
-        return dyn, leaves, (tree, avals, static, tuple(sorted(self.fusion.items())), fusion_env)
+            raise DSLError(f"{self.__name__}: static arguments (and the metadata of pytree nodes) must be "
+                           "hashable; pass arrays as dynamic arguments") from None
+        return dyn, dyn_kw, leaves, key
 
-    def lower(self, *args) -> Lowered:
-        dyn, leaves, key = self._split(args)
-        tree, avals, static, _, _ = key
+    def lower(self, *args, **kwargs) -> Lowered:
+        """Trace for these arguments: the program, its inputs' names and donations."""
+        dyn, dyn_kw, leaves, key = self._split(args, kwargs)
+        tree, avals = key[0], key[1]
         in_vars = [Var(s, d) for s, d in avals]
-        tracers = unflatten(tree, [Tracer(v) for v in in_vars])
-        full, it, fixed = [], iter(tracers), {i: v for i, _, v in static}
-        for i in range(len(args)):
-            full.append(fixed[i] if i in fixed else next(it))
+        t_args, t_kw = unflatten(tree, [Tracer(v) for v in in_vars])
+        it = iter(t_args)
+        full = [a if i in self.static_argnums else next(it) for i, a in enumerate(args)]
+        full_kw = {k: (v if k in self.static_argnames else t_kw[k]) for k, v in kwargs.items()}
         trace = Trace()
         _TRACES.append(trace)
         try:
-            out = self.fn(*full)
+            out = self.fn(*full, **full_kw)
         finally:
             _TRACES.pop()
         out_leaves, out_tree = flatten(out)
@@ -125,36 +236,46 @@ class jit:  # noqa: N801  (named like jax.jit)
             elif isinstance(o, (int, float, bool, np.number)):
                 outs.append(Lit(o, _aval(o)[1] if not isinstance(o, bool) else "bool"))
             else:
-                raise DSLError(f"{self.__name__} returned {type(o).__name__}; return traced arrays")
+                raise DSLError(f"{self.__name__} returned {type(o).__name__}; return traced arrays"
+                               + _UNREGISTERED(o))
         prog = Program(in_vars, trace.eqns, outs)
-        argnames = self._argnames(len(args))
-        names = [f"{argnames[i]}.{n}" if n else argnames[i] for i, a in enumerate(dyn) for n in _paths(a)]
-        dyn_idx = [i for i in range(len(args)) if i not in self.static_argnums]
-        donated = set()
-        for pos, a in zip(dyn_idx, dyn):
-            if pos in self.donate_argnums:
-                n = len(flatten(a)[0])
-                start = sum(len(flatten(dyn[j])[0]) for j in range(dyn_idx.index(pos)))
-                donated.update(in_vars[start:start + n])
-        return Lowered(self, prog, out_tree, names, donated)
+        names, donated, start = [], set(), 0
+        argnames = self._positional_names(len(args))
+        dyn_pos = [i for i in range(len(args)) if i not in self.static_argnums]
+        for label, a, donate in ([(argnames[i], a, i in self.donate_argnums) for i, a in zip(dyn_pos, dyn)]
+                                 + [(k, dyn_kw[k], k in self.donate_argnames) for k in sorted(dyn_kw)]):
+            paths = [p for p, _ in tree_flatten_with_path(a)[0]]
+            names += [".".join([label, *map(str, p)]) for p in paths]
+            if donate:
+                donated.update(in_vars[start:start + len(paths)])
+            start += len(paths)
+        spec = CallSpec(self, args, kwargs, tree, len(leaves))
+        return Lowered(self, prog, out_tree, names, donated, spec)
 
-    def _argnames(self, n):
-        """Names of the dynamic arguments, from the function's signature."""
-        import inspect
-        try:
-            names = list(inspect.signature(self.fn).parameters)
-        except (TypeError, ValueError):
-            names = []
-        names = (names + [f"arg{i}" for i in range(len(names), n)])[:n]
-        return [x for i, x in enumerate(names) if i not in self.static_argnums]
+    def _positional_names(self, n):
+        """Names of the positional arguments, from the function's signature."""
+        names = [p.name for p in self._params]
+        return (names + [f"arg{i}" for i in range(len(names), n)])[:n]
 
-    def compile(self, *args):
-        _, _, key = self._split(args)
+    def compile(self, *args, **kwargs):
+        """The executable for these arguments (cached per signature); call it with the same arguments."""
+        key = self._split(args, kwargs)[3]
         if key not in self._cache:
-            self._cache[key] = self.lower(*args).compile()
+            self._cache[key] = self.lower(*args, **kwargs).compile()
         return self._cache[key]
 
-    def __call__(self, *args):
-        compiled = self.compile(*args)
-        dyn = [a for i, a in enumerate(args) if i not in self.static_argnums]
-        return compiled(*flatten(dyn)[0])
+    def __call__(self, *args, **kwargs):
+        if _TRACES:                                   # inside another trace: inline
+            return self.fn(*args, **kwargs)
+        _, _, leaves, key = self._split(args, kwargs)
+        if key not in self._cache:
+            self._cache[key] = self.lower(*args, **kwargs).compile()
+        return self._cache[key].call_flat(*leaves)
+
+
+def _UNREGISTERED(x) -> str:  # noqa: N802
+    import dataclasses
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (f"; a dataclass is a pytree node once registered: dsl.tree_util.register_dataclass("
+                f"{type(x).__name__}) (as in JAX)")
+    return ""

@@ -6,6 +6,8 @@ one touches this file and its test only.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from codegen import loopir as L
@@ -88,7 +90,7 @@ def _cast_like(f):
     return g
 
 
-def elementwise(name, rule, impl, *, api=None, compare=False, **spellings):
+def elementwise(name, rule, impl, *, api=None, compare=False, arity=None, **spellings):
     """Define an elementwise primitive, all of it in one place.
 
     ``rule``: the shape/dtype rule; ``impl``: the numpy reference; ``api``: the public name that
@@ -97,7 +99,7 @@ def elementwise(name, rule, impl, *, api=None, compare=False, **spellings):
     ``int``, ``bool``), a pair ``(c, llvm)`` giving the scalar Loop IR op to each renderer (see
     ``codegen.loopir.ScalarOp``).  Fusion, the Loop IR and both renderers need nothing else.
     """
-    arity = 1 if "{x}" in next(iter(spellings.values()))[0] else 2
+    arity = arity or (1 if "{x}" in next(iter(spellings.values()))[0] else 2)     # from the C template
     L.define_op(name, arity, {k: c for k, (c, _) in spellings.items()},
                 {k: ll for k, (_, ll) in spellings.items()}, compare)
     prim = primitive(name, "elementwise", rule, impl)
@@ -456,3 +458,240 @@ def _attention_impl(q, k, v, pos, *, scale):
 
 
 primitive("attention", "opaque", _attention_rule, _attention_impl)
+
+
+# ----------------------------------------------------------------------------- user-defined primitives
+# A user's elementwise primitive is defined by ``elementwise`` like a built-in: its scalar op's
+# spellings render the Loop IR expression it is written as, with each renderer's own expressions.
+USER: dict = {}         # name -> the Loop IR expression text of each primitive defined by a user
+_ARGS = {1: ("x",), 2: ("a", "b")}
+_TOKEN = re.compile(r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf\b|nan\b)|(?P<name>[A-Za-z_]\w*)|(?P<punct>[(),]))")
+
+
+def _parse_expr(text, where):
+    """``text`` (Loop IR's printed form: ``add(max(x, 0.0), log(add(1.0, exp(neg(abs(x))))))``) as
+    a tree of ``("arg", name)``, ``("num", value)``, ``("call", op, children)``."""
+    toks, pos = [], 0
+    while pos < len(text.rstrip()):
+        m = _TOKEN.match(text, pos)
+        if not m or m.end() == pos:
+            raise DSLError(f"{where}: cannot read {text[pos:].strip()[:20]!r} in the expression {text!r}")
+        toks.append(m.group("num") or m.group("name") or m.group("punct"))
+        pos = m.end()
+    toks.append(None)
+
+    def term(i):
+        t = toks[i]
+        if t is None or t in "(),":
+            raise DSLError(f"{where}: the expression {text!r} is cut short or has a stray {t!r}")
+        if t[0].isdigit() or t[0] in "+-." or t in ("inf", "nan"):
+            return ("num", float(t)), i + 1
+        if toks[i + 1] != "(":
+            return (("num", t == "true") if t in ("true", "false") else ("arg", t)), i + 1
+        children, i = [], i + 2
+        while True:
+            child, i = term(i)
+            children.append(child)
+            if toks[i] == ")":
+                return ("call", t, children), i + 1
+            if toks[i] != ",":
+                raise DSLError(f"{where}: expected ',' or ')' after an argument of {t}( in {text!r}")
+            i += 1
+    tree, i = term(0)
+    if toks[i] is not None:
+        raise DSLError(f"{where}: unexpected {toks[i]!r} after the end of the expression {text!r}")
+    return tree
+
+
+def _typed(tree, dtype, where, operands=None):
+    """The Loop IR expression of ``tree`` on inputs of ``dtype`` (literals take that dtype, ``true``
+    and ``false`` are bool), its operands ``operands[name]`` (Loop IR expressions) or placeholders
+    ``Sym("{x}")``; DSLError for an op that is not a Loop IR op or not spelled for its operands'
+    dtype, or operands of different dtypes."""
+    kind = tree[0]
+    if kind == "arg":
+        return operands[tree[1]] if operands else L.Sym("{%s}" % tree[1], dtype)
+    if kind == "num":
+        v = tree[1]
+        if isinstance(v, bool):
+            return L.Const(v, "bool")
+        if dtype == "bool" or (dtype == "i32" and v != int(v)):
+            raise DSLError(f"{where}: the literal {v} does not fit {dtype} inputs"
+                           + (" (write true or false)" if dtype == "bool" else ""))
+        return L.Const(int(v) if dtype == "i32" else v, dtype)
+    op, args = tree[1], [_typed(c, dtype, where, operands) for c in tree[2]]
+    if op == "select":
+        if len(args) != 3 or args[0].dtype != "bool" or args[1].dtype != args[2].dtype:
+            raise DSLError(f"{where}: select takes (bool condition, a, b) with a and b of one dtype")
+        return L.Select(*args)
+    if op not in L.op_table():
+        raise DSLError(f"{where}: {op!r} is not a Loop IR op; use one of {', '.join(sorted(L.OPS))}, select")
+    if L.OPS[op].arity != len(args):
+        raise DSLError(f"{where}: {op} takes {L.OPS[op].arity} operand(s), got {len(args)}")
+    if len(args) == 2 and args[0].dtype != args[1].dtype:
+        raise DSLError(f"{where}: {op} of {args[0].dtype} and {args[1].dtype} operands; operands share one dtype")
+    try:
+        L.spelling(op, args[0].dtype, "c"), L.spelling(op, args[0].dtype, "llvm")
+    except NotImplementedError:
+        raise DSLError(f"{where}: {op} is not defined on {args[0].dtype} operands; "
+                       "refuse that dtype in the shape rule") from None
+    return L.Un(op, args[0]) if len(args) == 1 else L.Bin(op, *args)
+
+
+def _evaluate(e, env):
+    """A typed expression evaluated with the primitives' numpy references (float64 inputs)."""
+    if isinstance(e, L.Sym):
+        return env[e.name]
+    if isinstance(e, L.Const):
+        return np.asarray(e.value, np.float64 if e.dtype in FLOATS else _np(e.dtype))
+    if isinstance(e, L.Select):
+        return np.where(*[_evaluate(x, env) for x in (e.cond, e.a, e.b)])
+    from .core import PRIMITIVES
+    return PRIMITIVES[e.op].impl(*[_evaluate(x, env) for x in ((e.x,) if isinstance(e, L.Un) else (e.a, e.b))])
+
+
+def _c_spelling(tree, where):
+    """The C spelling of a composed op: the expression on the operands, rendered by
+    ``codegen/hip.py`` (literals in the operands' dtype, as a hand-written composition has them)."""
+    def spell(*operands):
+        from codegen import hip
+        return hip.expr(_typed(tree, operands[0].dtype, where, dict(zip(_ARGS[len(operands)], operands))))
+    return spell
+
+
+def _llvm_spelling(trees):
+    """The LLVM spelling of a composed op: the renderer renders the expression itself, its
+    placeholders bound to the operands' values."""
+    names = {"float": "f32", "half": "f16", "i32": "i32", "i1": "bool"}
+
+    def spell(r, *vals):
+        dtype = names[str(vals[0].type)]
+        env = {"{%s}" % n: ("val", v, dtype) for n, v in zip(_ARGS[len(vals)], vals)}
+        return r.expr(trees[dtype], env)
+    return spell
+
+
+def define_elementwise(name, rule, reference, expr):
+    """Define an elementwise primitive from user code, in one call; returns its function.
+
+    ``name``: a new primitive name (not a built-in's).  ``rule(avals) -> (shape, dtype)``: the
+    shape/dtype rule, ``avals`` a list of ``(shape, dtype)`` pairs (dtype names such as ``"f32"``),
+    raising ``dsl.DSLError`` for inputs it refuses (an elementwise primitive keeps its inputs'
+    shape).  ``reference(*arrays) -> array``: the numpy reference (the interpreter, and the tests'
+    float64 oracle).  ``expr``: its scalar expression in Loop IR ops (``codegen.loopir.OPS``, as
+    ``format_kernel`` prints them, and ``select(c, a, b)``), over ``x`` for one input or ``a`` and
+    ``b`` for two; literals take the inputs' dtype (``true``, ``false``: bool).  Example::
+
+        def float_rule(avals):
+            (shape, dtype), = avals
+            if dtype not in ("f32", "f16"):
+                raise dsl.DSLError(f"needs a float input, got {dtype}")
+            return shape, dtype
+        softplus = dsl.define_elementwise("my_softplus", float_rule, lambda x: np.logaddexp(0, x),
+                                          "add(max(x, 0.0), log(add(1.0, exp(neg(abs(x))))))")
+
+    The primitive is then a built-in in every respect: it fuses (into a GEMV epilogue, say), the
+    Loop IR shows it as one op, each renderer spells it from the expression, ``dsl.parse_ir``
+    reads it back, and the function broadcasts and promotes like ``dsl.add``.  Checked here, each
+    failure one ``DSLError`` line: the name, the expression (ops, arity, dtypes), the rule's result
+    for each dtype (f32, f16, i32, bool) it accepts, the reference's shape, and the reference and
+    the expression agreeing in float64 on random inputs.  Redefining a user primitive replaces it.
+
+    Differs from JAX (``jax.core.Primitive`` with ``def_impl``, ``def_abstract_eval`` and lowering
+    rules): one call, elementwise only, and no differentiation."""
+    from .core import PRIMITIVES
+    where = f"primitive {name!r}"
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+        raise DSLError(f"{where}: a primitive name is lowercase letters, digits and _")
+    if (name in PRIMITIVES or name in L.op_table()) and name not in USER:
+        raise DSLError(f"{where}: a built-in primitive has that name; choose another")
+    if not isinstance(expr, str):
+        raise DSLError(f"{where}: expr must be a Loop IR expression string, got {type(expr).__name__}")
+    tree = _parse_expr(expr, where)
+
+    def args_of(t):
+        return {t[1]} if t[0] == "arg" else set().union(*map(args_of, t[2])) if t[0] == "call" else set()
+    used = args_of(tree)
+    arity = 1 if used <= {"x"} else 2 if used <= {"a", "b"} else 0
+    if not arity or not used:
+        raise DSLError(f"{where}: the expression names its operands x (one input), or a and b (two); "
+                       f"it uses {sorted(used) or 'none'}")
+
+    def checked_rule(avals, **params):
+        out = rule(avals, **params)
+        try:
+            shape, dtype = out
+            shape, dtype = tuple(int(d) for d in shape), dtype if dtype in DTYPES else _dtype_name(dtype)
+        except (TypeError, ValueError, DSLError):
+            raise _BadRule(f"its shape rule returned {out!r}; return (shape, dtype), dtype one of "
+                           f"{', '.join(DTYPES)}") from None
+        if shape != tuple(avals[0][0]):
+            raise _BadRule(f"its shape rule gives shape {list(shape)} for inputs of shape {list(avals[0][0])}; "
+                           "an elementwise primitive keeps its inputs' shape")
+        return shape, dtype
+
+    trees, accepted = {}, {}
+    rng = np.random.default_rng(0)
+    for dt in DTYPES:
+        try:
+            out = checked_rule([((2, 3), dt)] * arity)
+        except _BadRule as e:
+            raise DSLError(f"{where}: {e}") from None
+        except DSLError:                    # the rule refuses this dtype
+            continue
+        except Exception as e:              # a rule refuses with DSLError; anything else is a bug in it
+            raise DSLError(f"{where}: its shape rule raised {type(e).__name__}: {e}; refuse inputs with "
+                           "dsl.DSLError") from None
+        t = _typed(tree, dt, where)
+        if t.dtype != out[1] or (arity == 1 and t.dtype != dt) or t.dtype not in (dt, "bool"):
+            raise DSLError(f"{where}: on {dt} inputs the expression gives {t.dtype} but the rule gives {out[1]}"
+                           + ("; a one-input op keeps its input's dtype" if arity == 1 else ""))
+        trees[dt], accepted[dt] = t, out
+    if not trees:
+        raise DSLError(f"{where}: its shape rule accepts none of {', '.join(DTYPES)}")
+    for dt in trees:                        # the reference against the expression, in float64
+        xs = [(rng.uniform(-4, 4, (2, 3)) if dt in FLOATS else rng.integers(-50, 50, (2, 3)) if dt == "i32"
+               else rng.integers(0, 2, (2, 3)).astype(bool)) for _ in range(arity)]
+        xs = [x.astype(np.float64) if dt in FLOATS else x.astype(_np(dt)) for x in xs]
+        try:
+            got = np.asarray(reference(*xs))
+        except Exception as e:
+            raise DSLError(f"{where}: its reference raised {type(e).__name__} on {dt} inputs: {e}") from None
+        if got.shape != accepted[dt][0]:
+            raise DSLError(f"{where}: its reference returned shape {list(got.shape)} for inputs of shape [2, 3]; "
+                           f"the rule gives {list(accepted[dt][0])}")
+        with np.errstate(all="ignore"):
+            want = _evaluate(trees[dt], {"{%s}" % n: x for n, x in zip(_ARGS[arity], xs)})
+            bad = ~np.isclose(got.astype(np.float64), np.asarray(want, np.float64), rtol=1e-4, atol=1e-6,
+                              equal_nan=True)
+        if bad.any():
+            i = tuple(int(k) for k in np.argwhere(bad)[0])
+            at = ", ".join(f"{n}={_show(x[i])}" for n, x in zip(_ARGS[arity], xs))
+            raise DSLError(f"{where}: the reference gives {_show(got[i])} and the expression {_show(want[i])} "
+                           f"at {at} ({dt}); make them agree")
+    compare = any(t.dtype != dt for dt, t in trees.items())         # gives bool on other inputs
+    if compare and any(t.dtype != "bool" for t in trees.values()):
+        raise DSLError(f"{where}: the expression gives bool on some input dtypes and not on others; "
+                       "restrict the rule to one kind")
+    spelled = (_c_spelling(tree, where), _llvm_spelling(trees))
+    kinds = {L.kind_of(dt): spelled for dt in trees}
+    USER[name] = expr
+    elementwise(name, lambda avals, **_: checked_rule(avals), reference, compare=compare, arity=arity, **kinds)
+    from .array import _make_api
+    f = _make_api(name, name, arity)
+    f.__doc__ = f"``{name}``: a user-defined elementwise primitive, {expr}"
+    return f
+
+
+class _BadRule(DSLError):
+    """A shape rule's result that is not a valid one (not a refusal)."""
+
+
+def _show(v) -> str:
+    v = np.asarray(v).item()
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def _dtype_name(dtype) -> str:
+    from .core import dtype_of
+    return dtype_of(np.dtype(dtype))

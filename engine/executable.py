@@ -27,8 +27,9 @@ class Executable:
     (its compiled kernels, in launch order; ``device`` None: the reference interpreter runs
     the program).  Intermediate buffers are allocated here, once."""
 
-    def __init__(self, program, out_tree, plan, device, kernels, backend="cpu"):
+    def __init__(self, program, out_tree, plan, device, kernels, backend="cpu", spec=None):
         self.program, self.out_tree, self.backend = program, out_tree, backend
+        self.spec = spec                # dsl.jit.CallSpec: how a call's arguments map to the inputs
         self.plan, self.device, self.kernels = plan, device, kernels
         self._buffers = {}
         for name, (shape, dtype) in self.plan.buffers.items():
@@ -48,6 +49,11 @@ class Executable:
             ops = ", ".join(e.prim.name for e in k.eqns)
             lines.append(f"{k.name:<44} {k.family:<11} {k.bytes / 1e3:9.1f} kB  {ops}")
         return "\n".join(lines)
+
+    def cost_analysis(self) -> dict:
+        """The plan's cost per call, under ``jax.stages.Compiled.cost_analysis``'s key names (see
+        ``cost_of``)."""
+        return cost_of(self.plan)
 
     # ------------------------------------------------------------------ running
     def _bind(self, arrays):
@@ -133,7 +139,15 @@ class Executable:
             out.append(b if b is None or tuple(b.shape) == o[2] else b.reshape(o[2]))
         return out
 
-    def __call__(self, *leaves):
+    def __call__(self, *args, **kwargs):
+        """Run on the arguments the jitted function takes (the same pytree; static arguments equal
+        to those compiled for, or left out as in JAX); returns the outputs in the traced pytree.
+        The flat input leaves are accepted too (``call_flat``)."""
+        leaves = self.spec.leaves(args, kwargs) if self.spec is not None else args
+        return self.call_flat(*leaves)
+
+    def call_flat(self, *leaves):
+        """Run on the program's input leaves, in ``dsl.tree_flatten`` order of the dynamic arguments."""
         if self.device is None:
             return unflatten(self.out_tree, self.program.run(*leaves))
         by_name = self.bind(*leaves)
@@ -152,6 +166,28 @@ class Executable:
             else:                                      # a view output: its base's buffer, reshaped
                 outs.append(self.device.to_host(self._buffers[o[1]]).reshape(o[2]))
         return unflatten(self.out_tree, outs)
+
+
+def cost_of(plan) -> dict:
+    """What one call of ``plan`` costs, estimated statically from its kernels:
+
+    ``"flops"``: floating-point operations, as in JAX: 2 per multiply-add of the contractions and
+    attention, 1 per element of each fused elementwise op and reduction (an op inlined at several
+    indices is counted once per element of its output); ``"bytes accessed"``: bytes each kernel
+    reads and writes (the fusion report's); ``"kernels"``: the number of launches;
+    ``"per_kernel"``: for each, ``{"name", "family", "flops", "bytes accessed"}``.  JAX's other keys
+    (``"transcendentals"``, ``"utilization..."``) are not given.  Values are floats, as in JAX,
+    except the counts."""
+    from codegen.loopir import OPS
+    per = []
+    for k in plan.kernels:
+        flops = k.flops + sum(e.out.size if e.prim.kind == "elementwise" else e.inputs[0].size
+                              for e in k.eqns
+                              if (e.prim.kind == "elementwise" and e.prim.name in OPS) or e.prim.kind == "reduce")
+        per.append({"name": k.name, "family": k.family, "flops": float(flops), "bytes accessed": float(k.bytes)})
+    return {"flops": float(sum(p["flops"] for p in per)),
+            "bytes accessed": float(sum(p["bytes accessed"] for p in per)),
+            "kernels": len(per), "per_kernel": per}
 
 
 _DEVICES = {}

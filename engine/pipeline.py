@@ -44,7 +44,7 @@ def compile_program(f, args=(), traced=None) -> Executable:
     binaries = build(sources, device.compiler) if device else []           # compile + code cache
     kernels = device.load(sources, binaries) if device else []
     debug_print(plan, sources, binaries, device)                           # VEGAFUSE_DEBUG=1..4
-    return Executable(traced.program, traced.out_tree, plan, device, kernels, f.backend)
+    return Executable(traced.program, traced.out_tree, plan, device, kernels, f.backend, traced.spec)
 
 
 def lower_program(traced, fusion=None):

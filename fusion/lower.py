@@ -215,7 +215,20 @@ def _take(b, e, idx):
     return b.expr(x, (row,) + idx[ids.ndim:])
 
 
-LOWER = {name: _elementwise(name) for name in L.OPS}      # every op defined in dsl/primitives.py
+class _Rules(dict):
+    """``LOWER``: an op of ``L.OPS`` defined after this module was imported (a user's primitive,
+    ``dsl.define_elementwise``) lowers like every other elementwise op."""
+    def __missing__(self, name):
+        if name not in L.OPS:
+            raise KeyError(name)
+        self[name] = _elementwise(name)
+        return self[name]
+
+    def get(self, name, default=None):
+        return self[name] if name in self or name in L.OPS else default
+
+
+LOWER = _Rules({name: _elementwise(name) for name in L.OPS})      # every op defined in dsl/primitives.py
 LOWER.update(select=_select, convert=_convert, iota=_iota, broadcast_in_dim=_broadcast,
              transpose=_transpose, reshape=_reshape, slice=_slice, concatenate=_concatenate,
              take=_take, dequantize=_dequantize)
