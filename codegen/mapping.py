@@ -9,6 +9,7 @@ Families:
   side by side) become one loop over waves; each wave's lanes reduce k, 16 bytes per load when
   the weight row is contiguous in k and aligned (checked here); lane 0 runs the epilogue.  When
   the rows leave most of the chip idle, ``split`` waves share a row and combine through LDS.
+  A segment of order "outer" (a (K, N) weight) gives each thread an output column instead.
 * attention: one workgroup per (query head, query row); the template splits the context over
   its waves.
 * elementwise, scatter, reduce: a parallel loop holding reductions gives each iteration a
@@ -429,8 +430,22 @@ def _quant_wave_loop(segs, t, info):
                      lanes=0 if lanes == t.wave else lanes)
 
 
+def _column_loops(segs, t, info):
+    """Segments of order "outer" (a (K, N) weight, ``x @ w``): each thread of the grid takes output
+    columns n alone and folds k serially; consecutive lanes take consecutive columns, so each step k
+    of a wave is one contiguous (coalesced) run of a weight row."""
+    if "total" not in info:                # no wave loop: the grid covers the columns a thread each
+        info.update(split=1, total=sum(s.stop.value for _, s in segs), vec=1, rows_per_wave=t.wave)
+    return tuple(x for comments, s in segs for x in comments + (replace(s, map="thread", body=_per_thread(s.body)),))
+
+
 def _wave_loop(segs, t, info):
-    """One loop over the waves of the grid for the output rows of every segment, side by side."""
+    """One loop over the waves of the grid for the output rows of every segment, side by side
+    (segments of order "outer": ``_column_loops`` after it)."""
+    outer = [(c, s) for c, s in segs if any(isinstance(x, L.Reduce) and x.order == "outer" for x in s.body)]
+    if outer:
+        inner = [x for x in segs if x not in outer]
+        return (_wave_loop(inner, t, info) if inner else ()) + _column_loops(outer, t, info)
     if info["q8"]:
         return _quant_wave_loop(segs, t, info)
     sizes = [s.stop.value for _, s in segs]
