@@ -883,22 +883,40 @@ ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1,
 
 
 def traffic(k: Kernel) -> int:
-    """Bytes a kernel reads and writes per call, estimated from its loops: each buffer moves the
-    elements its accesses can reach (the product of the static extents of the loops around them),
-    at most its size.  Loops with a runtime extent count as reaching the whole buffer."""
-    params = {p.name: p for p in k.params if p.kind == "buffer"}
-    reach = {}
+    """Bytes a kernel reads and writes per call: the sum of ``buffer_traffic``."""
+    return int(sum(buffer_traffic(k).values()))
 
-    def touch(name, extent):
+
+def buffer_traffic(k: Kernel) -> dict:
+    """{buffer: bytes it moves per call}, estimated from the kernel's loops: each buffer moves the
+    elements its accesses can reach (the product of the static extents of the loops around them),
+    at most its size.  Loops with a runtime extent count as reaching the whole buffer.  Accesses
+    through a gathered index (one holding a load or a scalar parameter: an expert's weights at a
+    routed id, an embedding row) reach their own elements: two gathers of one buffer at different
+    ids add up, and a gather is charged what it reaches, not the whole buffer."""
+    params = {p.name: p for p in k.params if p.kind == "buffer"}
+    scalars = {p.name for p in k.params if p.kind == "scalar"}
+    reach = {}                                     # buffer -> {gathered index: elements}, None: all
+
+    def gather(index):
+        return frozenset(x for x in walk_exprs(index) if isinstance(x, Load)
+                         or (isinstance(x, Sym) and x.name in scalars))
+
+    def touch(name, extent, index=None):
         if name in params and reach.get(name, 0) is not None:
-            reach[name] = None if extent is None else max(reach.get(name, 0), extent)
+            if extent is None:
+                reach[name] = None
+            else:
+                key = gather(index) if index is not None else frozenset()
+                seen = reach.setdefault(name, {})
+                seen[key] = max(seen.get(key, 0), extent)
 
     def visit_expr(e, extent):
         for x in walk_exprs(e):
             if isinstance(x, Load):
-                touch(x.buf, extent)
+                touch(x.buf, extent, x.index)
             elif isinstance(x, QDot):                      # a block: 32 elements per step
-                touch(x.w, None if extent is None else extent * 32)
+                touch(x.w, None if extent is None else extent * 32, x.block)
 
     def trips(s, extent):
         n = s.stop.value - s.start.value if isinstance(s.stop, Const) and isinstance(s.start, Const) else None
@@ -916,7 +934,7 @@ def traffic(k: Kernel) -> int:
                 visit(s.then, extent)
                 visit(s.orelse, extent)
             elif isinstance(s, Store):
-                touch(s.buf, extent)
+                touch(s.buf, extent, s.index)
                 visit_expr(s.value, extent)
                 visit_expr(s.index, extent)
             elif isinstance(s, (Declare, Assign)):
@@ -928,8 +946,8 @@ def traffic(k: Kernel) -> int:
                 for name in (s.q, s.k, s.v, s.out):
                     touch(name, None)
 
-    def cap(name, n):
+    def cap(name, keys):
         size = params[name].size
-        return size if n is None else min(size, n)
+        return size if keys is None else min(size, sum(keys.values()))
     visit(k.body, 1)
-    return int(sum(cap(name, n) * ITEMSIZE[params[name].dtype] for name, n in reach.items()))
+    return {name: int(cap(name, keys) * ITEMSIZE[params[name].dtype]) for name, keys in reach.items()}

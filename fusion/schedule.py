@@ -154,7 +154,7 @@ def _params(lw, b, writes):
     """Kernel parameters: buffers read (``b.reads``) and written (``writes``: name -> Var)."""
     params = []
     for name, v in b.reads.items():
-        if is_scalar_param(v) and name not in writes:
+        if is_scalar_param(v) and v not in lw.g.producer and name not in writes:
             params.append(L.Param(name, "i32", "scalar"))
         else:
             params.append(L.Param(name, v.dtype, "buffer", tuple(v.shape), "inout" if name in writes else "in"))
@@ -352,8 +352,9 @@ def contract_kernel(lw, a, roots):
         labels = {}
         for c in contracts:             # accumulators named after their weight (a buffer) or "dot"
             w = lw.g.producer[c].inputs[1]
-            if w in lw.g.producer and lw.g.producer[w].prim.name == "dequantize" and w not in lw.materialized:
-                w = lw.g.producer[w].inputs[0]                      # a quantized weight, dequantized here
+            while w in lw.g.producer and w not in lw.materialized and (       # the weight read through views,
+                    lw.g.producer[w].prim.kind == "view" or lw.g.producer[w].prim.name in ("dequantize", "take")):
+                w = lw.g.producer[w].inputs[0]                  # a dequantization or a gather (an expert's rows)
             labels[c] = short_name(lw.buffer_of(w)) if w in lw.materialized or w not in lw.g.producer else "dot"
         b.accs = {c: L.Sym(fresh(f"acc_{labels[c]}"), "f32") for c in contracts}
         b.n_idx = nsym
