@@ -35,8 +35,8 @@ import numpy as np
 from llvmlite import ir
 
 from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel, Load, Loop,
-                     Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, interchange,
-                     serial_reduce)
+                     Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, can_interchange,
+                     interchange, serial_reduce)
 from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
 from .loopir import spelling as op_spelling
 from .loopir import walk_exprs, walk_stmts
@@ -417,7 +417,7 @@ class _Renderer:
         """``s`` as header/body/latch blocks; ``emit(scope)`` renders the body (default: ``s.body``).
         A parallel loop that opens with a Reduce of order "outer" (a GEMV over a (K, N) weight) runs
         interchanged: k outside, chunks of ``COLUMNS`` consecutive columns inside (vector loads)."""
-        if emit is None and s.parallel and any(isinstance(x, Reduce) and x.order == "outer" for x in s.body):
+        if emit is None and s.parallel and can_interchange(s):
             return self.interchanged(s, env)
         b, fn = self.b, self.b.function
         lo, hi = self.expr(s.start, env), self.expr(s.stop, env)
@@ -448,7 +448,9 @@ class _Renderer:
 
     def interchanged(self, s, env):
         """A parallel loop of order "outer" (``loopir.interchange``): this thread's share of the
-        columns (its contiguous run of every weight row), in chunks of ``COLUMNS``."""
+        columns (its contiguous run of every weight row), in chunks of ``COLUMNS`` accumulators in
+        all, each pass over a chunk folding ``ROWS`` weight rows (one accumulator load and store
+        per ``ROWS`` fused multiply-adds)."""
         lo, hi = self.expr(s.start, env), self.expr(s.stop, env)
         split = not self.in_parallel
         if split:
@@ -458,8 +460,7 @@ class _Renderer:
         saved, self.in_parallel = self.in_parallel, True
         r = next(x for x in s.body if isinstance(x, Reduce))
         chunk = max(16, COLUMNS // len(r.accs) // 16 * 16)
-        unroll = ROWS if all(a.op == "add" for a in r.accs) else 1
-        self.stmts((interchange(s, chunk, Sym(f"{s.var}_lo", "i32"), Sym(f"{s.var}_hi", "i32"), unroll),), inner)
+        self.stmts((interchange(s, chunk, Sym(f"{s.var}_lo", "i32"), Sym(f"{s.var}_hi", "i32"), ROWS),), inner)
         self.in_parallel = saved
 
     def reduce(self, s, env):

@@ -638,6 +638,14 @@ def serial_reduce(r: Reduce):
     return tuple(decls) + (Loop(r.var, r.start, r.stop, tuple(upd)),)
 
 
+def can_interchange(loop: Loop) -> bool:
+    """Does ``loop``'s body open with locals and a Reduce of order "outer" of "add"
+    accumulators (what ``interchange`` takes)?  Any other body keeps its order."""
+    at = next((i for i, s in enumerate(loop.body) if not isinstance(s, Declare)), None)
+    r = loop.body[at] if at is not None else None
+    return isinstance(r, Reduce) and r.order == "outer" and all(a.op == "add" for a in r.accs)
+
+
 def interchange(loop: Loop, chunk: int, lo: Expr = None, hi: Expr = None, unroll: int = 1) -> Loop:
     """Iterations [``lo``, ``hi``) (default: all) of a parallel ``loop`` whose body opens with a
     Reduce of order "outer" (after locals it declares), as plain serial loops with the reduction
