@@ -244,6 +244,10 @@ def _contract(body, t, lds_limit):
         return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info["act_dtype"])
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
+    if info.get("columns"):                                # (K, N) weights: _column_loops
+        cols = (f"a thread per output column of a (K, N) weight ({info['columns']} columns), each folding k "
+                f"alone, consecutive lanes reading consecutive columns")
+        how = f"{K}-element activation in LDS; {cols}" if info.get("only_columns") else f"{how}; {cols}"
     return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info.get("act_dtype", "f32"))
 
 
@@ -434,8 +438,10 @@ def _column_loops(segs, t, info):
     """Segments of order "outer" (a (K, N) weight, ``x @ w``): each thread of the grid takes output
     columns n alone and folds k serially; consecutive lanes take consecutive columns, so each step k
     of a wave is one contiguous (coalesced) run of a weight row."""
+    columns = sum(s.stop.value for _, s in segs)
+    info["columns"] = info.get("columns", 0) + columns
     if "total" not in info:                # no wave loop: the grid covers the columns a thread each
-        info.update(split=1, total=sum(s.stop.value for _, s in segs), vec=1, rows_per_wave=t.wave)
+        info.update(split=1, total=columns, vec=1, rows_per_wave=t.wave, only_columns=True)
     return tuple(x for comments, s in segs for x in comments + (replace(s, map="thread", body=_per_thread(s.body)),))
 
 
