@@ -14,6 +14,7 @@ from codegen.mapping import map_kernel
 from codegen.targets import get_target
 from engine.pipeline import lower_program
 from fusion.schedule import access_order, contract_orders, stride
+from stdlib import nn
 
 rng = np.random.default_rng()
 
@@ -111,3 +112,18 @@ def test_gpu_mapping_gives_a_kn_segment_a_column_per_thread():
     except HipUnavailable as err:                                  # pragma: no cover - depends on the host
         pytest.skip(f"gfx906 compile skipped: {err}")
     assert co.resources()["scratch_bytes"] == 0
+
+
+@pytest.mark.parametrize("wave", [32, 64])
+def test_kn_weight_on_a_cuda_gpu(wave, monkeypatch):
+    """The column-per-thread mapping runs on an NVIDIA GPU (at wave 64: gfx906's kernel text),
+    a decode GEMV and a T=16 prefill, against float64.  Skipped without a CUDA device."""
+    from engine.executable import get_device
+    try:
+        get_device("cuda", wave=wave)
+    except Exception as err:                                       # no driver, no GPU, no cuda-python
+        pytest.skip(f"CUDA test skipped: {err}")
+    monkeypatch.setenv("VEGAFUSE_CUDA_WAVE", str(wave))
+    for T, K, N in ((1, 576, 1536), (16, 576, 1536), (1, 1536, 576)):
+        x, w = rng.standard_normal((T, K)).astype("f4"), rng.standard_normal((K, N)).astype("f2")
+        _check(dsl.jit(lambda x, w: nn.silu(x @ w), backend="cuda"), x, w, rtol=1e-4)

@@ -135,3 +135,21 @@ def test_fused_moe_kernels_compile_for_gfx906(dtype):
     except HipUnavailable as err:                                  # pragma: no cover - depends on the host
         pytest.skip(f"gfx906 compile skipped: {err}")
     assert co.resources()["scratch_bytes"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "q4_0"])
+@pytest.mark.parametrize("wave", [32, 64])
+def test_moe_on_a_cuda_gpu(dtype, wave, monkeypatch):
+    """The MoE layer on an NVIDIA GPU (at wave 64: gfx906's kernel text) against float64.
+    Skipped without a CUDA device."""
+    from engine.executable import get_device
+    try:
+        get_device("cuda", wave=wave)
+    except Exception as err:                                       # no driver, no GPU, no cuda-python
+        pytest.skip(f"CUDA test skipped: {err}")
+    monkeypatch.setenv("VEGAFUSE_CUDA_WAVE", str(wave))
+    x, wr = rng.standard_normal((1, D)).astype("f4"), rng.standard_normal((E, D)).astype("f4")
+    (wg, g64), (wu, u64), (wd, d64) = _weights(dtype)
+    y = dsl.jit(moe, backend="cuda")(x, wr, wg, wu, wd)
+    want = numpy_moe(x, wr, g64, u64, d64)
+    np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
