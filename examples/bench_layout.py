@@ -3,8 +3,8 @@ layout of ``nn.linear``), for decode GEMV shapes and a small prefill.
 
     python examples/bench_layout.py [--reps 200] [--dtype f16]
 
-Prints, per shape, the microseconds (20th percentile, calls alternating) of one call of each and their ratio, and the access
-order the fusion report names for the (K, N) kernel.
+Prints, per shape, the microseconds of one call of each (20th percentile, calls alternating),
+their ratio, and the access order the fusion report names for the (K, N) kernel.
 """
 import argparse
 import os
@@ -48,7 +48,8 @@ def main():
         a, b = times_us(kn, (x, w), nk, (x, wt), args.reps)
         report = kn.compile(x, w).fusion_report().splitlines()[1:]
         order = "; ".join(line.split("order: ")[1] for line in report if "order: " in line) or "?"
-        print(f"({t},{k})@({k},{n}){'':<{max(0, 7 - len(str(k)) - len(str(n)))}} {a:10.1f} {b:10.1f} {a / b:6.2f}  {order}")
+        shape = f"({t},{k})@({k},{n})"
+        print(f"{shape:<22} {a:10.1f} {b:10.1f} {a / b:6.2f}  {order}")
 
 
 if __name__ == "__main__":
