@@ -35,7 +35,8 @@ import numpy as np
 from llvmlite import ir
 
 from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel, Load, Loop,
-                     Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, serial_reduce)
+                     Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, can_interchange,
+                     interchange, serial_reduce)
 from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
 from .loopir import spelling as op_spelling
 from .loopir import walk_exprs, walk_stmts
@@ -51,6 +52,10 @@ ELEM_BYTES = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}                # quantize
 Q8_BYTES = {"q8_1r": 72, "q8_1": 40}
 KIND = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 FMF = ("reassoc", "nsz", "arcp", "contract", "afn")   # `fast` minus nnan/ninf
+# an interchanged GEMV (a (K, N) weight): each thread's columns in chunks of COLUMNS accumulators in
+# all (L1-resident), each pass over a chunk folding ROWS weight rows
+COLUMNS = int(os.environ.get("VEGAFUSE_CPU_COLUMNS", 4096))
+ROWS = int(os.environ.get("VEGAFUSE_CPU_ROWS", 8))
 MAX_STACK_BYTES = 4 << 20                              # local Arrays live on the (thread's) stack
 
 
@@ -412,7 +417,11 @@ class _Renderer:
         return b.add(start, lo, flags=["nsw"]), b.add(start, hi, flags=["nsw"])
 
     def loop(self, s, env, emit=None):
-        """``s`` as header/body/latch blocks; ``emit(scope)`` renders the body (default: ``s.body``)."""
+        """``s`` as header/body/latch blocks; ``emit(scope)`` renders the body (default: ``s.body``).
+        A parallel loop that opens with a Reduce of order "outer" (a GEMV over a (K, N) weight) runs
+        interchanged: k outside, chunks of ``COLUMNS`` consecutive columns inside (vector loads)."""
+        if emit is None and s.parallel and can_interchange(s):
+            return self.interchanged(s, env)
         b, fn = self.b, self.b.function
         lo, hi = self.expr(s.start, env), self.expr(s.stop, env)
         split = s.parallel and not self.in_parallel
@@ -439,6 +448,23 @@ class _Renderer:
         b.position_at_end(header)
         b.cbranch(cond, body, exit_)
         b.position_at_end(exit_)
+
+    def interchanged(self, s, env):
+        """A parallel loop of order "outer" (``loopir.interchange``): this thread's share of the
+        columns (its contiguous run of every weight row), in chunks of ``COLUMNS`` accumulators in
+        all, each pass over a chunk folding ``ROWS`` weight rows (one accumulator load and store
+        per ``ROWS`` fused multiply-adds)."""
+        lo, hi = self.expr(s.start, env), self.expr(s.stop, env)
+        split = not self.in_parallel
+        if split:
+            lo, hi = self.chunk(lo, hi)
+        inner = dict(env)
+        inner[f"{s.var}_lo"], inner[f"{s.var}_hi"] = ("val", lo, "i32"), ("val", hi, "i32")
+        saved, self.in_parallel = self.in_parallel, True
+        r = next(x for x in s.body if isinstance(x, Reduce))
+        chunk = max(16, COLUMNS // len(r.accs) // 16 * 16)
+        self.stmts((interchange(s, chunk, Sym(f"{s.var}_lo", "i32"), Sym(f"{s.var}_hi", "i32"), ROWS),), inner)
+        self.in_parallel = saved
 
     def reduce(self, s, env):
         """A Reduce is a serial loop on the CPU (its GPU mapping is ignored); one that adds ``QDot``s

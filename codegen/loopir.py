@@ -30,7 +30,9 @@ Statements
     Store(buf, index, value)            ``buf[index] = value``
     Reduce(var, start, stop, accs)      a reduction loop as one statement: declares each ``Acc``
                                         (add | max | argmax), folds its value over ``var``;
-                                        afterwards every thread holds the results
+                                        afterwards every thread holds the results; ``order``
+                                        "outer": the scheduler's access order for a (K, N)
+                                        weight (``ORDERS``, ``interchange``)
     If(cond, then, orelse)              conditional statements
     Barrier()                           every thread of the workgroup waits here (GPU only)
     Comment(text)                       a section comment in the rendered source
@@ -311,6 +313,14 @@ class Reduce:
     split: int = 1
     lanes: int = 0                # map="lane": the lanes that share the range (0: the whole wave)
     unroll: int = 0               # GPU unroll hint (loads in flight); 0: the compiler's choice
+    order: str = "inner"          # ORDERS: where the reduction's loop runs, chosen by the scheduler
+
+
+# A Reduce that opens the body of a parallel loop (a GEMV's output columns n) runs
+#   "inner": inside each iteration: one dot product along k per n (an (N, K) weight, rows contiguous in k);
+#   "outer": outside the iterations: each step k updates the accumulators of a chunk of consecutive n
+#            (a (K, N) weight, whose rows are contiguous in n: contiguous loads, vectors along n).
+ORDERS = ("inner", "outer")
 
 
 @dataclass(frozen=True)
@@ -629,6 +639,72 @@ def serial_reduce(r: Reduce):
     return tuple(decls) + (Loop(r.var, r.start, r.stop, tuple(upd)),)
 
 
+def can_interchange(loop: Loop) -> bool:
+    """Does ``loop``'s body open with locals and a Reduce of order "outer" of "add"
+    accumulators (what ``interchange`` takes)?  Any other body keeps its order."""
+    at = next((i for i, s in enumerate(loop.body) if not isinstance(s, Declare)), None)
+    r = loop.body[at] if at is not None else None
+    return isinstance(r, Reduce) and r.order == "outer" and all(a.op == "add" for a in r.accs)
+
+
+def interchange(loop: Loop, chunk: int, lo: Expr = None, hi: Expr = None, unroll: int = 1) -> Loop:
+    """Iterations [``lo``, ``hi``) (default: all) of a parallel ``loop`` whose body opens with a
+    Reduce of order "outer" (after locals it declares), as plain serial loops with the reduction
+    outside: chunks of at most ``chunk`` consecutive iterations; per chunk each accumulator is a
+    local array, each ``unroll`` steps of the reduction update the whole chunk, then the rest of
+    the body runs per iteration.  The same sums in another order::
+
+        for n_blk in [0, ceil((hi - lo) / chunk)):
+          f32 acc_col[chunk]; for n_j in [0, m): acc_col[n_j] = 0
+          for k_u in [0, K / unroll): for n_j in [0, m):
+            n = lo + n_blk * chunk + n_j; acc_col[n_j] += value(unroll * k_u, n) + ... (unroll terms)
+          (the last K % unroll steps one at a time)
+          for n_j in [0, m): n = lo + n_blk * chunk + n_j; acc = acc_col[n_j]; the rest of the body
+
+    (``m`` = min(chunk, hi - lo - n_blk * chunk)).  Accumulators "add" (and "max" with
+    ``unroll`` 1) only."""
+    at = next(i for i, s in enumerate(loop.body) if isinstance(s, Reduce))
+    head, r, rest = loop.body[:at], loop.body[at], loop.body[at + 1:]
+    ops = ("add",) if unroll > 1 else ("add", "max")
+    if not all(isinstance(s, Declare) for s in head) or any(a.op not in ops for a in r.accs):
+        raise ValueError(f"interchange: {loop.var}'s loop does not open with locals and a Reduce of {ops}")
+    lo, hi = loop.start if lo is None else lo, loop.stop if hi is None else hi
+    n, blk, j = loop.var, f"{loop.var}_blk", f"{loop.var}_j"
+    first = add(lo, mul(Sym(blk, "i32"), c(chunk)))
+    m = Bin("min", c(chunk), Bin("sub", hi, first))
+    col = {a.name: f"{a.name}_col" for a in r.accs}
+    jj, k = Sym(j, "i32"), Sym(r.var, "i32")
+
+    def per_column(body):          # n and the locals of the loop's head, then ``body``, for each n_j
+        return (Loop(j, c(0), m, (Declare(n, "i32", add(first, jj)),) + tuple(head) + tuple(body)),)
+
+    def at_k(e, kk):
+        return substitute((Declare("_", e.dtype, e),), {r.var: kk})[0].init
+
+    def steps(var, start, stop, u):          # acc_col[n_j] += the values of steps u * var .. u * var + u - 1
+        ks = [add(mul(Sym(var, "i32"), c(u)), c(i)) for i in range(u)]
+        upd = []
+        for a in r.accs:
+            terms = [at_k(a.value, x) for x in ks]
+            total = terms[0]
+            for t in terms[1:]:
+                total = Bin("add", total, t)
+            upd.append(Store(col[a.name], jj, Bin(a.op, Load(col[a.name], jj, a.dtype), total)))
+        return Loop(var, start, stop, per_column(upd))
+    init = tuple(Array(col[a.name], a.dtype, chunk) for a in r.accs) + (
+        Loop(j, c(0), m, tuple(Store(col[a.name], jj, a.init) for a in r.accs)),)
+    if isinstance(r.start, Const) and isinstance(r.stop, Const) and r.start.value == 0:
+        K = r.stop.value
+        body = (steps(r.var, c(0), c(K // unroll), unroll),) if K >= unroll else ()
+        if K % unroll:
+            body += (steps(r.var, c(K - K % unroll), c(K), 1),)
+    else:
+        body = (steps(r.var, r.start, r.stop, 1),)
+    tail = per_column(tuple(Declare(a.name, a.dtype, Load(col[a.name], jj, a.dtype)) for a in r.accs) + tuple(rest))
+    chunks = Bin("idiv", add(Bin("sub", hi, lo), c(chunk - 1)), c(chunk))
+    return Loop(blk, c(0), chunks, init + body + tail)
+
+
 def plain(body):
     """``body`` in the statements every CPU pass knows: each Reduce a serial loop, each Attention
     its loops (``expand_attention``), Comments and Barriers dropped."""
@@ -722,6 +798,8 @@ def _mapping(s):
         m.append(f"split={s.split}")
     if getattr(s, "lanes", 0):
         m.append(f"lanes={s.lanes}")
+    if getattr(s, "order", "inner") != "inner":
+        m.append(f"order={s.order}")
     return f" [{', '.join(m)}]" if m else ""
 
 
@@ -814,22 +892,40 @@ ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "bool": 1,
 
 
 def traffic(k: Kernel) -> int:
-    """Bytes a kernel reads and writes per call, estimated from its loops: each buffer moves the
-    elements its accesses can reach (the product of the static extents of the loops around them),
-    at most its size.  Loops with a runtime extent count as reaching the whole buffer."""
-    params = {p.name: p for p in k.params if p.kind == "buffer"}
-    reach = {}
+    """Bytes a kernel reads and writes per call: the sum of ``buffer_traffic``."""
+    return int(sum(buffer_traffic(k).values()))
 
-    def touch(name, extent):
+
+def buffer_traffic(k: Kernel) -> dict:
+    """{buffer: bytes it moves per call}, estimated from the kernel's loops: each buffer moves the
+    elements its accesses can reach (the product of the static extents of the loops around them),
+    at most its size.  Loops with a runtime extent count as reaching the whole buffer.  Accesses
+    through a gathered index (one holding a load or a scalar parameter: an expert's weights at a
+    routed id, an embedding row) reach their own elements: two gathers of one buffer at different
+    ids add up, and a gather is charged what it reaches, not the whole buffer."""
+    params = {p.name: p for p in k.params if p.kind == "buffer"}
+    scalars = {p.name for p in k.params if p.kind == "scalar"}
+    reach = {}                                     # buffer -> {gathered index: elements}, None: all
+
+    def gather(index):
+        return frozenset(x for x in walk_exprs(index) if isinstance(x, Load)
+                         or (isinstance(x, Sym) and x.name in scalars))
+
+    def touch(name, extent, index=None):
         if name in params and reach.get(name, 0) is not None:
-            reach[name] = None if extent is None else max(reach.get(name, 0), extent)
+            if extent is None:
+                reach[name] = None
+            else:
+                key = gather(index) if index is not None else frozenset()
+                seen = reach.setdefault(name, {})
+                seen[key] = max(seen.get(key, 0), extent)
 
     def visit_expr(e, extent):
         for x in walk_exprs(e):
             if isinstance(x, Load):
-                touch(x.buf, extent)
+                touch(x.buf, extent, x.index)
             elif isinstance(x, QDot):                      # a block: 32 elements per step
-                touch(x.w, None if extent is None else extent * 32)
+                touch(x.w, None if extent is None else extent * 32, x.block)
 
     def trips(s, extent):
         n = s.stop.value - s.start.value if isinstance(s.stop, Const) and isinstance(s.start, Const) else None
@@ -847,7 +943,7 @@ def traffic(k: Kernel) -> int:
                 visit(s.then, extent)
                 visit(s.orelse, extent)
             elif isinstance(s, Store):
-                touch(s.buf, extent)
+                touch(s.buf, extent, s.index)
                 visit_expr(s.value, extent)
                 visit_expr(s.index, extent)
             elif isinstance(s, (Declare, Assign)):
@@ -859,8 +955,8 @@ def traffic(k: Kernel) -> int:
                 for name in (s.q, s.k, s.v, s.out):
                     touch(name, None)
 
-    def cap(name, n):
+    def cap(name, keys):
         size = params[name].size
-        return size if n is None else min(size, n)
+        return size if keys is None else min(size, sum(keys.values()))
     visit(k.body, 1)
-    return int(sum(cap(name, n) * ITEMSIZE[params[name].dtype] for name, n in reach.items()))
+    return {name: int(cap(name, keys) * ITEMSIZE[params[name].dtype]) for name, keys in reach.items()}

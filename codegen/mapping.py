@@ -9,6 +9,7 @@ Families:
   side by side) become one loop over waves; each wave's lanes reduce k, 16 bytes per load when
   the weight row is contiguous in k and aligned (checked here); lane 0 runs the epilogue.  When
   the rows leave most of the chip idle, ``split`` waves share a row and combine through LDS.
+  A segment of order "outer" (a (K, N) weight) gives each thread an output column instead.
 * attention: one workgroup per (query head, query row); the template splits the context over
   its waves.
 * elementwise, scatter, reduce: a parallel loop holding reductions gives each iteration a
@@ -243,6 +244,10 @@ def _contract(body, t, lds_limit):
         return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info["act_dtype"])
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
+    if info.get("columns"):                                # (K, N) weights: _column_loops
+        cols = (f"a thread per output column of a (K, N) weight ({info['columns']} columns), each folding k "
+                f"alone, consecutive lanes reading consecutive columns")
+        how = f"{K}-element activation in LDS; {cols}" if info.get("only_columns") else f"{how}; {cols}"
     return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info.get("act_dtype", "f32"))
 
 
@@ -429,8 +434,24 @@ def _quant_wave_loop(segs, t, info):
                      lanes=0 if lanes == t.wave else lanes)
 
 
+def _column_loops(segs, t, info):
+    """Segments of order "outer" (a (K, N) weight, ``x @ w``): each thread of the grid takes output
+    columns n alone and folds k serially; consecutive lanes take consecutive columns, so each step k
+    of a wave is one contiguous (coalesced) run of a weight row."""
+    columns = sum(s.stop.value for _, s in segs)
+    info["columns"] = info.get("columns", 0) + columns
+    if "total" not in info:                # no wave loop: the grid covers the columns a thread each
+        info.update(split=1, total=columns, vec=1, rows_per_wave=t.wave, only_columns=True)
+    return tuple(x for comments, s in segs for x in comments + (replace(s, map="thread", body=_per_thread(s.body)),))
+
+
 def _wave_loop(segs, t, info):
-    """One loop over the waves of the grid for the output rows of every segment, side by side."""
+    """One loop over the waves of the grid for the output rows of every segment, side by side
+    (segments of order "outer": ``_column_loops`` after it)."""
+    outer = [(c, s) for c, s in segs if any(isinstance(x, L.Reduce) and x.order == "outer" for x in s.body)]
+    if outer:
+        inner = [x for x in segs if x not in outer]
+        return (_wave_loop(inner, t, info) if inner else ()) + _column_loops(outer, t, info)
     if info["q8"]:
         return _quant_wave_loop(segs, t, info)
     sizes = [s.stop.value for _, s in segs]

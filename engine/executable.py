@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsl.core import NP_DTYPES, QUANT_DTYPES
+from fusion.schedule import contract_orders
 from dsl.pytree import unflatten
 
 _STAGE_BYTES = 1 << 16
@@ -42,12 +43,17 @@ class Executable:
 
     # ------------------------------------------------------------------ reporting
     def fusion_report(self) -> str:
-        """One line per kernel: its family and the DSL ops fused into it (with their source lines)."""
+        """One line per kernel: its family, the bytes it reads and writes per call, the DSL ops fused
+        into it and, for a contraction, the access order the scheduler chose for its weights
+        (``order: k-inner``: dot products along k, the (N, K) layout; ``order: k-outer``: k outside,
+        the columns of a (K, N) weight read along n; both when its segments differ)."""
         n = len(self.plan.kernels)
         lines = [f"{n} kernel{'' if n == 1 else 's'} (rules on: {', '.join(sorted(self.plan.rules)) or 'none'})"]
         for k in self.plan.kernels:
             ops = ", ".join(e.prim.name for e in k.eqns)
-            lines.append(f"{k.name:<44} {k.family:<11} {k.bytes / 1e3:9.1f} kB  {ops}")
+            orders = contract_orders(k) if k.family == "contract" else ()
+            order = f"  order: {', '.join(f'k-{o}' for o in orders)}" if orders else ""
+            lines.append(f"{k.name:<44} {k.family:<11} {k.bytes / 1e3:9.1f} kB  {ops}{order}")
         return "\n".join(lines)
 
     def cost_analysis(self) -> dict:

@@ -60,7 +60,7 @@ class Builder:
 
     def load(self, v, idx):
         name = self.ctx.buffer_of(v)
-        if is_scalar_param(v):
+        if is_scalar_param(v) and v not in self.ctx.g.producer:     # an i32 scalar input; a computed one is a buffer
             self.reads[name] = v
             return L.Sym(name, "i32")
         self.reads[name] = v

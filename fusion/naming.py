@@ -84,7 +84,7 @@ def kernel_name(eqns, buffers, layer=None) -> str:
         if e.prim.kind == "contract" and len(e.inputs) > 1:
             w = e.inputs[1]
             while w not in buffers and w in made and (made[w].prim.kind == "view"            # w.T, w.astype
-                                                      or made[w].prim.name == "dequantize"):
+                                                      or made[w].prim.name in ("dequantize", "take")):
                 w = made[w].inputs[0]
             if w in buffers and weight_name(buffers[w]) not in ws:
                 ws.append(weight_name(buffers[w]))

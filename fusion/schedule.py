@@ -154,7 +154,7 @@ def _params(lw, b, writes):
     """Kernel parameters: buffers read (``b.reads``) and written (``writes``: name -> Var)."""
     params = []
     for name, v in b.reads.items():
-        if is_scalar_param(v) and name not in writes:
+        if is_scalar_param(v) and v not in lw.g.producer and name not in writes:
             params.append(L.Param(name, "i32", "scalar"))
         else:
             params.append(L.Param(name, v.dtype, "buffer", tuple(v.shape), "inout" if name in writes else "in"))
@@ -274,6 +274,63 @@ def scatter_kernel(lw, r, out):
     return loop_kernel(lw, f"scatter_{out}", u.shape, store, "scatter")
 
 
+def _value(e, env):
+    """The i32 value of index expression ``e`` with the symbols of ``env`` (others 0); loads are
+    0 (a gathered row: held fixed).  None for what an index does not hold."""
+    if isinstance(e, L.Const):
+        return int(e.value)
+    if isinstance(e, L.Sym):
+        return env.get(e.name, 0)
+    if isinstance(e, L.Load):
+        return 0
+    if isinstance(e, L.Cast) and e.dtype == "i32" and e.x.dtype == "i32":
+        return _value(e.x, env)
+    if isinstance(e, L.Bin):
+        a, b = _value(e.a, env), _value(e.b, env)
+        ops = {"add": lambda: a + b, "sub": lambda: a - b, "mul": lambda: a * b,
+               "max": lambda: max(a, b), "min": lambda: min(a, b),
+               "idiv": lambda: int(a / b) if b else None, "mod": lambda: a - b * int(a / b) if b else None}
+        return None if a is None or b is None or e.op not in ops else ops[e.op]()
+    return None
+
+
+def stride(index, var):
+    """Elements ``index`` moves when loop variable ``var`` steps by one (the others at 0), or None
+    when that is not one constant (over the first steps) or a gathered index depends on ``var``."""
+    if any(isinstance(x, L.Load) and var in set(L.walk_exprs(x.index)) for x in L.walk_exprs(index)):
+        return None
+    v = [_value(index, {var.name: i}) for i in range(3)]
+    return None if None in v or v[1] - v[0] != v[2] - v[1] else v[1] - v[0]
+
+
+def access_order(weights, k, n):
+    """The order of a contraction segment's loops (``codegen.loopir.ORDERS``) from its weight
+    expressions (their loads indexed by the reduction variable ``k`` and the output column ``n``):
+    "outer" when every weight load is contiguous along n and not along k (a (K, N) weight:
+    ``x @ w``), so that each step of k reads a run of columns; else "inner" (dot products along k:
+    the (N, K) layout of ``nn.linear``, ``x @ w.T``)."""
+    loads = [x for w in weights for x in L.walk_exprs(w) if isinstance(x, L.Load)
+             and ({k, n} & set(L.walk_exprs(x.index)))]
+    if loads and all(stride(x.index, n) == 1 and stride(x.index, k) != 1 for x in loads):
+        return "outer"
+    return "inner"
+
+
+def contract_orders(k) -> tuple:
+    """The access orders (``codegen.loopir.ORDERS``) of a contraction kernel's segments, each once,
+    in the order they appear."""
+    return tuple(dict.fromkeys(r.order for r in _segment_reduces(k.body)))
+
+
+def _segment_reduces(body):
+    """The Reduce that opens each parallel loop of ``body`` (after its locals): a contraction's segments."""
+    out = []
+    for s in L.walk_stmts(body):
+        if isinstance(s, L.Loop) and s.parallel:
+            out += [x for x in s.body if isinstance(x, L.Reduce)][:1]
+    return out
+
+
 def contract_kernel(lw, a, roots):
     """GEMV/matmul family: for rows: [row scalars]; act[k] = prologue; then one parallel n loop per
     segment of siblings: a Reduce over k of act[k] * B_i[n, k] per sibling, and the epilogue store."""
@@ -295,8 +352,9 @@ def contract_kernel(lw, a, roots):
         labels = {}
         for c in contracts:             # accumulators named after their weight (a buffer) or "dot"
             w = lw.g.producer[c].inputs[1]
-            if w in lw.g.producer and lw.g.producer[w].prim.name == "dequantize" and w not in lw.materialized:
-                w = lw.g.producer[w].inputs[0]                      # a quantized weight, dequantized here
+            while w in lw.g.producer and w not in lw.materialized and (       # the weight read through views,
+                    lw.g.producer[w].prim.kind == "view" or lw.g.producer[w].prim.name in ("dequantize", "take")):
+                w = lw.g.producer[w].inputs[0]                  # a dequantization or a gather (an expert's rows)
             labels[c] = short_name(lw.buffer_of(w)) if w in lw.materialized or w not in lw.g.producer else "dot"
         b.accs = {c: L.Sym(fresh(f"acc_{labels[c]}"), "f32") for c in contracts}
         b.n_idx = nsym
@@ -312,6 +370,7 @@ def contract_kernel(lw, a, roots):
             wv = wv if wv.dtype == "f32" else L.Cast(wv, "f32")
             accs.append(L.Acc(b.accs[c].name, "add", L.Bin("mul", L.Load(act, ksym, "f32"), wv)))
             flops += 2 * int(np.prod(c.shape, dtype=np.int64)) * K
+        order = access_order([a.value.b for a in accs], ksym, nsym) if K > 1 and r.shape[-1] > 1 else "inner"
         if r in b.accs:
             val = b.accs[r]
         else:
@@ -322,7 +381,7 @@ def contract_kernel(lw, a, roots):
             val = L.Cast(val, r.dtype)
         out = lw.buffer_of(r)
         writes[out] = r
-        seg = (L.Reduce(kk, L.c(0), L.c(K), tuple(accs)),
+        seg = (L.Reduce(kk, L.c(0), L.c(K), tuple(accs), order=order),
                L.Store(out, L.linear_index(b.row_idx + (nsym,), r.shape), val))
         stmts += section(f"{', '.join(labels.values())} -> {out}", b.ops[seen:])
         stmts.append(L.Loop(n, L.c(0), L.c(r.shape[-1]), seg, parallel=True))

@@ -48,6 +48,8 @@ OPS = (list(UNARY) + list(BINARY) * 2 +
        ["where", "astype", "reduce", "reduce", "argmax", "reshape", "transpose", "slice", "concat",
         "expand", "index", "take", "matmul", "matmul", "dus", "scalar", "qmatmul", "qtake"])
 QUANT = ("q4_0", "q4_1", "q8_0")
+# layout: a GEMV through one expert's weights picked by a runtime id (the MoE gather), (N, K) or (K, N)
+OPS += ["expert", "expert"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -241,7 +243,30 @@ class Writer:
             name_, val = self.emit(f"dsl.dynamic_update_slice({dn}, {un}, [{', '.join(starts)}])")
             self.donated = (name_, val)
             return None
+        if name == "expert":
+            return self.expert(av, an, p)
         raise ValueError(f"unknown op {name}")
+
+    def expert(self, av, an, p):
+        """``x @ take(w, e).T`` or ``x @ take(w, e)``: expert ``e`` (a runtime i32, at times out
+        of range: clamped) of stacked weights [E, n, k] or [E, k, n]; quantized ones [E, n, k]."""
+        n_exp, n = 2 + int(p[0] * 6), [1, 3, 8, 16, 40][int(p[1] * 5)]
+        e = self.new_input((), "i32", "int", n_exp - 1)
+        if p[2] < 0.25:
+            fmt = QUANT[int(p[3] * len(QUANT))]
+            k = 32 * (1 + int(p[2] * 12))
+            rows = tuple(av.shape[:-1]) if av.ndim >= 2 and int(np.prod(av.shape[:-1])) <= 8 else (1,)
+            xq = self.new_input(rows + (k,), "f32", "q8")
+            w = self.new_input((n_exp, n, k), fmt)
+            return self.emit(f"dsl.dot_t({xq}, dsl.take({w}, {e})) * {round(1 / np.sqrt(k), 4)}")
+        if av.ndim < 1:
+            return None
+        k, wd = av.shape[-1], "f16" if p[3] < 0.5 else "f32"
+        if p[2] < 0.6:
+            w = self.new_input((n_exp, n, k), wd)
+            return self.emit(f"dsl.dot_t({an}, dsl.take({w}, {e})) * {round(1 / np.sqrt(k), 4)}")
+        w = self.new_input((n_exp, k, n), wd)
+        return self.emit(f"({an} @ dsl.take({w}, {e})) * {round(1 / np.sqrt(k), 4)}")
 
     def write(self, outputs=None):
         """Trace the program (resolving every op); returns the source of ``f`` and its inputs."""
