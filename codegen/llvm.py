@@ -277,6 +277,18 @@ class _Renderer:
             kw = {"flags": ["nsw"]} if "nsw" in rest else {}
         return getattr(self.b, name)(*pred, *args, **kw)
 
+    def libm(self, name, *args):
+        """Call the C math library's float function ``name`` (``erff``, ``log1pf``): half
+        arguments are computed in float and rounded back.  The JIT resolves it from the process."""
+        ty = args[0].type
+        half = isinstance(ty, ir.HalfType)
+        f32 = ir.FloatType()
+        fn = self.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(self.module, ir.FunctionType(f32, [f32] * len(args)), name)
+        y = self.b.call(fn, [self.b.fpext(a, f32) if half else a for a in args])
+        return self.b.fptrunc(y, ty) if half else y
+
     def const(self, value, like):
         """A constant of ``like``'s type: an LLVM value, or a dtype name such as ``"bool"``."""
         ty = TYPES[like] if isinstance(like, str) else like.type

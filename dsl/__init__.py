@@ -20,3 +20,12 @@ from . import lax, nn  # noqa: F401  (jax.lax and jax.nn names)
 from .pytree import flatten as tree_flatten, tree_map, unflatten as tree_unflatten  # noqa: F401
 from . import pytree as tree_util  # noqa: F401  (jax.tree_util: register_dataclass, register_pytree_node, ...)
 from .primitives import define_elementwise  # noqa: F401  (user-defined elementwise primitives)
+# ---- jax.numpy names (issue 9): dsl.stack, dsl.einsum, ... (dsl/numpy_api.py); they replace
+# array.py's argmax (axis=None as JAX) and logical_* (non-bool operands count as x != 0)
+from . import numpy_api as _numpy_api  # noqa: E402
+from .numpy_api import (  # noqa: E402,F401
+    amin, argmax, argmin, argsort, bitwise_and, bitwise_or, bitwise_xor, clip, cumsum, einsum, floor_divide, full,
+    full_like, invert, logical_and, logical_not, logical_or, min, ones, ones_like, pad, power, remainder, repeat, sort,
+    split, squeeze, stack, std, tril, triu, var, zeros, zeros_like,
+)
+_array._numpy_names()

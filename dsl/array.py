@@ -10,7 +10,7 @@ import builtins as _b
 import numpy as np
 
 from . import primitives  # noqa: F401  (registers the primitives)
-from .core import PRIMITIVES as P, QUANT_DTYPES, DSLError, Lit, Var, bind, promote, user_source
+from .core import PRIMITIVES as P, QUANT_DTYPES, DSLError, Lit, Var, bind, dtype_name, np_dtype, promote, user_source
 
 _bmax = _b.max
 
@@ -23,12 +23,12 @@ class Tracer:
         self.var = var
 
     shape = property(lambda self: self.var.shape)
-    dtype = property(lambda self: self.var.dtype)
+    dtype = property(lambda self: np_dtype(self.var.dtype))   # np.dtype("float32"); a quantized format: its name
     ndim = property(lambda self: len(self.var.shape))
     size = property(lambda self: self.var.size)
 
     def __repr__(self):
-        return f"Tracer({self.dtype}{list(self.shape)})"
+        return f"Tracer({self.var.dtype}{list(self.shape)})"
 
     def __iter__(self):
         raise DSLError(f"{user_source()}: cannot iterate over a traced array; index it with static slices")
@@ -102,6 +102,71 @@ class Tracer:
     def mean(self, axis=None, keepdims=False):
         return mean(self, axis, keepdims)
 
+    # ---- numpy operators and methods (issue 9, item 1); the functions are in dsl/numpy_api.py
+    __pow__ = lambda a, b: _npapi().power(a, b)
+    __rpow__ = lambda a, b: _npapi().power(b, a)
+    __floordiv__ = lambda a, b: _npapi().floor_divide(a, b)
+    __rfloordiv__ = lambda a, b: _npapi().floor_divide(b, a)
+    __mod__ = lambda a, b: _npapi().remainder(a, b)
+    __rmod__ = lambda a, b: _npapi().remainder(b, a)
+    __and__ = __rand__ = lambda a, b: _npapi().bitwise_and(a, b)
+    __or__ = __ror__ = lambda a, b: _npapi().bitwise_or(a, b)
+    __xor__ = __rxor__ = lambda a, b: _npapi().bitwise_xor(a, b)
+    __invert__ = lambda a: _npapi().invert(a)
+    __abs__ = lambda a: _unary("abs", a)
+    __pos__ = lambda a: a
+
+    def __len__(self):
+        if not self.shape:
+            raise DSLError(f"{user_source()}: len() of a traced scalar (shape ()); it has no length")
+        return self.shape[0]
+
+    def min(self, axis=None, keepdims=False):
+        return _npapi().min(self, axis, keepdims)
+
+    def argmax(self, axis=None, keepdims=False):
+        return _npapi().argmax(self, axis, keepdims)
+
+    def argmin(self, axis=None, keepdims=False):
+        return _npapi().argmin(self, axis, keepdims)
+
+    def flatten(self):
+        return reshape(self, (-1,))
+
+    ravel = flatten
+
+    def squeeze(self, axis=None):
+        return _npapi().squeeze(self, axis)
+
+    def var(self, axis=None, ddof=0, keepdims=False):
+        return _npapi().var(self, axis, ddof=ddof, keepdims=keepdims)
+
+    def std(self, axis=None, ddof=0, keepdims=False):
+        return _npapi().std(self, axis, ddof=ddof, keepdims=keepdims)
+
+    def cumsum(self, axis=None):
+        return _npapi().cumsum(self, axis)
+
+    def clip(self, min=None, max=None):  # noqa: A002
+        return _npapi().clip(self, min, max)
+
+    def sort(self, axis=-1):
+        return _npapi().sort(self, axis)
+
+    def argsort(self, axis=-1):
+        return _npapi().argsort(self, axis)
+
+
+def _npapi():
+    """dsl.numpy_api, imported on first use (it builds on this module)."""
+    from . import numpy_api
+    return numpy_api
+
+
+def _dt(x) -> str:
+    """Our dtype name of a Tracer, Lit or Var ("f32"): internal code keys on the names."""
+    return x.var.dtype if isinstance(x, Tracer) else x.dtype
+
 
 def _lit(x, dtype):
     if dtype == "bool":
@@ -133,21 +198,24 @@ def _promote_pair(a, b):
     """Return (a, b) as atoms of one dtype; Python scalars take the array's dtype."""
     ta, tb = isinstance(a, Tracer), isinstance(b, Tracer)
     for x in (a, b):
-        if isinstance(x, Tracer) and x.dtype in QUANT_DTYPES:
-            raise DSLError(f"{user_source()}: a {x.dtype}{list(x.shape)} array is quantized; read it through "
+        if isinstance(x, Tracer) and _dt(x) in QUANT_DTYPES:
+            raise DSLError(f"{user_source()}: a {_dt(x)}{list(x.shape)} array is quantized; read it through "
                            "dsl.dequantize (linear, dot_t, matmul, take and astype do that for you)")
     if ta and not tb:
-        return a, asarray(b, a.dtype if not (isinstance(b, float) and a.dtype in ("i32", "bool")) else "f32")
+        return a, asarray(b, _dt(a) if not (isinstance(b, (float, np.floating)) and _dt(a) in ("i32", "bool")) else "f32")
     if tb and not ta:
-        return asarray(a, b.dtype if not (isinstance(a, float) and b.dtype in ("i32", "bool")) else "f32"), b
-    if not ta and not tb:
-        raise DSLError(f"{user_source()}: at least one operand must be a traced array")
+        return asarray(a, _dt(b) if not (isinstance(a, (float, np.floating)) and _dt(b) in ("i32", "bool")) else "f32"), b
+    if not ta and not tb:           # two Python scalars (dsl.where(c, 1, 0.5)): numpy's weak types
+        kinds = [bool if isinstance(x, (bool, np.bool_)) else float if isinstance(x, (float, np.floating))
+                 else int for x in (a, b)]
+        d = "f32" if float in kinds else "i32" if int in kinds else "bool"
+        return asarray(a, d), asarray(b, d)
     return a, b
 
 
 def _fix_dtypes(a, b):
-    d = promote(a.dtype, b.dtype)
-    return (a if a.dtype == d else astype(a, d)), (b if b.dtype == d else astype(b, d))
+    d = promote(_dt(a), _dt(b))
+    return (a if _dt(a) == d else astype(a, d)), (b if _dt(b) == d else astype(b, d))
 
 
 def broadcast_shapes(*shapes):
@@ -173,7 +241,7 @@ def broadcast_to(x, shape):
 def _binary(name, a, b):
     if not (isinstance(a, Lit) or isinstance(b, Lit)):
         a, b = _promote_pair(a, b)
-    if a.dtype != b.dtype:
+    if _dt(a) != _dt(b):
         a, b = _fix_dtypes(a, b)
     shape = broadcast_shapes(a.shape, b.shape)
     return bind(P[name], broadcast_to(a, shape), broadcast_to(b, shape))
@@ -205,16 +273,22 @@ for _api, (_name, _arity) in primitives.API.items():
 def div(a, b):
     """True division; integer operands give f32, as in numpy and JAX."""
     a, b = _promote_pair(a, b)
-    if a.dtype in ("i32", "bool") and b.dtype in ("i32", "bool"):
+    if _dt(a) in ("i32", "bool") and _dt(b) in ("i32", "bool"):
         a, b = (Lit(float(x.value), "f32") if isinstance(x, Lit) else astype(x, "f32") for x in (a, b))
     return _binary("div", a, b)
 
 
 def astype(x, dtype):
-    x = asarray(x)
-    if x.dtype in QUANT_DTYPES:
+    """``x`` converted to ``dtype``: a numpy dtype or type (``np.float16``), a numpy name or code
+    ('float32', 'f4') or ours ('f32'); a quantized array is dequantized.  float64 and int64 give
+    float32 and int32 (as JAX without x64); bfloat16 is refused (a storage dtype here)."""
+    x, dtype = asarray(x), dtype_name(dtype)
+    if dtype in QUANT_DTYPES:
+        raise DSLError(f"{user_source()}: astype({dtype!r}): quantize weights outside the traced function "
+                       "with dsl.QArray.quantize")
+    if _dt(x) in QUANT_DTYPES:
         return dequantize(x, dtype)
-    return x if x.dtype == dtype else bind(P["convert"], x, dtype=dtype)
+    return x if _dt(x) == dtype else bind(P["convert"], x, dtype=dtype)
 
 
 def dequantize(w, dtype="f32"):
@@ -222,20 +296,20 @@ def dequantize(w, dtype="f32"):
     of 32) as ``dtype`` ("f32" or "f16").  Fused into the kernel that reads them: inside a GEMV each
     weight is dequantized as it is loaded, and no float copy is written (fusion rule
     ``dequantize``).  Formats: ``dsl/quant.py``."""
-    w = asarray(w)
-    return w if w.dtype == dtype else bind(P["dequantize"], w, dtype=dtype)
+    w, dtype = asarray(w), dtype_name(dtype)
+    return w if _dt(w) == dtype else bind(P["dequantize"], w, dtype=dtype)
 
 
 def _float(x):
     """``x``, dequantized to f32 when it is a quantized array."""
     x = asarray(x)
-    return dequantize(x) if x.dtype in QUANT_DTYPES else x
+    return dequantize(x) if _dt(x) in QUANT_DTYPES else x
 
 
 def where(cond, a, b):
     """``cond ? a : b`` elementwise, with broadcasting."""
     a, b = _promote_pair(a, b) if not (isinstance(a, Tracer) and isinstance(b, Tracer)) else (a, b)
-    if a.dtype != b.dtype:
+    if _dt(a) != _dt(b):
         a, b = _fix_dtypes(a, b)
     cond = asarray(cond, "bool")
     shape = broadcast_shapes(cond.shape, a.shape, b.shape)
@@ -244,11 +318,12 @@ def where(cond, a, b):
 
 def iota(shape, dimension=0, dtype="i32"):
     """Array of ``shape`` whose value is its index along ``dimension``."""
-    return bind(P["iota"], shape=tuple(shape), dimension=dimension, dtype=dtype)
+    return bind(P["iota"], shape=tuple(shape), dimension=dimension, dtype=dtype_name(dtype))
 
 
-def arange(n, dtype="i32"):
-    return iota((n,), 0, dtype)
+def arange(start, stop=None, step=None, dtype=None):
+    """``jnp.arange``: see ``dsl.numpy_api.arange``."""
+    return _npapi().arange(start, stop, step, dtype)
 
 
 def reshape(x, shape):
@@ -368,8 +443,10 @@ def _reduce(name, x, axis, keepdims):
 
 
 def sum(x, axis=None, keepdims=False):  # noqa: A001
-    """Sum over ``axis`` (accumulated in float32 for f16 inputs by the kernels)."""
-    return _reduce("reduce_sum", x, axis, keepdims)
+    """Sum over ``axis`` (accumulated in float32 for f16 inputs by the kernels).  A bool array
+    sums as i32, a count (numpy gives int64, JAX int32)."""
+    x = asarray(x)
+    return _reduce("reduce_sum", astype(x, "i32") if _dt(x) == "bool" else x, axis, keepdims)
 
 
 def max(x, axis=None, keepdims=False):  # noqa: A001
@@ -385,7 +462,7 @@ def mean(x, axis=None, keepdims=False):
     x = asarray(x)
     axes = range(x.ndim) if axis is None else tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     n = int(np.prod([x.shape[normalize_axis(a, x.ndim)] for a in axes]))
-    if x.dtype == "f16":        # sum in f32 (the sum may pass 65504 while the mean fits), scale, round back
+    if _dt(x) == "f16":        # sum in f32 (the sum may pass 65504 while the mean fits), scale, round back
         return astype(sum(astype(x, "f32"), axis, keepdims) * (1.0 / n), "f16")
     return sum(x, axis, keepdims) * (1.0 / n)
 
@@ -471,3 +548,24 @@ _ALTERNATIVES = {
     "dot": "use x @ w or dsl.dot_t", "clip": "use dsl.minimum(dsl.maximum(x, lo), hi)",
     "logical_not": "use dsl.where(c, False, True)", "sign": "use dsl.where(x > 0, 1.0, 0.0) - dsl.where(x < 0, 1.0, 0.0)",
 }
+
+
+# ---- numpy functions (issue 9, items 1 and 2): numpy's own functions on traced values
+def _numpy_names():
+    """Map numpy's functions and ufuncs on traced values to dsl/numpy_api.py (called on import)."""
+    from . import numpy_api as N
+    _UFUNCS.update({
+        "power": N.power, "floor_divide": N.floor_divide, "remainder": N.remainder, "mod": N.remainder,
+        "bitwise_and": N.bitwise_and, "bitwise_or": N.bitwise_or, "bitwise_xor": N.bitwise_xor,
+        "invert": N.invert, "logical_and": N.logical_and, "logical_or": N.logical_or,
+        "logical_not": N.logical_not, "erf": globals()["erf"], "log1p": globals()["log1p"],
+        "expm1": globals()["expm1"], "square": lambda x: N.power(x, 2),
+    })
+    for name in ("min", "amin", "argmin", "argmax", "var", "std", "cumsum", "sort", "argsort", "stack", "split",
+                 "tril", "triu", "clip", "repeat", "pad", "squeeze", "einsum", "zeros_like", "ones_like",
+                 "full_like"):
+        _FUNCTIONS[name] = getattr(N, name)
+    _FUNCTIONS.update(ravel=lambda x: reshape(x, (-1,)), power=N.power)
+    for name in ("square", "power", "floor_divide", "log1p", "expm1", "min", "amin", "argmin", "clip",
+                 "logical_not"):
+        _ALTERNATIVES.pop(name, None)

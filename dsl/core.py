@@ -34,14 +34,57 @@ QUANT_DTYPES = ("q4_0", "q4_1", "q8_0", "gptq_int4")   # quantized weights (dsl/
 
 def dtype_of(x) -> str:
     """Our dtype name for a numpy array or dtype, or a quantized array (``dsl.QArray``: "q4_0",
-    "q4_1", "q8_0", "gptq_int4"); raises DSLError for unsupported dtypes."""
+    "q4_1", "q8_0", "gptq_int4"); raises DSLError for unsupported dtypes.  A bfloat16 array
+    (``ml_dtypes.bfloat16``) is a storage dtype: it is traced as f32 and converted on load."""
     if getattr(x, "dtype", x) in QUANT_DTYPES:
         return getattr(x, "dtype", x)
     dt = np.dtype(getattr(x, "dtype", x))
+    if dt.name == "bfloat16":
+        return "f32"
     for name in DTYPES:
         if dt == np.dtype(NP_DTYPES[name]):
             return name
     raise DSLError(f"unsupported dtype {dt}; use one of {', '.join(DTYPES)}")
+
+
+# ---- numpy dtypes (item 1 of issue 9: arrays and dtypes)
+_DTYPE_ALIASES = {"f32": "f32", "f16": "f16", "i32": "i32", "bool": "bool", "f64": "f64"}
+
+
+def dtype_name(dtype, what="dtype") -> str:
+    """Our dtype name ("f32", "f16", "i32", "bool", or a quantized format) for anything numpy
+    accepts as a dtype: our names, numpy names and codes ('float32', 'f4', 'int32'), numpy types
+    and dtype objects (``np.float16``, ``np.dtype('bool')``) and Python's ``float``, ``int`` and
+    ``bool`` (float32 and int32 here, as in JAX without x64).  ``bfloat16`` (``ml_dtypes``) is a
+    storage dtype only: DSLError, like any other dtype the kernels do not compute in."""
+    if isinstance(dtype, str) and (dtype in _DTYPE_ALIASES or dtype in QUANT_DTYPES):
+        return dtype
+    if dtype is float:
+        return "f32"
+    if dtype is int:
+        return "i32"
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise DSLError(f"{user_source()}: {what} {dtype!r} is not a dtype; use one of "
+                       "'float32', 'float16', 'int32', 'bool' (or numpy's types)") from None
+    if dt.name == "bfloat16":
+        raise DSLError(f"{user_source()}: bfloat16 is a storage dtype only (bf16 inputs are converted to f32 "
+                       "on load); compute in float32 or float16")
+    if dt == np.int64:          # Python ints and numpy's default int: int32, as in JAX without x64
+        return "i32"
+    if dt == np.float64:
+        return "f32"
+    for name in DTYPES:
+        if dt == np.dtype(NP_DTYPES[name]):
+            return name
+    raise DSLError(f"{user_source()}: {what} {dt} is not supported; use one of float32, float16, int32, bool")
+
+
+def np_dtype(name: str):
+    """The numpy dtype object of our dtype name ("f32" -> np.dtype('float32')); a quantized format
+    has no numpy dtype and stays its name ("q4_0")."""
+    return name if name in QUANT_DTYPES else np.dtype(NP_DTYPES[name])
 
 
 def promote(a: str, b: str) -> str:

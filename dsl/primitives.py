@@ -29,8 +29,8 @@ def _unary_rule(avals, **_):
 
 def _not_rule(avals, **_):
     (shape, dtype), = avals
-    if dtype != "bool":
-        raise DSLError(f"needs a bool input, got {dtype}")
+    if dtype not in ("bool", "i32"):
+        raise DSLError(f"needs a bool (logical) or i32 (bitwise) input, got {dtype}")
     return shape, dtype
 
 
@@ -74,8 +74,8 @@ def _equal_rule(avals, **_):
 
 def _bool_rule(avals, **_):
     shape, dtype = _same_rule(avals)
-    if dtype != "bool":
-        raise DSLError(f"needs bool inputs, got {dtype}")
+    if dtype not in ("bool", "i32"):
+        raise DSLError(f"needs bool (logical) or i32 (bitwise) inputs, got {dtype}")
     return shape, dtype
 
 
@@ -144,9 +144,28 @@ elementwise("tanh", _float_unary_rule, _cast_like(np.tanh), api="tanh", float=("
 elementwise("logistic", _float_unary_rule, _cast_like(_sigmoid), api="sigmoid",
             float=("(1.0f / (1.0f + expf(-({x}))))", _logistic_llvm))
 elementwise("floor", _float_unary_rule, _cast_like(np.floor), api="floor", float=("floorf({x})", "llvm.floor"))
-elementwise("not", _not_rule, np.logical_not, api="logical_not",
+elementwise("not", _not_rule, np.invert, api="logical_not",
             bool=("(!{x})", lambda r, x: r.inst("xor", x, r.const(1, x))),
-            int=("(~{x})", lambda r, x: r.inst("xor", x, r.const(-1, x))))      # bitwise on i32 (Loop IR only)
+            int=("(~{x})", lambda r, x: r.inst("xor", x, r.const(-1, x))))      # bitwise on i32 (dsl's ~)
+
+
+# ---- numpy functions (issue 9): erf, log1p, expm1 and pow, through the C math library on every
+# backend (the CPU's LLVM calls libm; HIP and NVRTC have the same functions on the device)
+def _libm(name):
+    """An LLVM spelling that calls the C math library's float function ``name`` (``erff``)."""
+    return lambda r, *xs: r.libm(name, *xs)
+
+
+def _erf(x):
+    from math import erf
+    return np.vectorize(erf, otypes=[np.float64])(x)
+
+
+elementwise("erf", _float_unary_rule, _cast_like(_erf), api="erf", float=("erff({x})", _libm("erff")))
+elementwise("log1p", _float_unary_rule, _cast_like(np.log1p), api="log1p", float=("log1pf({x})", _libm("log1pf")))
+elementwise("expm1", _float_unary_rule, _cast_like(np.expm1), api="expm1", float=("expm1f({x})", _libm("expm1f")))
+# a float base to a float power (dsl.power turns integer and 0.5 exponents into products and sqrt first)
+elementwise("pow", _float_binary_rule, _cast_like(np.power), float=("powf({a}, {b})", "llvm.pow"))
 
 
 def _idiv(a, b):
@@ -208,9 +227,9 @@ for _name, _f in COMPARE.items():
     if _name in ("eq", "ne"):
         _kinds["bool"] = (_c, f"icmp_unsigned {_C_CMP[_name]}")
     elementwise(_name, _equal_rule if _name in ("eq", "ne") else _compare_rule, _f, compare=True, **_kinds)
-elementwise("and", _bool_rule, np.logical_and, api="logical_and",
-            bool=("({a} && {b})", "and_"), int=("({a} & {b})", "and_"))               # bitwise on i32 (Loop IR only)
-elementwise("or", _bool_rule, np.logical_or, api="logical_or", bool=("({a} || {b})", "or_"), int=("({a} | {b})", "or_"))
+elementwise("and", _bool_rule, np.bitwise_and, api="logical_and",
+            bool=("({a} && {b})", "and_"), int=("({a} & {b})", "and_"))               # bitwise on i32 (dsl's &)
+elementwise("or", _bool_rule, np.bitwise_or, api="logical_or", bool=("({a} || {b})", "or_"), int=("({a} | {b})", "or_"))
 
 
 def _select_rule(avals, **_):

@@ -55,7 +55,7 @@ def rope(x, pos, theta):
     """
     _, T, hd = x.shape
     half = hd // 2
-    inv_freq = dsl.exp(dsl.arange(half, "f32") * (-2.0 * math.log(theta) / hd))     # (half,)
+    inv_freq = dsl.exp(dsl.arange(half, dtype="f32") * (-2.0 * math.log(theta) / hd))     # (half,)
     t = (dsl.arange(T) + pos).astype("f32")                                       # (T,)
     ang = t[:, None] * inv_freq[None, :]                                          # (T, half)
     cos = dsl.concatenate([dsl.cos(ang), dsl.cos(ang)], axis=-1)                  # (T, hd)
