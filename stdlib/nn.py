@@ -19,6 +19,19 @@ def rms_norm(x, weight, eps):
     return x * dsl.rsqrt(ms + eps) * weight.astype("f32")
 
 
+def layer_norm(x, weight=None, bias=None, eps=1e-5):
+    """LayerNorm (Ba et al. 2016): (x - mean) / sqrt(var + eps) * weight + bias over the last axis.
+
+    x [..., D] (any float dtype; statistics in float32, two passes), weight, bias [D] or None
+    -> f32 [..., D].
+    """
+    x = x.astype("f32")
+    d = x - dsl.mean(x, axis=-1, keepdims=True)                 # (..., D)
+    y = d * dsl.rsqrt(dsl.mean(d * d, axis=-1, keepdims=True) + eps)
+    y = y if weight is None else y * weight.astype("f32")
+    return y if bias is None else y + bias.astype("f32")
+
+
 def silu(x):
     """SiLU / swish: x * sigmoid(x) (Elfwing et al. 2017)."""
     return x * dsl.sigmoid(x)

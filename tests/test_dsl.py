@@ -217,7 +217,7 @@ def test_numpy_ufuncs_and_functions_on_traced_values():
 
 
 @pytest.mark.parametrize("call, hint", [
-    (lambda x: np.power(x, 2), "x * x"), (lambda x: np.sort(x), "dsl functions"),
+    (lambda x: np.tan(x), "dsl.sin(x) / dsl.cos(x)"), (lambda x: np.median(x), "dsl functions"),
     (lambda x: np.add.reduce(x), "dsl.sum"), (lambda x: np.exp(x, out=x), "out="),
 ])
 def test_unsupported_numpy_calls_name_the_line_and_the_dsl_function(call, hint):
