@@ -29,3 +29,10 @@ from .numpy_api import (  # noqa: E402,F401
     split, squeeze, stack, std, tril, triu, var, zeros, zeros_like,
 )
 _array._numpy_names()
+# numpy's dtypes under jax.numpy's names (dsl.float32 is np.float32); bfloat16 from ml_dtypes is a
+# storage dtype: bf16 arrays are traced as f32 and converted on load
+from numpy import bool_, float16, float32, int32  # noqa: E402,F401
+try:
+    from ml_dtypes import bfloat16  # noqa: F401
+except ImportError:                  # pragma: no cover
+    pass

@@ -39,6 +39,15 @@ UNARY = {
     "sin": "dsl.sin({a})", "cos": "dsl.cos({a})", "exp": "dsl.exp(dsl.minimum({a}, 3.0))",
     "log": "dsl.log(dsl.abs({a}) + 0.5)", "sqrt": "dsl.sqrt(dsl.abs({a}) + 0.25)",
     "rsqrt": "dsl.rsqrt(dsl.abs({a}) + 0.5)", "np_exp": "np.exp(dsl.tanh({a}))",
+    # numpy and jax.nn functions (issue 9)
+    "erf": "dsl.erf({a})", "log1p": "dsl.log1p(dsl.abs({a}))", "expm1": "dsl.expm1(dsl.minimum({a}, 3.0))",
+    "square": "{a} ** 2", "pow": "(dsl.abs({a}) + 0.5) ** 1.5", "gelu": "dsl.nn.gelu({a})",
+    "softplus": "dsl.nn.softplus({a})",
+}
+ROW_OPS = {     # functions along one axis (issue 9); values only: argsort and indices are not continuous
+    "cumsum": "dsl.cumsum({a}, axis={ax}) * 0.1", "sort": "dsl.sort({a}, axis={ax})",
+    "log_softmax": "dsl.nn.log_softmax({a}, axis={ax})", "var": "dsl.var({a}, axis={ax})",
+    "top_k": "dsl.lax.top_k({a}, {k})[0]",
 }
 BINARY = {
     "add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / (dsl.abs({b}) + 0.5)",
@@ -46,7 +55,7 @@ BINARY = {
 }
 OPS = (list(UNARY) + list(BINARY) * 2 +
        ["where", "astype", "reduce", "reduce", "argmax", "reshape", "transpose", "slice", "concat",
-        "expand", "index", "take", "matmul", "matmul", "dus", "scalar", "qmatmul", "qtake"])
+        "expand", "index", "take", "matmul", "matmul", "dus", "scalar", "qmatmul", "qtake"] + list(ROW_OPS))
 QUANT = ("q4_0", "q4_1", "q8_0")
 # layout: a GEMV through one expert's weights picked by a runtime id (the MoE gather), (N, K) or (K, N)
 OPS += ["expert", "expert"]
@@ -120,7 +129,7 @@ class Writer:
     def op(self, o):
         import dsl
         name, pk, p = o["op"], o["pick"], o["p"]
-        fl = lambda v: v.dtype in ("f16", "f32")  # noqa: E731
+        fl = lambda v: v.var.dtype in ("f16", "f32")  # noqa: E731
         a = self.pick(pk[0], fl)
         if a is None:
             return None
@@ -137,7 +146,7 @@ class Writer:
                 return self.emit(f"dsl.where({an} {cmp} {bn}, {an}, {cn})")
             return self.emit(BINARY[name].format(a=an, b=bn))
         if name == "astype":
-            return self.emit(f"{an}.astype('{'f32' if av.dtype == 'f16' else 'f16'}')")
+            return self.emit(f"{an}.astype('{'f32' if av.var.dtype == 'f16' else 'f16'}')")
         if name == "scalar":
             return self.emit(f"{an} * {round(p[0] * 3 - 1.5, 2) or 0.5} + {round(p[1] - 0.5, 2)}")
         nd = av.ndim
@@ -155,6 +164,12 @@ class Writer:
             keep = p[3] < 0.5
             scale = " * 0.1" if fn == "sum" else ""
             return self.emit(f"dsl.{fn}({an}, axis={axis}{', keepdims=True' if keep else ''}){scale}")
+        if name in ROW_OPS:
+            if nd == 0:
+                return None
+            ax = int(p[0] * nd)
+            return self.emit(ROW_OPS[name].format(a=an, ax=ax - nd if p[1] < 0.5 else ax,
+                                                  k=1 + int(p[2] * min(3, av.shape[-1]))))
         if name == "reshape":
             if nd == 0:
                 return self.emit(f"{an}.reshape(1, 1)")
@@ -236,8 +251,8 @@ class Writer:
             if u is None:
                 return None
             un, uv = u
-            if uv.dtype != dv.dtype:
-                un = f"{un}.astype('{dv.dtype}')"
+            if uv.var.dtype != dv.var.dtype:
+                un = f"{un}.astype('{dv.var.dtype}')"
             pos = self.new_input((), "i32", "int", dv.shape[0] - uv.shape[0])
             starts = [pos] + [str(int(p[j % 4] * (dv.shape[j] - uv.shape[j] + 1))) for j in range(1, dv.ndim)]
             name_, val = self.emit(f"dsl.dynamic_update_slice({dn}, {un}, [{', '.join(starts)}])")
