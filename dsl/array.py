@@ -138,9 +138,7 @@ class Tracer:
     def squeeze(self, axis=None):
         return _npapi().squeeze(self, axis)
 
-    def var(self, axis=None, ddof=0, keepdims=False):
-        return _npapi().var(self, axis, ddof=ddof, keepdims=keepdims)
-
+    # (no .var(): ``Tracer.var`` is the traced IR variable; dsl.var(x, axis) is the variance)
     def std(self, axis=None, ddof=0, keepdims=False):
         return _npapi().std(self, axis, ddof=ddof, keepdims=keepdims)
 

@@ -109,6 +109,11 @@ class Var:
     def size(self):
         return int(np.prod(self.shape, dtype=np.int64))
 
+    def __call__(self, *args, **kwargs):
+        # a traced array's ``x.var`` is this Var: ``x.var(axis)`` (numpy's variance method) lands here
+        raise DSLError(f"{user_source()}: x.var(...) is not the variance here (x.var is the traced IR variable); "
+                       "use dsl.var(x, axis) or x.std(axis) ** 2")
+
 
 @dataclass(frozen=True)
 class Lit:
