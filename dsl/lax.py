@@ -10,15 +10,15 @@ from __future__ import annotations
 
 # ---- sorting and top-k
 # (issue 9, item 4)
-_RANK_SORT_MAX = 1024       # rows up to this long take top-k from one sort by ranks (O(n^2) compares)
+_RANK_SORT_MAX = 1024       # rows up to this long are ranked in one fused pass of comparisons (O(n^2))
 
 
 def top_k(operand, k):
     """The ``k`` largest entries along the last axis, largest first: (values, indices i32), each
     [..., k], as ``jax.lax.top_k``.  Equal values come in index order; NaN counts as the largest.
     A row of at most 1024 entries is ranked by one fused pass of comparisons (O(n^2)); a longer
-    one (a vocabulary) takes ``k`` passes of max and argmax (O(k n)), so keep ``k`` small there."""
-    from . import array as A
+    one (a vocabulary) is cut into blocks of max(128, 4k), each block's top k kept, and the
+    candidates (a quarter of the row or fewer) taken the same way: O(n max(128, 4k)) in all."""
     from . import numpy_api as N
     from .array import _dt
     from .core import DSLError, user_source
@@ -28,21 +28,38 @@ def top_k(operand, k):
     n = x.shape[-1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise DSLError(f"{user_source()}: top_k needs a static int k in [1, {n}], got {k!r}")
-    if n <= _RANK_SORT_MAX:
-        vals, ids = N._sorted(x, -1, k=k, descending=True)
-        return vals, ids
-    lowest = {"f16": float("-inf"), "f32": float("-inf"), "i32": -2 ** 31, "bool": False}[_dt(x)]
-    col = A.broadcast_to(A.iota((n,), 0), x.shape)
-    taken = A.broadcast_to(N.full((), False), x.shape)
-    vals, ids = [], []
-    for _ in range(k):
-        key = A.where(taken, lowest, x)
-        m = A.max(key, axis=-1, keepdims=True)
-        hit = (key == m) & ~taken
-        if _dt(x) in ("f16", "f32"):
-            hit = hit | ((key != key) & (m != m) & ~taken)       # NaN: the largest
-        i = N.argmax(hit, axis=-1, keepdims=True)
-        vals.append(m)
-        ids.append(i)
-        taken = taken | (col == i)
-    return A.concatenate(vals, axis=-1), A.concatenate(ids, axis=-1)
+    xs = x.astype("int32") if _dt(x) == "bool" else x
+    vals, ids = _top_k_ranked(xs, N.full(xs.shape, 0, "int32") + N.arange(n), k)
+    return (vals != 0 if _dt(x) == "bool" else vals), ids
+
+
+def _lowest(x):
+    from .array import _dt
+    return float("-inf") if _dt(x) in ("f16", "f32") else -2 ** 31
+
+
+def _top_k_ranked(x, ids, k):
+    """Top k of rows ``x`` (..., n) whose entries have original indices ``ids``, both ordered by
+    index: one rank pass, or blocks whose top k are ranked again (equal values keep index order,
+    since the candidates stay in block order)."""
+    from . import array as A
+    from . import numpy_api as N
+    n = x.shape[-1]
+    block = max(128, 4 * k)
+    nb = -(-n // block)
+    if n <= _RANK_SORT_MAX or nb * k >= n:
+        return _ranked(x, ids, k)
+    if nb * block > n:          # pad with the lowest value, after every real entry
+        pad = x.shape[:-1] + (nb * block - n,)
+        x = A.concatenate([x, N.full(pad, _lowest(x), x.dtype)], axis=-1)
+        ids = A.concatenate([ids, N.full(pad, n, "int32")], axis=-1)
+    lead = x.shape[:-1]
+    v, i = _ranked(x.reshape(lead + (nb, block)), ids.reshape(lead + (nb, block)), k)     # each block's top k
+    return _top_k_ranked(v.reshape(lead + (nb * k,)), i.reshape(lead + (nb * k,)), k)
+
+
+def _ranked(x, ids, k):
+    """Top k of rows ``x`` by one pass of comparisons: (values, ``ids`` at them)."""
+    from . import numpy_api as N
+    rank = N._ranks(x, descending=True)
+    return N._by_rank(rank, x, k), N._by_rank(rank, ids, k)

@@ -121,7 +121,7 @@ def ref_top_k(x, k):
     return np.take_along_axis(x, i, -1), i
 
 
-@pytest.mark.parametrize("n, k", [(8, 2), (33, 5), (1024, 3), (1500, 4), (5000, 2)])
+@pytest.mark.parametrize("n, k", [(8, 2), (33, 5), (1024, 3), (1500, 4), (5000, 2), (5000, 300), (1100, 1100)])
 def test_top_k_against_numpy(n, k):
     x = np.round(f32(3, n) * 4).astype(np.float32)      # ties
     x[0, n // 2] = np.nan
