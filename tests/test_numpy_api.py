@@ -224,6 +224,14 @@ def test_cumsum_var_std():
         assert (g.dtype.kind == "i") == (w.dtype.kind == "i"), i
 
 
+def test_cumsum_of_long_rows_goes_by_blocks():
+    x, b = f32(3, 1000), i32(20000, lo=-9, hi=9)
+    y, yb, y0 = dsl.jit(lambda x, b: (dsl.cumsum(x, axis=1), dsl.cumsum(b), dsl.cumsum(x, axis=0)))(x, b)
+    close(y, f64(x).cumsum(1), 1e-4)
+    np.testing.assert_array_equal(yb, b.cumsum())
+    close(y0, f64(x).cumsum(0), 1e-5)
+
+
 def test_variance_is_two_pass_not_cancelled():
     x = f32(4, 256) + np.float32(1e4)          # a large mean: E[x^2] - E[x]^2 would lose every digit in f32
     v = dsl.jit(lambda x: dsl.var(x, axis=1))(x)
