@@ -574,7 +574,8 @@ def einsum(subscripts, *operands):
     """Einstein summation, as ``jnp.einsum``: ``'bhqd,bhkd->bhqk'``, ``'td,dn->tn'``, ``'...d,nd->...n'``.
     Operands are contracted left to right, each pair as one ``dot`` (matmul when the second one is
     stored [K, N], else dot_t), with f32 accumulation; integer operands are refused (as ``dot``).
-    Differs from JAX: no repeated index within one operand (diagonals), no ``optimize`` order."""
+    Differs from JAX: no repeated index within one operand (diagonals), no broadcasting of a size-1
+    dim against a longer one, no ``optimize`` order."""
     if not isinstance(subscripts, str):
         raise DSLError(f"{user_source()}: einsum needs a subscripts string first, e.g. 'td,nd->tn'")
     xs = [_tracer(x) for x in operands]

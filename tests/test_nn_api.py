@@ -79,6 +79,12 @@ def test_log_softmax_logsumexp_softmax_against_float64():
         close(g, w, 2e-5)
 
 
+def test_logsumexp_with_weights():
+    x, w = f32(4, 30, scale=3.0), np.abs(f32(4, 30)) + 0.1
+    y = dsl.jit(lambda x, w: dsl.nn.logsumexp(x, axis=1, b=w))(x, w)
+    close(y, np.log(np.sum(f64(w) * np.exp(f64(x)), axis=1)), 1e-5)
+
+
 def test_log_softmax_and_logsumexp_are_stable_for_huge_logits_and_masked_rows():
     x = f32(4, 50, scale=1e4)                           # exp overflows f32 without the max subtracted
     x[1] = -np.inf                                      # a fully masked row

@@ -341,3 +341,16 @@ def test_the_new_kernels_compile_for_gfx906():
 def test_the_var_method_is_a_clear_error():
     with pytest.raises(DSLError, match="use dsl.var\\(x, axis\\)"):
         dsl.jit(lambda x: x.var(axis=0))(f32(3, 4))
+
+
+def test_numpy_functions_on_traced_values_use_the_new_functions():
+    x = f32(4, 9)
+    got = dsl.jit(lambda x: (np.sum(x > 0), np.power(x, 2), np.square(x), np.var(x, axis=0), np.std(x),
+                             np.cumsum(x, axis=1), np.sort(x), np.argmin(x, axis=1), np.clip(x, -0.2, 0.2),
+                             np.stack([x, x]), np.tril(x), np.einsum("ij,kj->ik", x, x), np.log1p(np.abs(x)),
+                             np.min(x, axis=0), np.floor_divide(x, 0.5), np.remainder(x, 0.5)))(x)
+    X = f64(x)
+    want = (np.sum(x > 0), X ** 2, X ** 2, X.var(0), X.std(), X.cumsum(1), np.sort(x), x.argmin(1), np.clip(x, -0.2, 0.2),
+            np.stack([x, x]), np.tril(x), X @ X.T, np.log1p(np.abs(X)), x.min(0), X // 0.5, X % 0.5)
+    for i, (g, w) in enumerate(zip(got, want)):
+        close(g, w, 2e-5)
