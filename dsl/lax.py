@@ -28,7 +28,7 @@ def top_k(operand, k):
     n = x.shape[-1]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise DSLError(f"{user_source()}: top_k needs a static int k in [1, {n}], got {k!r}")
-    xs = x.astype("int32") if _dt(x) == "bool" else x
+    xs = N._barrier(x.astype("int32") if _dt(x) == "bool" else x)     # compared with itself: the same bits
     vals, ids = _top_k_ranked(xs, N.full(xs.shape, 0, "int32") + N.arange(n), k)
     return (vals != 0 if _dt(x) == "bool" else vals), ids
 
@@ -63,3 +63,14 @@ def _ranked(x, ids, k):
     from . import numpy_api as N
     rank = N._ranks(x, descending=True)
     return N._by_rank(rank, x, k), N._by_rank(rank, ids, k)
+
+
+def optimization_barrier(operand):
+    """``operand`` (an array, or a tuple or list of arrays) unchanged, each computed once into a
+    buffer that every reader loads, as ``jax.lax.optimization_barrier``: fusion does not recompute
+    it inside its consumers (whose loops may vectorize it differently, so that a value compared
+    with itself could differ in its last bit)."""
+    from . import numpy_api as N
+    if isinstance(operand, (tuple, list)):
+        return type(operand)(N._barrier(N._tracer(x)) for x in operand)
+    return N._barrier(N._tracer(operand))

@@ -229,6 +229,8 @@ def cumsum(x, axis=None, dtype=None):
     elif _dt(x) == "bool":
         x = astype(x, "i32")
     xt, back = _to_last(x, axis)
+    if _dt(xt) == "f16":        # the blocks' sums and totals stay f32; one rounding at the end
+        return astype(transpose(_cumsum_last(astype(xt, "f32")), back), "f16")
     return transpose(_cumsum_last(xt), back)
 
 
@@ -270,6 +272,11 @@ def _before(xj, xi, j, i, descending=False):
     return less | (equal & (j < i))
 
 
+def _barrier(x):
+    """``x`` computed once into a buffer (see ``dsl.lax.optimization_barrier``)."""
+    return bind(P["optimization_barrier"], x)
+
+
 def _ranks(xt, descending=False):
     """The position of each element of the last axis in its stably sorted row, i32 (..., n)."""
     n = xt.shape[-1]
@@ -296,6 +303,7 @@ def _sorted(x, axis, k=None, descending=False):
     if x.ndim == 0:
         raise DSLError(f"{user_source()}: cannot sort a scalar")
     xt, back = _to_last(x, axis)
+    xt = _barrier(xt)           # compared with itself: every comparison must see the same bits
     n = xt.shape[-1]
     rank = _ranks(xt, descending)
     idx = broadcast_to(A.iota((n,), 0), xt.shape)

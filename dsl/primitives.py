@@ -168,6 +168,12 @@ elementwise("expm1", _float_unary_rule, _cast_like(np.expm1), api="expm1", float
 elementwise("pow", _float_binary_rule, _cast_like(np.power), float=("powf({a}, {b})", "llvm.pow"))
 
 
+# its value is computed once and stored (fusion/partition.py materializes it): every reader sees the
+# same bits, which comparisons of a value with itself (sort, top_k ranks) need when the value's
+# expression would otherwise be recomputed in differently vectorized loops
+primitive("optimization_barrier", "elementwise", lambda avals: avals[0], lambda x: x)
+
+
 def _idiv(a, b):
     """C division (truncating toward zero) for ints, with a defined result where C has none:
     x / 0 is 0 and INT_MIN / -1 wraps to INT_MIN.  Floats: a / b."""

@@ -231,4 +231,5 @@ class _Rules(dict):
 LOWER = _Rules({name: _elementwise(name) for name in L.OPS})      # every op defined in dsl/primitives.py
 LOWER.update(select=_select, convert=_convert, iota=_iota, broadcast_in_dim=_broadcast,
              transpose=_transpose, reshape=_reshape, slice=_slice, concatenate=_concatenate,
-             take=_take, dequantize=_dequantize)
+             take=_take, dequantize=_dequantize,
+             optimization_barrier=lambda b, e, idx: b.expr(e.inputs[0], idx))     # a copy (always materialized)

@@ -105,7 +105,7 @@ def materialize(g: Graph, rules) -> set:
     m = set(g.prog.inputs) | set(g.outputs)
     for e in g.prog.eqns:
         kind, name = e.prim.kind, e.prim.name
-        if kind in ("contract", "opaque") or name == "dynamic_update_slice" or (
+        if kind in ("contract", "opaque") or name in ("dynamic_update_slice", "optimization_barrier") or (
                 kind == "reduce" and "reduce" not in rules):
             m.add(e.out)
         if kind == "opaque":
