@@ -319,9 +319,10 @@ def test_erf_log1p_expm1_against_float64():
 
 def test_log1p_and_expm1_keep_the_digits_that_log_and_exp_lose():
     t = (np.abs(f32(64)) * 1e-7 + 1e-9).astype(np.float32)
-    good, naive = dsl.jit(lambda t: (dsl.log1p(t), dsl.log(1.0 + t)))(t)
-    rel = lambda g: np.max(np.abs(f64(g) / np.log1p(f64(t)) - 1))      # noqa: E731
-    assert rel(good) < 1e-6 < rel(naive)
+    good, naive, good_e, naive_e = dsl.jit(lambda t: (dsl.log1p(t), dsl.log(1.0 + t), dsl.expm1(t), dsl.exp(t) - 1.0))(t)
+    rel = lambda g, w: np.max(np.abs(f64(g) / w - 1))      # noqa: E731
+    assert rel(good, np.log1p(f64(t))) < 1e-6 < rel(naive, np.log1p(f64(t)))
+    assert rel(good_e, np.expm1(f64(t))) < 1e-6 < rel(naive_e, np.expm1(f64(t)))
 
 
 # ----------------------------------------------------------------------------- gfx906
