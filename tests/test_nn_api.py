@@ -168,3 +168,31 @@ def test_the_nn_kernels_compile_for_gfx906():
     low = dsl.jit(f).lower(f32(4, 64), f32(64), f32(64), f32(1, 2048))
     for k in build_plan(low.program, None, low.in_names, low.donated).kernels:
         compile_hip(render_hip(k, "gfx906").source, k.name)
+
+
+def test_top_k_routes_a_moe_layer_that_reads_only_the_chosen_experts():
+    """lax.top_k + nn.softmax as a JAX user writes the router: the ids feed the expert gathers,
+    which fuse into the GEMVs (each weight's traffic is two experts of eight)."""
+    from codegen.loopir import buffer_traffic
+    E, D, F = 8, 64, 96
+    x, wr = f32(1, D), f32(E, D)
+    wg, wd = f32(E, F, D) * D ** -0.5, f32(E, D, F) * F ** -0.5
+
+    def moe(x, wr, wg, wd):
+        vals, ids = dsl.lax.top_k(dsl.dot_t(x, wr).reshape(E), 2)
+        p = dsl.nn.softmax(vals)
+        return sum(p[i] * dsl.dot_t(dsl.nn.gelu(dsl.dot_t(x, dsl.take(wg, ids[i]))), dsl.take(wd, ids[i]))
+                   for i in range(2))
+    f = dsl.jit(moe)
+    logits = f64(wr) @ f64(x)[0]
+    top = np.argsort(-logits, kind="stable")[:2]
+    p = np.exp(logits[top] - logits[top].max())
+    p /= p.sum()
+    gelu = lambda h: 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))   # noqa: E731
+    want = sum(pe * (f64(wd[e]) @ gelu(f64(wg[e]) @ f64(x)[0])) for e, pe in zip(top, p))[None]
+    close(f(x, wr, wg, wd), want, 2e-5)
+    traffic = {}
+    for k in f.compile(x, wr, wg, wd).plan.kernels:
+        for name, n in buffer_traffic(k).items():
+            traffic[name] = traffic.get(name, 0) + n
+    assert traffic["wg"] == wg.nbytes * 2 // E and traffic["wd"] == wd.nbytes * 2 // E
