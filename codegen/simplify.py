@@ -289,9 +289,20 @@ def _by_range(e, env):
     return None
 
 
+def _logic(e):
+    """x && true, true && x, x || false, false || x -> x; x && false -> false; x || true -> true."""
+    if not isinstance(e, L.Bin) or e.op not in ("and", "or") or e.dtype != "bool":
+        return None
+    for x, c in ((e.a, e.b), (e.b, e.a)):
+        if _const(c):
+            return x if bool(c.value) == (e.op == "and") else c
+    return None
+
+
 RULES = (                           # (name, rule(expr, env) -> simpler expr or None)
     ("fold constants", lambda e, env: _fold_const(e)),
     ("identities", lambda e, env: _identity(e)),
+    ("logic", lambda e, env: _logic(e)),
     ("ranges", _by_range),
 )
 

@@ -36,3 +36,4 @@ try:
     from ml_dtypes import bfloat16  # noqa: F401
 except ImportError:                  # pragma: no cover
     pass
+from .array import take_along_axis  # noqa: F401,E402  (indexing: x[ids], x.at[...], dsl.take(axis=))

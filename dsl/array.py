@@ -375,15 +375,21 @@ def concatenate(xs, axis=0):
 
 
 def getitem(x, idx):
-    """Static indexing: ints, slices with step 1, ``None`` and ``...``."""
+    """``x[idx]`` as in numpy and JAX: ints, slices (any step), ``None``, ``...``, and integer
+    index arrays (traced, or small static lists / numpy arrays) with numpy's advanced-indexing
+    rules; a traced scalar ``i`` in ``x[i]`` or ``x[i, :, j]`` is a 0-d index array.  Negative
+    indices count from the end; traced indices still out of range are clamped (as JAX does for
+    gathers).  A boolean mask (``x[mask]``) has a data-dependent shape: use ``dsl.where``.
+    Errors (float or bool index, too many indices, a static index out of range) name the line."""
     if not isinstance(idx, tuple):
         idx = (idx,)
-    if any(isinstance(i, Tracer) for i in idx):
-        raise DSLError(f"{user_source()}: indexing with a traced value; use dsl.take or dsl.dynamic_update_slice")
+    if any(_advanced(i) or (isinstance(i, slice) and i.step not in (None, 1)) for i in idx):
+        return _gather_index(asarray(x), idx)
     for i in idx:
         if not (i is None or i is Ellipsis or isinstance(i, slice)
                 or (isinstance(i, (int, np.integer)) and not isinstance(i, bool))):
-            raise DSLError(f"{user_source()}: index {i!r} is not supported; use ints, slices, None and ...")
+            raise DSLError(f"{user_source()}: index {i!r} is not supported; use ints, slices, None, ... "
+                           "and integer arrays")
     if [i is Ellipsis for i in idx].count(True) > 1:
         raise DSLError(f"{user_source()}: an index can hold one ... only")
     if len([i for i in idx if i is not None and i is not Ellipsis]) > x.ndim:
@@ -408,7 +414,7 @@ def getitem(x, idx):
         else:
             j = int(i) + n if int(i) < 0 else int(i)
             if not 0 <= j < n:
-                raise DSLError(f"{user_source()}: index {i} out of range for axis of size {n}")
+                raise DSLError(f"{user_source()}: index {i} out of range for axis {dim} of size {n}")
             start.append(j), limit.append(j + 1)
         dim += 1
     y = x if (tuple(start) == (0,) * x.ndim and tuple(limit) == x.shape) else slice_(x, start, limit)
@@ -493,9 +499,33 @@ def _dot(a, b, trans_b):
     return y
 
 
-def take(x, ids):
-    """Rows of ``x`` [V, ...] at integer ``ids`` [...] -> ids.shape + x.shape[1:] (embedding lookup)."""
-    return bind(P["take"], _float(x), asarray(ids, "i32"))
+def take(x, ids, axis=0, mode=None, fill_value=None, *, unique_indices=False, indices_are_sorted=False):
+    """``x`` at integer ``ids`` along ``axis``: shape x.shape[:axis] + ids.shape + x.shape[axis+1:]
+    (``take(emb, ids)`` is an embedding lookup; a quantized ``x`` is dequantized as it is read).
+
+    ``mode``: None or "clip" clamps indices into [0, n) (negative ones to 0), "wrap" takes them
+    modulo n, "fill" counts negative ones from the end once and gives ``fill_value`` (NaN for
+    floats, the most negative i32, True) for those still out of range.  Differs from ``jnp.take``: the default axis is
+    0 (JAX's None flattens ``x``; pass axis=None for that) and the default mode clamps (JAX's
+    fills with NaN)."""
+    x, ids = _float(x), _index_array(ids, "take")
+    if axis is None:
+        x, axis = reshape(x, (x.size,)), 0
+    axis = normalize_axis(axis, x.ndim)
+    n = x.shape[axis]
+    if mode not in (None, "clip", "wrap", "fill", "promise_in_bounds"):
+        raise DSLError(f"{user_source()}: take mode {mode!r}; use None, 'clip', 'wrap' or 'fill'")
+    if mode == "wrap":
+        ids = _binary("mod", _binary("add", _binary("mod", ids, n), n), n)
+    elif mode == "fill":
+        ids = where(_binary("lt", ids, 0), _binary("add", ids, n), ids)
+    y = bind(P["take"], x, ids) if axis == 0 else _gather_index(
+        x, (slice(None),) * axis + (ids,), normalize=False)
+    if mode != "fill":
+        return y
+    ok = _binary("and", _binary("ge", ids, 0), _binary("lt", ids, n))
+    ok = broadcast_to(reshape(ok, (1,) * axis + ids.shape + (1,) * (x.ndim - axis - 1)), y.shape)
+    return where(ok, y, _fill(_dt(y), fill_value))
 
 
 def dynamic_update_slice(x, update, starts):
@@ -567,3 +597,276 @@ def _numpy_names():
     for name in ("square", "power", "floor_divide", "log1p", "expm1", "min", "amin", "argmin", "clip",
                  "logical_not"):
         _ALTERNATIVES.pop(name, None)
+
+
+# ----------------------------------------------------------------------------- indexing
+# x[ids], x[i, :, j], take_along_axis and x.at[idx].set/add/mul/min/max, all through two primitives:
+# gather (one clamped index array per dim of x, all of the output's shape) and scatter (the same,
+# the update combined into a copy of x, or into x in place when it is donated; out-of-range dropped)
+_MAX_STATIC_IDS = 64          # a static index list becomes a constant array of at most this many ids
+_MASK_FIX = "a boolean mask has a data-dependent shape; use dsl.where(mask, x, 0) (or another fill value)"
+
+
+def _advanced(i):
+    """Is index entry ``i`` an index array (traced, a list or a numpy array, not a slice or int)?"""
+    return isinstance(i, (Tracer, list, np.ndarray))
+
+
+def _index_array(i, what):
+    """Index entry ``i`` as an i32 Tracer (or Lit); DSLError for float or bool indices and masks."""
+    if isinstance(i, (list, np.ndarray)):
+        a = np.asarray(i)
+        if a.dtype == bool:
+            raise DSLError(f"{user_source()}: {what} with a boolean mask: {_MASK_FIX}")
+        if a.dtype.kind not in "iu" and a.size:
+            raise DSLError(f"{user_source()}: {what} index {i!r} is not an integer array")
+        return _index_array(_const_ids(a.astype(np.int64)), what)
+    if isinstance(i, (int, np.integer)) and not isinstance(i, bool):
+        i = Lit(int(i), "i32")
+    if isinstance(i, Lit) and i.dtype == "i32":             # a 0-d traced constant
+        return bind(P["broadcast_in_dim"], i, shape=(), dims=())
+    if not isinstance(i, Tracer):
+        raise DSLError(f"{user_source()}: {what} index {i!r} is not supported; use ints, slices, None, ... "
+                       "and integer arrays")
+    if _dt(i) == "bool":
+        raise DSLError(f"{user_source()}: {what} with a boolean mask: {_MASK_FIX}")
+    if _dt(i) != "i32":
+        raise DSLError(f"{user_source()}: {what} index must be an integer array, got {i.dtype}; "
+                       "convert it with .astype('i32')")
+    return i
+
+
+def _const_ids(a):
+    """A static integer array as a traced i32 constant (an arithmetic progression is an iota)."""
+    if a.size == 0 or a.size > _MAX_STATIC_IDS:
+        raise DSLError(f"{user_source()}: a static index array of {a.size} ids is not supported "
+                       f"(1 to {_MAX_STATIC_IDS}); pass the ids as an argument of the jitted function")
+    if np.any(np.abs(a) >= 2 ** 31):
+        raise DSLError(f"{user_source()}: index {a.ravel()[np.argmax(np.abs(a.ravel()))]} does not fit in i32")
+    if a.ndim == 0:
+        return Lit(int(a), "i32")
+    flat = a.ravel()
+    step = int(flat[1] - flat[0]) if flat.size > 1 else 0
+    if np.array_equal(flat, flat[0] + step * np.arange(flat.size)):
+        ids = iota((flat.size,))
+        ids = ids if step == 1 else _binary("mul", ids, step)
+        ids = ids if flat[0] == 0 else _binary("add", ids, int(flat[0]))
+    else:
+        ids = concatenate([broadcast_to(Lit(int(v), "i32"), (1,)) for v in flat])
+    return reshape(ids, a.shape)
+
+
+def _expand_index(x, idx, what):
+    """The entries of index tuple ``idx`` for ``x``: ``...`` expanded, every entry None, a slice,
+    a static int (checked, made non-negative) or an i32 index array (a Tracer)."""
+    if [i is Ellipsis for i in idx].count(True) > 1:
+        raise DSLError(f"{user_source()}: an index can hold one ... only")
+    real = [i for i in idx if i is not None and i is not Ellipsis]
+    if len(real) > x.ndim:
+        raise DSLError(f"{user_source()}: too many indices ({len(real)}) for an array of rank {x.ndim}")
+    k = next((j for j, i in enumerate(idx) if i is Ellipsis), len(idx))
+    idx = tuple(idx[:k]) + (slice(None),) * (x.ndim - len(real)) + tuple(idx[k + 1:])
+    out, dim = [], 0
+    for i in idx:
+        if i is None or isinstance(i, slice):
+            out.append(i)
+        elif isinstance(i, (int, np.integer)) and not isinstance(i, bool):
+            n = x.shape[dim]
+            if not -n <= int(i) < n:
+                raise DSLError(f"{user_source()}: index {int(i)} out of range for axis {dim} of size {n}")
+            out.append(int(i) % n)
+        else:
+            out.append(_index_array(i, what))
+        dim += i is not None
+    return out
+
+
+def _index_plan(x, entries, normalize=True):
+    """Numpy's advanced indexing as one index array per dim of ``x``, all of the result's shape.
+
+    Returns (shape, ids, (first, count)): the index arrays broadcast together to shape B, placed
+    where the first of them stands when they are adjacent in the index, else first (numpy's
+    rule); ``first, count``: where B's dims sit in ``shape``.  Static ints join the index arrays.
+    Gather and scatter count negative indices from the end; ``normalize=False`` clamps them to 0."""
+    adv = [k for k, t in enumerate(entries) if t is not None and not isinstance(t, slice)]
+    arrays = {k: (Lit(entries[k], "i32") if isinstance(entries[k], int) else entries[k]) for k in adv}
+    bshape = broadcast_shapes(*[a.shape for a in arrays.values()]) if adv else ()
+    adjacent = adv == list(range(adv[0], adv[-1] + 1)) if adv else True
+    shape, first, dims = ([] if adjacent else list(bshape)), 0, {}
+    dim = 0
+    for k, t in enumerate(entries):
+        if t is None:
+            shape.append(1)
+            continue
+        if isinstance(t, slice):
+            start, stop, step = t.indices(x.shape[dim])
+            dims[dim] = (len(shape), start, step)
+            shape.append(len(range(start, stop, step)))
+        elif adjacent and k == adv[0]:
+            first = len(shape)
+            shape += list(bshape)
+        dim += 1
+    shape, ids, dim = tuple(shape), [], 0
+    for k, t in enumerate(entries):
+        if t is None:
+            continue
+        n = x.shape[dim]
+        if isinstance(t, slice):
+            q, start, step = dims[dim]
+            i = iota(shape, q)
+            i = i if step == 1 else _binary("mul", i, step)
+            ids.append(i if start == 0 else _binary("add", i, start))
+        else:
+            a = arrays[k]
+            if not normalize and isinstance(a, Tracer):       # negative indices clamp to 0
+                a = _binary("max", a, 0)
+            at = tuple(range(first + len(bshape) - a.ndim, first + len(bshape)))
+            ids.append(a if a.shape == shape else bind(P["broadcast_in_dim"], a, shape=shape, dims=at))
+        dim += 1
+    return shape, ids, (first, len(bshape))
+
+
+def _gather_index(x, idx, normalize=True):
+    """``x[idx]`` for an index with index arrays or slice steps (see ``getitem``)."""
+    x = _float(x)
+    entries = _expand_index(x, tuple(idx), "indexing")
+    real = [t for t in entries if t is not None]
+    if (isinstance(real[0], Tracer) and all(t is not None for t in entries)
+            and all(isinstance(t, slice) and t == slice(None) for t in real[1:])):
+        ids = real[0]                                              # rows: the embedding lookup
+        if normalize:
+            ids = where(_binary("lt", ids, 0), _binary("add", ids, x.shape[0]), ids)
+        return bind(P["take"], x, ids)
+    shape, ids, _ = _index_plan(x, entries, normalize)
+    return bind(P["gather"], x, *ids)
+
+
+def take_along_axis(arr, indices, axis=-1, mode=None, fill_value=None):
+    """``out[..., i, ...] = arr[..., indices[..., i, ...], ...]`` along ``axis``, as
+    ``jnp.take_along_axis``: ``indices`` (integers, the rank of ``arr``) broadcasts with ``arr`` in
+    the other dims; axis None takes from ``arr`` flattened (1-d ``indices``).  Negative indices
+    count from the end; those still out of range give ``fill_value`` (mode None or "fill": NaN for
+    floats, the most negative i32, True) or are clamped (mode "clip")."""
+    arr, indices = _float(arr), _index_array(indices, "take_along_axis")
+    if axis is None:
+        arr, axis = reshape(arr, (arr.size,)), 0
+    if indices.ndim != arr.ndim:
+        raise DSLError(f"{user_source()}: take_along_axis needs indices of the rank of arr ({arr.ndim}), "
+                       f"got {list(indices.shape)}")
+    if mode not in (None, "clip", "fill", "promise_in_bounds"):
+        raise DSLError(f"{user_source()}: take_along_axis mode {mode!r}; use None ('fill') or 'clip'")
+    axis = normalize_axis(axis, arr.ndim)
+    n = arr.shape[axis]
+    other = broadcast_shapes(*[tuple(1 if d == axis else s for d, s in enumerate(a.shape)) for a in (arr, indices)])
+    shape = tuple(indices.shape[axis] if d == axis else s for d, s in enumerate(other))
+    ids = broadcast_to(indices, shape)             # gather counts negative indices from the end
+    per_dim = [ids if d == axis else iota(shape, d) if arr.shape[d] > 1 else broadcast_to(Lit(0, "i32"), shape)
+               for d in range(arr.ndim)]
+    y = bind(P["gather"], arr, *per_dim)
+    if mode not in (None, "fill"):
+        return y
+    ok = _binary("and", _binary("ge", ids, -n), _binary("lt", ids, n))
+    return where(ok, y, _fill(_dt(y), fill_value))
+
+
+def _fill(dtype, value):
+    """JAX's fill value for out-of-range gathers: NaN for floats, the most negative i32, True."""
+    if value is not None:
+        return value
+    return {"i32": -2 ** 31, "bool": True}.get(dtype, float("nan"))
+
+
+class _IndexUpdate:
+    """``x.at[idx]``: functional updates of the elements ``x[idx]`` selects, like JAX's ``.at``.
+
+    ``set``, ``add``, ``mul``, ``min``, ``max`` return a new array (written into ``x`` in place when
+    ``x`` is a donated argument that nothing later reads); ``get`` is ``x[idx]``.  ``values``
+    broadcast to the shape of ``x[idx]`` and are cast to ``x``'s dtype.  Negative indices count
+    from the end; traced indices still out of range are dropped (mode None, "drop" or "fill", as
+    JAX), or clamped (mode "clip").  Repeated indices: ``add``/``mul``/``min``/``max`` combine every
+    update, ``set`` keeps the last (JAX leaves that unspecified).  ``unique_indices=True`` promises
+    no repeats, so the updates also run in parallel over the index arrays."""
+
+    def __init__(self, x, idx):
+        self.x, self.idx = x, idx if isinstance(idx, tuple) else (idx,)
+
+    def get(self, *, indices_are_sorted=False, unique_indices=False, mode=None, fill_value=None):
+        """``x[idx]`` (out-of-range traced indices clamp; JAX's mode="fill" is not supported here:
+        use ``dsl.take(..., mode="fill")``)."""
+        if mode not in (None, "clip", "promise_in_bounds") or fill_value is not None:
+            raise DSLError(f"{user_source()}: .at[...].get supports mode None or 'clip' (indices clamp); "
+                           "for a fill value use dsl.take(x, ids, axis, mode='fill', fill_value=...)")
+        return getitem(self.x, self.idx)
+
+    def _apply(self, op, values, mode, unique_indices):
+        x = asarray(self.x)
+        if mode not in (None, "drop", "fill", "clip", "promise_in_bounds"):
+            raise DSLError(f"{user_source()}: .at[...].{op} mode {mode!r}; use None, 'drop' or 'clip'")
+        if op != "set" and _dt(x) == "bool":
+            raise DSLError(f"{user_source()}: .at[...].{op} on a bool array; convert it with .astype('i32')")
+        entries = _expand_index(x, self.idx, f".at[...].{op}")
+        if any(t is None for t in entries):
+            raise DSLError(f"{user_source()}: None in an .at[...] index adds no element to update; drop it")
+        shape, ids, (first, nb) = _index_plan(x, entries)
+        if mode == "clip":
+            ids = [_binary("max", _binary("min", i, n - 1), 0) for i, n in zip(ids, x.shape)]
+        v = asarray(values, _dt(x)) if not isinstance(values, Tracer) else values
+        v = v if _dt(v) == _dt(x) else astype(v, _dt(x))
+        if len(v.shape) > len(shape) or any(a not in (1, b) for a, b in zip(v.shape[::-1], shape[::-1])):
+            raise DSLError(f"{user_source()}: .at[...].{op} values of shape {list(v.shape)} do not broadcast "
+                           f"to the indexed shape {list(shape)}")
+        v = broadcast_to(v, shape)
+        batch = 0 if unique_indices else nb
+        perm = [q for q in range(len(shape)) if not first <= q < first + nb] + list(range(first, first + nb))
+        v, ids = transpose(v, perm), [transpose(i, perm) for i in ids]
+        return bind(P["scatter"], x, v, *ids, op=op, batch=batch)
+
+    def set(self, values, *, indices_are_sorted=False, unique_indices=False, mode=None):
+        return self._apply("set", values, mode, unique_indices)
+
+    def add(self, values, *, indices_are_sorted=False, unique_indices=False, mode=None):
+        return self._apply("add", values, mode, unique_indices)
+
+    def mul(self, values, *, indices_are_sorted=False, unique_indices=False, mode=None):
+        return self._apply("mul", values, mode, unique_indices)
+
+    multiply = mul
+
+    def min(self, values, *, indices_are_sorted=False, unique_indices=False, mode=None):  # noqa: A003
+        return self._apply("min", values, mode, unique_indices)
+
+    def max(self, values, *, indices_are_sorted=False, unique_indices=False, mode=None):  # noqa: A003
+        return self._apply("max", values, mode, unique_indices)
+
+
+class _At:
+    def __init__(self, x):
+        self.x = x
+
+    def __getitem__(self, idx):
+        return _IndexUpdate(self.x, idx)
+
+
+Tracer.at = property(lambda self: _At(self), doc="``x.at[idx].set(v)`` and friends: see ``_IndexUpdate``.")
+_FUNCTIONS["take_along_axis"] = take_along_axis
+
+
+def _np_take(a, indices, axis=None, out=None, mode=None):
+    """``np.take`` on a traced value: numpy's default axis (None: ``a`` flattened)."""
+    if out is not None:
+        raise DSLError(f"{user_source()}: numpy.take with out= is not supported on traced values")
+    return take(a, indices, axis, "clip" if mode in (None, "raise") else mode)
+
+
+_np_take.__name__ = "take"
+_FUNCTIONS["take"] = _np_take
+
+
+def jnp_take(a, indices, axis=None, out=None, mode=None, unique_indices=False, indices_are_sorted=False,
+             fill_value=None):
+    """``jnp.take`` exactly (``dsl.numpy.take``): axis None flattens ``a``; mode None is "fill"
+    (NaN for floats out of range).  ``dsl.take`` differs in its defaults (axis 0, clamping)."""
+    if out is not None:
+        raise DSLError(f"{user_source()}: take with out= is not supported")
+    return take(a, indices, axis, "fill" if mode is None else mode, fill_value)
+# ---- end of indexing

@@ -5,6 +5,99 @@ Each function's docstring says where it differs from JAX.
 from __future__ import annotations
 
 # ---- slicing and indexing
+from . import array as _a  # noqa: E402
+from .core import DSLError as _DSLError, PRIMITIVES as _P, bind as _bind, user_source as _where  # noqa: E402
+
+# (jax.lax.slice is left out: named `slice`, it would hide the builtin in this module; x[a:b:s] is it)
+
+
+def _starts(operand, start_indices, sizes, what):
+    """The start indices as i32 scalars, each clamped so that ``sizes`` fit (JAX's rule)."""
+    if not isinstance(start_indices, (list, tuple)) or len(start_indices) != operand.ndim:
+        raise _DSLError(f"{_where()}: {what} needs one start index per dimension of the operand "
+                        f"({operand.ndim}), got {start_indices!r}")
+    out = []
+    for s, n, m in zip(start_indices, sizes, operand.shape):
+        if isinstance(s, _a.Tracer) and (s.shape != () or _a._dt(s) != "i32"):
+            raise _DSLError(f"{_where()}: {what} start indices must be i32 scalars, got {s.dtype}{list(s.shape)}")
+        if isinstance(s, _a.Tracer):
+            out.append(_a._binary("max", _a._binary("min", s, m - n), 0))
+        elif isinstance(s, int) and not isinstance(s, bool):
+            out.append(min(max(int(s), 0), m - n))
+        else:
+            raise _DSLError(f"{_where()}: {what} start index {s!r} is not an int or a traced i32 scalar")
+    return out
+
+
+def slice_in_dim(operand, start_index, limit_index, stride=1, axis=0):
+    """``operand[..., start:limit:stride, ...]`` along ``axis``, as ``jax.lax.slice_in_dim``."""
+    operand = _a.asarray(operand)
+    axis = _a.normalize_axis(axis, operand.ndim)
+    return operand[(slice(None),) * axis + (slice(start_index, limit_index, stride),)]
+
+
+def index_in_dim(operand, index, axis=0, keepdims=True):
+    """``operand``'s static element ``index`` along ``axis``, as ``jax.lax.index_in_dim``."""
+    operand = _a.asarray(operand)
+    axis = _a.normalize_axis(axis, operand.ndim)
+    y = operand[(slice(None),) * axis + (index,)]
+    return _a.expand_dims(y, axis) if keepdims else y
+
+
+def dynamic_slice(operand, start_indices, slice_sizes):
+    """``operand[s0:s0+n0, s1:s1+n1, ...]`` at runtime starts (ints or traced i32 scalars), as
+    ``jax.lax.dynamic_slice``: each start is clamped so the slice fits.  Inlined into the kernel
+    that reads it (a load at shifted indices), never a copy."""
+    operand = _a.asarray(operand)
+    sizes = tuple(int(n) for n in slice_sizes)
+    if len(sizes) != operand.ndim or any(not 0 < n <= m for n, m in zip(sizes, operand.shape)):
+        raise _DSLError(f"{_where()}: dynamic_slice sizes {list(sizes)} do not fit operand {list(operand.shape)}")
+    starts = _starts(operand, start_indices, sizes, "dynamic_slice")
+    if all(isinstance(s, int) for s in starts):
+        return _a.slice_(operand, starts, [s + n for s, n in zip(starts, sizes)])
+    ids = []
+    for d, (s, n) in enumerate(zip(starts, sizes)):
+        i = _a.iota(sizes, d)
+        ids.append(i if isinstance(s, int) and s == 0 else _a._binary("add", i, s))
+    return _bind(_P["gather"], _a._float(operand), *ids)
+
+
+def dynamic_update_slice(operand, update, start_indices):
+    """``operand`` with ``update`` written at runtime starts, as ``jax.lax.dynamic_update_slice``
+    (starts clamped so the update fits).  In place when ``operand`` is donated and nothing later
+    reads it; otherwise a copy is written first."""
+    return _a.dynamic_update_slice(operand, update, list(start_indices))
+
+
+def dynamic_index_in_dim(operand, index, axis=0, keepdims=True):
+    """``operand``'s element ``index`` (clamped) along ``axis``, as ``jax.lax.dynamic_index_in_dim``."""
+    y = dynamic_slice_in_dim(operand, index, 1, axis)
+    return y if keepdims else _a.reshape(y, tuple(d for k, d in enumerate(y.shape) if k != _a.normalize_axis(axis, y.ndim)))
+
+
+def dynamic_slice_in_dim(operand, start_index, slice_size, axis=0):
+    """``slice_size`` elements from ``start_index`` (clamped) along ``axis``, as ``jax.lax.dynamic_slice_in_dim``."""
+    operand = _a.asarray(operand)
+    axis = _a.normalize_axis(axis, operand.ndim)
+    starts = [start_index if k == axis else 0 for k in range(operand.ndim)]
+    return dynamic_slice(operand, starts, [slice_size if k == axis else n for k, n in enumerate(operand.shape)])
+
+
+def dynamic_update_slice_in_dim(operand, update, start_index, axis):
+    """``update`` written from ``start_index`` (clamped) along ``axis``, as ``jax.lax.dynamic_update_slice_in_dim``."""
+    axis = _a.normalize_axis(axis, operand.ndim)
+    return dynamic_update_slice(operand, update, [start_index if k == axis else 0 for k in range(operand.ndim)])
+
+
+def dynamic_update_index_in_dim(operand, update, index, axis):
+    """``update`` (without, or with a size-1, ``axis``) written at ``index`` (clamped) along ``axis``,
+    as ``jax.lax.dynamic_update_index_in_dim``."""
+    axis = _a.normalize_axis(axis, operand.ndim)
+    update = _a.asarray(update)
+    if update.ndim == operand.ndim - 1:
+        update = _a.expand_dims(update, axis)
+    return dynamic_update_slice_in_dim(operand, update, index, axis)
+
 
 # ---- control flow
 

@@ -109,3 +109,22 @@ def standardize(x, axis=-1, mean=None, variance=None, epsilon=1e-5):
     if variance is None:
         variance = _N.var(x, axis=axis, keepdims=True)
     return (x - mean) * _A.rsqrt(variance + epsilon)
+
+# ---- one_hot (indexing)
+def one_hot(x, num_classes, *, dtype="f32", axis=-1):
+    """``x == arange(num_classes)`` as ``dtype`` (default f32), the new axis at ``axis``, as
+    ``jax.nn.one_hot``: an index outside [0, num_classes) (negative ones too) gives a row of zeros.
+    ``x``: an integer (or float) array; ``dtype``: a dtype name or a numpy dtype."""
+    import numpy as np
+
+    from . import array as a
+    from .core import DSLError, dtype_of, user_source
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise DSLError(f"{user_source()}: one_hot num_classes must be a positive int, got {num_classes!r}")
+    x = a.asarray(x)
+    name = dtype if isinstance(dtype, str) and dtype in ("f32", "f16", "i32", "bool") else dtype_of(np.dtype(dtype))
+    axis = a.normalize_axis(axis, x.ndim + 1)
+    xe = a.expand_dims(x, axis)
+    shape = xe.shape[:axis] + (num_classes,) + xe.shape[axis + 1:]
+    hot = a.broadcast_to(xe, shape) == a.iota(shape, axis, "i32" if a._dt(x) in ("i32", "bool") else a._dt(x))
+    return hot if name == "bool" else a.astype(hot, name)

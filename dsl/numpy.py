@@ -1,7 +1,8 @@
 """``dsl.numpy``: the names of ``jax.numpy``, for ``import dsl.numpy as jnp``.
 
 Every function here is the top-level one of the same name (``jnp.stack is dsl.stack``); this
-module adds numpy's constants and ``linalg.norm``.  A name we do not support raises
+module adds numpy's constants and ``linalg.norm``, and ``take`` with jnp.take's defaults (axis
+None, mode "fill"; ``dsl.take`` takes rows and clamps).  A name we do not support raises
 AttributeError naming the module, as numpy would.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import numpy as _np
 import dsl as _dsl
 
 inf, nan, pi, e, newaxis = _np.inf, _np.nan, _np.pi, _np.e, None
+from .array import jnp_take as take  # noqa: E402,F401  (jnp.take's defaults: axis None, mode "fill")
 
 
 def __getattr__(name):

@@ -383,6 +383,89 @@ def _dus_impl(x, u, *starts):
 primitive("dynamic_update_slice", "index", _dus_rule, _dus_impl)
 
 
+
+# ---- indexing: gather and scatter (x[ids], x[i, :, j], take(axis=), take_along_axis, .at[...])
+def _index_arrays(ids, shape, what):
+    """Check the per-dimension index arrays of a gather or scatter: one i32 array per dim of the
+    operand, all of shape ``shape``."""
+    if any(d != "i32" for _, d in ids):
+        raise DSLError(f"{what} indices must be i32, got {', '.join(sorted({d for _, d in ids} - {'i32'}))}")
+    if any(tuple(s) != tuple(shape) for s, _ in ids):
+        raise DSLError(f"{what} index arrays {[list(s) for s, _ in ids]} must all have shape {list(shape)}")
+
+
+def _gather_rule(avals, **_):
+    (sx, dx), *ids = avals
+    if len(ids) != len(sx) or not ids:
+        raise DSLError(f"needs one index array per dimension of the operand {list(sx)}, got {len(ids)}")
+    _index_arrays(ids, ids[0][0], "gather")
+    return tuple(ids[0][0]), dx
+
+
+def _wrap(i, n):
+    """Negative indices count from the end, once (numpy's and JAX's rule)."""
+    return np.where(i < 0, i.astype(np.int64) + n, i)
+
+
+def _gather_impl(x, *ids):
+    """out[p] = x[ids[0][p], ids[1][p], ...], each index counted from the end when negative, then
+    clamped into its dimension (like JAX's gathers)."""
+    return x[tuple(np.clip(_wrap(i, n), 0, n - 1) for i, n in zip(ids, x.shape))]
+
+
+# an index op: inlined where it is read (each element is a load at the clamped indices)
+primitive("gather", "index", _gather_rule, _gather_impl)
+
+SCATTER_OPS = ("set", "add", "mul", "min", "max")
+
+
+def _scatter_rule(avals, *, op, batch):
+    (sx, dx), (su, du), *ids = avals
+    if op not in SCATTER_OPS:
+        raise DSLError(f"unknown scatter op {op!r}; use one of {', '.join(SCATTER_OPS)}")
+    if len(ids) != len(sx) or not ids:
+        raise DSLError(f"needs one index array per dimension of the operand {list(sx)}, got {len(ids)}")
+    _index_arrays(ids, su, "scatter")
+    if du != dx:
+        raise DSLError(f"update dtype {du} differs from operand dtype {dx}")
+    if not 0 <= batch <= len(su):
+        raise DSLError(f"batch {batch} out of range for updates of rank {len(su)}")
+    if op != "set" and dx == "bool":
+        raise DSLError(f"scatter {op} on bool values; convert with .astype('i32')")
+    return tuple(sx), dx
+
+
+_SCATTER_UFUNC = {"add": np.add, "mul": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
+def _scatter_impl(x, u, *ids, op, batch):
+    """``x`` with ``u[p]`` combined (``op``) into ``x[ids[0][p], ids[1][p], ...]`` for every p, in
+    row-major order of p (so with repeated indices the last ``set`` wins and ``add`` accumulates);
+    negative indices count from the end once, and a p with any index still out of its dimension
+    is dropped (like JAX's scatters)."""
+    out = x.copy()
+    ids = [_wrap(i, n) for i, n in zip(ids, x.shape)]
+    ok = np.ones(u.shape, bool)
+    for i, n in zip(ids, x.shape):
+        ok &= (i >= 0) & (i < n)
+    where = tuple(i[ok] for i in ids)
+    vals = u[ok].astype(x.dtype)
+    if op == "set":
+        flat = np.ravel_multi_index(where, x.shape) if x.ndim else np.zeros(len(vals), np.int64)
+        _, first = np.unique(flat[::-1], return_index=True)          # the last write of each element
+        last = len(flat) - 1 - first
+        out.reshape(-1)[flat[last]] = vals[last]
+    else:
+        _SCATTER_UFUNC[op].at(out, where, vals)
+    return out
+
+
+# its own kernel family (fusion/schedule.py scatter_kernel): the operand is copied (or, donated and
+# read by no later kernel, updated in place), then each update element is combined into it
+primitive("scatter", "index", _scatter_rule, _scatter_impl)
+# ---- end of indexing
+
+
 # ----------------------------------------------------------------------------- reductions (last axis)
 def _reduce_rule(avals, **_):
     (s, d), = avals

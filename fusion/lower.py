@@ -215,6 +215,20 @@ def _take(b, e, idx):
     return b.expr(x, (row,) + idx[ids.ndim:])
 
 
+def wrap_index(i, n):
+    """Index ``i`` counted from the end of a dim of size ``n`` when negative (numpy's rule)."""
+    return L.Select(L.Bin("lt", i, L.c(0)), L.add(i, L.c(n)), i)
+
+
+def _gather(b, e, idx):
+    """x at its index arrays' values, each counted from the end when negative, then clamped into
+    its dimension (like JAX's gathers)."""
+    x, *ids = e.inputs
+    at = tuple(L.Bin("max", L.c(0), L.Bin("min", wrap_index(b.expr(i, idx), n), L.c(n - 1)))
+               for i, n in zip(ids, x.shape))
+    return b.expr(x, at)
+
+
 class _Rules(dict):
     """``LOWER``: an op of ``L.OPS`` defined after this module was imported (a user's primitive,
     ``dsl.define_elementwise``) lowers like every other elementwise op."""
@@ -231,5 +245,5 @@ class _Rules(dict):
 LOWER = _Rules({name: _elementwise(name) for name in L.OPS})      # every op defined in dsl/primitives.py
 LOWER.update(select=_select, convert=_convert, iota=_iota, broadcast_in_dim=_broadcast,
              transpose=_transpose, reshape=_reshape, slice=_slice, concatenate=_concatenate,
-             take=_take, dequantize=_dequantize,
+             take=_take, dequantize=_dequantize, gather=_gather,
              optimization_barrier=lambda b, e, idx: b.expr(e.inputs[0], idx))     # a copy (always materialized)

@@ -61,14 +61,34 @@ def weight_name(name):
 def _word(e, buffers):
     if e.scope:
         return e.scope[-1]
-    if e.prim.name == "dynamic_update_slice" and e.out in buffers:
+    if e.prim.name in ("dynamic_update_slice", "scatter") and e.out in buffers:
         return weight_name(buffers[e.out])
     return _WORDS.get(e.prim.name, e.prim.name)
 
 
 def _quiet(e):
-    return not e.scope and (e.prim.kind in _QUIET and e.prim.name != "dynamic_update_slice"
-                            or e.prim.name == "convert")
+    return not e.scope and (e.prim.kind in _QUIET and e.prim.name not in ("dynamic_update_slice", "scatter")
+                            or e.prim.name in ("convert", "iota"))
+
+
+_INDEXED = ("take", "gather", "scatter")       # primitives whose operands past the first are indices
+
+
+def _index_math(eqns, made):
+    """The integer and bool ops of a kernel that only compute indices of a take, gather or scatter
+    (``where(ids < 0, ids + n, ids)``): they only move data, and are not named."""
+    users = {}
+    for e in eqns:
+        for a in e.inputs:
+            users.setdefault(a, []).append(e)
+    out = set()
+    for e in reversed(eqns):                      # consumers first
+        if e.prim.kind in ("elementwise", "view") and e.out.dtype in ("i32", "bool") and users.get(e.out) and all(
+                u in out or (u.prim.name in _INDEXED and e.out in u.inputs[1:] and e.out is not u.inputs[0]
+                             and not (u.prim.name == "scatter" and e.out is u.inputs[1]))
+                for u in users[e.out]):
+            out.add(e)
+    return out
 
 
 def kernel_name(eqns, buffers, layer=None) -> str:
@@ -78,8 +98,9 @@ def kernel_name(eqns, buffers, layer=None) -> str:
     for its parameters (the weight of a contraction is looked up here); ``layer``: the layer
     prefix (``layers_3``) or None.  Returns a C identifier of at most ``MAX_LEN`` characters."""
     made = {e.out: e for e in eqns}
+    index = _index_math(eqns, made)
     words = {}                                             # word -> weight names, in first-use order
-    for e in [e for e in eqns if not _quiet(e)] or eqns:
+    for e in [e for e in eqns if not _quiet(e) and e not in index] or [e for e in eqns if e not in index] or eqns:
         ws = words.setdefault(_word(e, buffers), [])
         if e.prim.kind == "contract" and len(e.inputs) > 1:
             w = e.inputs[1]

@@ -91,9 +91,12 @@ def view_base(g: Graph, v):
     while isinstance(base, Var) and base in g.producer and same_layout(g.producer[base]):
         base = g.producer[base].inputs[0]
     e = g.producer.get(base)
-    if base is v or e is None or e.prim.name == "dynamic_update_slice":
+    if base is v or e is None or e.prim.name in UPDATES:
         return None
     return base
+
+
+UPDATES = ("dynamic_update_slice", "scatter")     # write into a copy of operand 0, or into it in place
 
 
 def is_scalar_param(v):
@@ -105,12 +108,12 @@ def materialize(g: Graph, rules) -> set:
     m = set(g.prog.inputs) | set(g.outputs)
     for e in g.prog.eqns:
         kind, name = e.prim.kind, e.prim.name
-        if kind in ("contract", "opaque") or name in ("dynamic_update_slice", "optimization_barrier") or (
+        if kind in ("contract", "opaque") or name in UPDATES + ("optimization_barrier",) or (
                 kind == "reduce" and "reduce" not in rules):
             m.add(e.out)
         if kind == "opaque":
             m.update(a for a in e.inputs if isinstance(a, Var) and not is_scalar_param(a))
-        if name == "dynamic_update_slice" and isinstance(e.inputs[0], Var):
+        if name in UPDATES and isinstance(e.inputs[0], Var):
             m.add(e.inputs[0])
         if "elementwise" not in rules and kind in ("elementwise", "index") and e.out.shape != ():
             m.add(e.out)

@@ -22,9 +22,9 @@ import numpy as np
 from codegen import loopir as L
 from dsl.core import Lit, Var
 
-from .lower import LOWER, Builder, Unfusable, fresh, unravel
+from .lower import LOWER, Builder, Unfusable, fresh, unravel, wrap_index
 from .naming import buffer_name, c_safe, kernel_names
-from .partition import Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues
+from .partition import UPDATES, Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues
 
 
 
@@ -36,7 +36,7 @@ class Plan:
     inputs: list                   # buffer name of each program input
     outputs: list                  # per program output: ("buf", name, shape) or ("lit", value, dtype)
     scalars: list                  # names of i32 scalar inputs
-    aliases: dict = field(default_factory=dict)   # DUS output buffer -> donated input it overwrites
+    aliases: dict = field(default_factory=dict)   # output buffer written in place -> the input it overwrites
     rules: frozenset = frozenset()
 
 
@@ -116,31 +116,67 @@ class Lowering:
             pos[r] = len(items) - 1
         return items
 
-    def alias_dus(self, items):
-        """Write a dynamic_update_slice in place when its operand is donated (or a dead
-        intermediate) and nothing launched later reads the operand.  An update (or offset)
-        computed from the operand is materialized first (``Unfusable``), so the in-place
-        kernel never reads rows it has already overwritten."""
+    def alias_in_place(self, items):
+        """{root: the buffer it overwrites}: kernels that write their result into a buffer they read
+        instead of a new one.  A ``dynamic_update_slice`` or ``scatter`` writes into its operand
+        when that is donated (or a dead intermediate); a program output computed elementwise from a
+        donated input of its shape (``state = state * decay + u``) writes into that input.  Either
+        way only when no kernel launched later (nor another root of the same kernel) reads the
+        buffer, and the kernel itself reads it only where it writes: an update (or offset, or
+        index) computed from the operand is materialized first (``Unfusable``); an output that
+        reads the input anywhere but at its own index (through a view, reduction, gather or
+        contraction) is not aliased."""
         where = {r: i for i, it in enumerate(items) for r in it[2]}
         readers = {}
         for i, it in enumerate(items):
             for r in it[2]:
                 for d in self.deps(r):
                     readers.setdefault(d, []).append((i, r))
+        outputs = [o for o in self.prog.outputs if isinstance(o, Var)]
         aliases = {}
         for r in where:
             e = self.g.producer[r]
-            if e.prim.name != "dynamic_update_slice":
+            if e.prim.name in UPDATES:
+                o, *rest = e.inputs
+                owner = (o in self.donated) or (o in self.g.producer and o not in self.g.outputs)
+            else:
+                o = self.elementwise_owner(r) if r in outputs else None
+                rest, owner = (), o is not None
+            if o is None or not owner or o in self.g.outputs or o in aliases.values():
                 continue
-            o, *rest = e.inputs
-            ok_owner = (o in self.donated) or (o in self.g.producer and o not in self.g.outputs)
-            later = [x for i, x in readers.get(o, []) if x is not r and i >= where[r]]
-            if ok_owner and o not in self.g.outputs and not later and o not in aliases.values():
-                for u in rest:          # hazard rule: the update must not read the rows it overwrites
-                    if isinstance(u, Var) and u is not o and u not in self.materialized and o in self.deps(u):
-                        raise Unfusable(u)          # materialize it first, then write in place
-                aliases[r] = o
+            if e.prim.name == "scatter" and any(u is o for u in rest):
+                continue                # x.at[ids].set(x): it reads x where it does not write: a copy
+            if any(x is not r and i >= where[r] for i, x in readers.get(o, [])):
+                continue
+            for u in rest:              # hazard rule: the update must not read the elements it overwrites
+                if isinstance(u, Var) and u is not o and u not in self.materialized and o in self.deps(u):
+                    raise Unfusable(u)          # materialize it first, then write in place
+            aliases[r] = o
         return aliases
+
+    def elementwise_owner(self, r):
+        """The donated input that output ``r`` may overwrite: one of ``r``'s shape and dtype that
+        ``r``'s kernel reads only at ``r``'s own index (every path to it inside the kernel goes
+        through elementwise ops); None when there is none."""
+        cands = [v for v in self.donated if v.shape == r.shape != () and v.dtype == r.dtype and v not in self.g.outputs]
+        if not cands or self.g.producer[r].prim.kind not in ("elementwise", "contract"):
+            return None
+        bad, seen, stack = set(), set(), [(r, True)]
+        contracts = set(self.epi.get(r, ()))
+        while stack:
+            v, aligned = stack.pop()
+            if (v, aligned) in seen:
+                continue
+            seen.add((v, aligned))
+            if v is not r and (v in self.materialized or v not in self.g.producer):
+                if not aligned:
+                    bad.add(v)
+                continue
+            e = self.g.producer[v]
+            keep = aligned and e.prim.kind == "elementwise" and v not in contracts
+            stack += [(a, keep) for a in e.inputs if isinstance(a, Var)]
+        reads = {v for v, _ in seen}
+        return next((v for v in cands if v in reads and v not in bad), None)
 
 
 def _nest(loop_vars, extents, inner, parallel_outer=True):
@@ -331,6 +367,47 @@ def _segment_reduces(body):
     return out
 
 
+_COMBINE = {"add": "add", "mul": "mul", "min": "min", "max": "max"}
+
+
+def index_scatter_kernel(lw, r, out):
+    """scatter: ``out[ids(p)] = op(out[ids(p)], u[p])`` for every update element p whose indices
+    (negative ones counted from the end) are all in bounds (the others are dropped).  The leading
+    dims of ``u`` (from slices: distinct elements) run as one parallel loop; its last ``batch``
+    dims (the index arrays' own, where indices may repeat) run serially inside it, in order, so
+    repeated indices combine as in the reference (the last ``set`` wins, ``add`` accumulates)."""
+    e = lw.g.producer[r]
+    o, u, *ids = e.inputs
+    op, batch = e.params["op"], e.params["batch"]
+    par, ser = u.shape[:u.ndim - batch], u.shape[u.ndim - batch:]
+    b = Builder(lw)
+    b.ops.append(e)
+    f, sv = fresh("p"), [fresh("b") for _ in ser]
+    idx = (unravel(L.Sym(f, "i32"), par) if par else ()) + tuple(L.Sym(v, "i32") for v in sv)
+    at, decl, ok = [], [], None
+    loop_vars = {f, *sv}
+    for i, n in zip(ids, o.shape):
+        a = b.expr(i, idx)
+        if any(isinstance(x, L.Load) or isinstance(x, L.Sym) and x.name not in loop_vars for x in L.walk_exprs(a)):
+            decl.append(L.Declare(fresh("at"), "i32", wrap_index(a, n)))     # a runtime index: a local,
+            a = L.Sym(decl[-1].name, "i32")                                   # tested, then used
+            inside = L.Bin("and", L.Bin("ge", a, L.c(0)), L.Bin("lt", a, L.c(n)))
+            ok = inside if ok is None else L.Bin("and", ok, inside)
+        at.append(a)                # (slices and static ints are in bounds by construction)
+    lin = L.linear_index(tuple(at), o.shape)
+    val = b.expr(u, idx)
+    if op != "set":
+        b.reads[out] = r
+        val = L.Bin(_COMBINE[op], L.Load(out, lin, o.dtype), val)
+    store = L.Store(out, lin, val)
+    body = _nest(sv, ser, tuple(decl) + ((L.If(ok, (store,)),) if ok is not None else (store,)), parallel_outer=False)
+    if par:
+        body = (L.Loop(f, L.c(0), L.c(int(np.prod(par))), body, parallel=True),)
+    body = tuple(b.row_stmts) + body            # reductions to a scalar the updates read, computed first
+    params = _params(lw, b, {out: r})
+    return L.Kernel(f"scatter_{out}", "scatter", params, section(out, b.ops) + body, _op_list(b), 0)
+
+
 def contract_kernel(lw, a, roots):
     """GEMV/matmul family: for rows: [row scalars]; act[k] = prologue; then one parallel n loop per
     segment of siblings: a Reduce over k of act[k] * B_i[n, k] per sibling, and the epilogue store."""
@@ -452,7 +529,7 @@ def build_plan(prog, rules=None, input_names=None, donated=()) -> Plan:
 
 def _lower_all(lw) -> Plan:
     items = lw.items()
-    aliases = lw.alias_dus(items)
+    aliases = lw.alias_in_place(items)
     for r, o in aliases.items():
         lw.names[r] = lw.buffer_of(o)
     kernels = []
@@ -462,11 +539,11 @@ def _lower_all(lw) -> Plan:
             continue
         (r,) = roots
         e = lw.g.producer[r]
-        if e.prim.name == "dynamic_update_slice":
+        if e.prim.name in UPDATES:
             out = lw.buffer_of(r)
             if r not in aliases:
                 kernels.append(copy_kernel(lw, e.inputs[0], out, r))
-            kernels.append(scatter_kernel(lw, r, out))
+            kernels.append((scatter_kernel if e.prim.name == "dynamic_update_slice" else index_scatter_kernel)(lw, r, out))
         elif e.prim.kind == "opaque":
             kernels.append(attention_kernel(lw, r))
         elif e.prim.kind == "contract":

@@ -55,7 +55,8 @@ BINARY = {
 }
 OPS = (list(UNARY) + list(BINARY) * 2 +
        ["where", "astype", "reduce", "reduce", "argmax", "reshape", "transpose", "slice", "concat",
-        "expand", "index", "take", "matmul", "matmul", "dus", "scalar", "qmatmul", "qtake"] + list(ROW_OPS))
+        "expand", "index", "take", "matmul", "matmul", "dus", "scalar", "qmatmul", "qtake"] + list(ROW_OPS) +
+       ["gather", "gather", "at", "at", "selfupdate"])          # indexing: traced indices, .at[], in place
 QUANT = ("q4_0", "q4_1", "q8_0")
 # layout: a GEMV through one expert's weights picked by a runtime id (the MoE gather), (N, K) or (K, N)
 OPS += ["expert", "expert"]
@@ -97,11 +98,11 @@ class Writer:
         self.lines.append(f"{name} = {code}")
         return name, val
 
-    def new_input(self, shape, dtype, kind="normal", hi=0):
+    def new_input(self, shape, dtype, kind="normal", hi=0, lo=-1):
         name = f"x{len(self.args)}"
         shape = tuple(int(d) for d in shape)
         if kind == "ids":
-            make = f"rng.integers(-1, {hi + 1}, {shape}).astype('i4')"
+            make = f"rng.integers({lo}, {hi + 1}, {shape}).astype('i4')"
         elif dtype in QUANT:                  # weights quantized by our quantizer
             make = f"dsl.QArray.quantize(rng.standard_normal({shape}).astype('f4') * 0.5, '{dtype}')"
         elif kind == "q8":
@@ -110,7 +111,7 @@ class Writer:
             make = (f"(rng.integers(-127, 128, {shape}) * np.where(np.arange({shape[-1]}) % 32 == 0, 0, 1) "
                     f"+ np.where(np.arange({shape[-1]}) % 32 == 0, 127, 0)).astype('f4') * 2.0 ** -6")
         elif kind == "int":
-            make = f"int(rng.integers(-1, {hi + 2}))"
+            make = f"int(rng.integers({lo}, {hi + 2}))"
         else:
             make = f"(rng.standard_normal({shape}) * 0.7 + 0.1).astype('{ 'f2' if dtype == 'f16' else 'f4' }')"
         self.args.append(name)
@@ -260,6 +261,8 @@ class Writer:
             return None
         if name == "expert":
             return self.expert(av, an, p)
+        if name in ("gather", "at", "selfupdate"):
+            return self.indexing(name, a, pk, p)
         raise ValueError(f"unknown op {name}")
 
     def expert(self, av, an, p):
@@ -282,6 +285,50 @@ class Writer:
             return self.emit(f"dsl.dot_t({an}, dsl.take({w}, {e})) * {round(1 / np.sqrt(k), 4)}")
         w = self.new_input((n_exp, k, n), wd)
         return self.emit(f"({an} @ dsl.take({w}, {e})) * {round(1 / np.sqrt(k), 4)}")
+
+    def indexing(self, name, a, pk, p):
+        """x[ids] / x[:, i] / take(axis=) with traced ids (negative and out-of-range ones too),
+        x.at[ids].op(v) on a value or on the donated buffer, and an elementwise update of the
+        donated buffer (written in place when nothing later reads its old value)."""
+        fl = lambda v: v.var.dtype in ("f16", "f32")  # noqa: E731
+        an, av = a
+        if name == "selfupdate":
+            if self.donated is None:
+                return None
+            dn, dv = self.donated
+            u = self.pick(pk[1], lambda v: fl(v) and _broadcastable(v.shape, dv.shape))
+            un = u[0] if u is not None else "0.25"
+            un = un if u is None or u[1].dtype == dv.dtype else f"{un}.astype('{dv.dtype}')"
+            self.donated = self.emit(f"{dn} * {round(p[0] * 1.6 - 0.8, 2) or 0.5} + {un}")
+            return None
+        donated = name == "at" and self.donated is not None and p[0] < 0.6
+        tn, tv = self.donated if donated else a
+        if tv.ndim == 0:
+            return None
+        ax = int(p[1] * tv.ndim)
+        n = tv.shape[ax]
+        lead = ":, " * ax
+        if name == "gather":
+            if p[2] < 0.3:                                   # a traced scalar index
+                i = self.new_input((), "i32", "int", n, lo=-n - 1)
+                return self.emit(f"{tn}[{lead}{i}]")
+            if p[2] > 0.9:                                   # per-row indices along the axis
+                shape = [1 + int(p[3] * 4) if d == ax else s for d, s in enumerate(tv.shape)]
+                ids = self.new_input(shape, "i32", "ids", n, lo=-n - 1)
+                return self.emit(f"dsl.take_along_axis({tn}, {ids}, {ax}, mode='clip')")
+            ids = self.new_input([1 + int(p[3] * 4)] * (1 + (p[2] > 0.85)), "i32", "ids", n, lo=-n - 1)
+            return self.emit(f"{tn}[{lead}{ids}]" if p[2] < 0.6 else f"dsl.take({tn}, {ids}, axis={ax})")
+        k = 1 + int(p[3] * 3)
+        ids = self.new_input([k], "i32", "ids", n, lo=-n - 1)
+        shape = tv.shape[:ax] + (k,) + tv.shape[ax + 1:]
+        v = self.pick(pk[1], lambda v: fl(v) and _broadcastable(v.shape, shape))
+        vn = v[0] if v is not None and p[2] < 0.8 else repr(round(p[2] * 4 - 2, 2) or 0.5)
+        op = ["set", "add", "mul", "min", "max"][int(p[2] * 5)]
+        res = self.emit(f"{tn}.at[{lead}{ids}].{op}({vn})")
+        if donated:
+            self.donated = res
+            return None
+        return res
 
     def write(self, outputs=None):
         """Trace the program (resolving every op); returns the source of ``f`` and its inputs."""
