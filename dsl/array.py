@@ -632,7 +632,7 @@ def _index_array(i, what):
         raise DSLError(f"{user_source()}: {what} with a boolean mask: {_MASK_FIX}")
     if _dt(i) != "i32":
         raise DSLError(f"{user_source()}: {what} index must be an integer array, got {i.dtype}; "
-                       "convert it with .astype('i32')")
+                       "convert it with .astype('int32')")
     return i
 
 
@@ -729,7 +729,7 @@ def _index_plan(x, entries, normalize=True):
 def _gather_index(x, idx, normalize=True):
     """``x[idx]`` for an index with index arrays or slice steps (see ``getitem``)."""
     x = _float(x)
-    entries = _expand_index(x, tuple(idx), "indexing")
+    entries = _expand_index(x, tuple(idx), "x[...]")
     real = [t for t in entries if t is not None]
     if (isinstance(real[0], Tracer) and all(t is not None for t in entries)
             and all(isinstance(t, slice) and t == slice(None) for t in real[1:])):

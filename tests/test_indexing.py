@@ -190,7 +190,7 @@ def test_dynamic_update_slice_and_index_in_dim():
 ERRORS = {
     "mask": (lambda x, a: x[x > 0], "boolean mask.*dsl.where"),
     "static mask": (lambda x, a: x[np.array([True, False, True, True, False])], "boolean mask.*dsl.where"),
-    "float index": (lambda x, a: x[a.astype("f32")], r"integer array, got f32.*astype\('i32'\)"),
+    "float index": (lambda x, a: x[a.astype("f32")], r"x\[\.\.\.\] index must be an integer array, got float32.*astype\('int32'\)"),
     "too many": (lambda x, a: x[a, 0, 1], r"too many indices \(3\) for an array of rank 2"),
     "static out of range": (lambda x, a: x[:, 9], "index 9 out of range for axis 1 of size 6"),
     "at with a mask": (lambda x, a: x.at[x > 0].set(0.0), "boolean mask.*dsl.where"),
