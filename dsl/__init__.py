@@ -37,3 +37,14 @@ try:
 except ImportError:                  # pragma: no cover
     pass
 from .array import take_along_axis  # noqa: F401,E402  (indexing: x[ids], x.at[...], dsl.take(axis=))
+# numpy's names for the arithmetic and comparison operators (jnp.subtract, jnp.less, ...)
+subtract, multiply, negative, divide, true_divide, absolute = sub, mul, neg, div, div, abs  # noqa: F821
+equal, not_equal = (lambda a, b: a == b), (lambda a, b: a != b)  # noqa: E731
+less, less_equal, greater, greater_equal = ((lambda a, b: a < b), (lambda a, b: a <= b),  # noqa: E731
+                                            (lambda a, b: a > b), (lambda a, b: a >= b))
+for _f, _n in ((equal, "equal"), (not_equal, "not_equal"), (less, "less"), (less_equal, "less_equal"),
+               (greater, "greater"), (greater_equal, "greater_equal")):
+    _f.__name__ = _f.__qualname__ = _n
+    _f.__doc__ = f"``jnp.{_n}``: the comparison operator, with broadcasting; a bool array."
+for _n, _f in lax._lax_names().items():
+    setattr(lax, _n, _f)

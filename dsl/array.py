@@ -246,7 +246,11 @@ def _binary(name, a, b):
 
 
 def _unary(name, x):
-    return bind(P[name], asarray(x))
+    x = asarray(x)
+    if P[name].rule is primitives._float_unary_rule and _dt(x) in ("i32", "bool"):
+        # sqrt, exp, ... of integers give floats, as in numpy and JAX
+        x = Lit(float(x.value), "f32") if isinstance(x, Lit) else astype(x, "f32")
+    return bind(P[name], x)
 
 
 def _make_api(api, name, arity):

@@ -167,3 +167,41 @@ def optimization_barrier(operand):
     if isinstance(operand, (tuple, list)):
         return type(operand)(N._barrier(N._tracer(x)) for x in operand)
     return N._barrier(N._tracer(operand))
+
+
+# ---- elementwise and structural ops under their jax.lax names
+def _lax_names():
+    """jax.lax's elementwise names for our primitives (``lax.rsqrt``, ``lax.logistic``, ``lax.max``
+    (elementwise, not a reduction), ...), bound at import."""
+    import dsl as D
+    from . import numpy_api as N
+    names = {"abs": D.abs, "add": D.add, "sub": D.sub, "mul": D.mul, "div": D.div, "neg": D.neg,
+             "exp": D.exp, "log": D.log, "sqrt": D.sqrt, "rsqrt": D.rsqrt, "tanh": D.tanh, "logistic": D.sigmoid,
+             "sin": D.sin, "cos": D.cos, "floor": D.floor, "erf": D.erf, "log1p": D.log1p, "expm1": D.expm1,
+             "max": D.maximum, "min": D.minimum, "pow": N.power, "eq": D.equal, "ne": D.not_equal,
+             "lt": D.less, "le": D.less_equal, "gt": D.greater, "ge": D.greater_equal,
+             "reshape": D.reshape, "transpose": D.transpose, "concatenate": D.concatenate, "iota": D.iota}
+    return {k: v for k, v in names.items() if callable(v)}
+
+
+def select(pred, on_true, on_false):
+    """``jax.lax.select``: ``on_true`` where ``pred`` (bool, the operands' shape), else ``on_false``."""
+    import dsl as D
+    return D.where(pred, on_true, on_false)
+
+
+def convert_element_type(operand, new_dtype):
+    """``jax.lax.convert_element_type``: ``operand.astype(new_dtype)``."""
+    import dsl as D
+    return D.astype(operand, new_dtype)
+
+
+def integer_pow(x, y):
+    """``jax.lax.integer_pow``: ``x ** y`` for a static int ``y`` (repeated multiplication)."""
+    from . import numpy_api as N
+    return N.power(x, int(y))
+
+
+def square(x):
+    """``jax.lax.square``: ``x * x``."""
+    return x * x
