@@ -4,6 +4,8 @@ Each function's docstring says where it differs from JAX.
 """
 from __future__ import annotations
 
+import builtins   # max, min, abs and pow below are jax.lax's elementwise ops (bound at import)
+
 # ---- slicing and indexing
 from . import array as _a  # noqa: E402
 from .core import DSLError as _DSLError, PRIMITIVES as _P, bind as _bind, user_source as _where  # noqa: E402
@@ -23,7 +25,7 @@ def _starts(operand, start_indices, sizes, what):
         if isinstance(s, _a.Tracer):
             out.append(_a._binary("max", _a._binary("min", s, m - n), 0))
         elif isinstance(s, int) and not isinstance(s, bool):
-            out.append(min(max(int(s), 0), m - n))
+            out.append(builtins.min(builtins.max(int(s), 0), m - n))
         else:
             raise _DSLError(f"{_where()}: {what} start index {s!r} is not an int or a traced i32 scalar")
     return out
@@ -138,7 +140,7 @@ def _top_k_ranked(x, ids, k):
     from . import array as A
     from . import numpy_api as N
     n = x.shape[-1]
-    block = max(128, 4 * k)
+    block = builtins.max(128, 4 * k)
     nb = -(-n // block)
     if n <= _RANK_SORT_MAX or nb * k >= n:
         return _ranked(x, ids, k)
