@@ -22,7 +22,7 @@ import numpy as np
 from codegen import loopir as L
 from dsl.core import PRIMITIVES, Eqn, Lit, Program, Var
 
-from .lower import fresh
+from .lower import Builder, fresh
 from .partition import is_scalar_param
 
 
@@ -93,6 +93,7 @@ def scan_kernel(lw, roots) -> L.Kernel:
     t = fresh("t")
     tsym = L.Sym(t, "i32")
     rename, syms, slices = {}, {}, {}                   # body buffer -> outer; body Sym -> expr; body x -> (xs, size)
+    scalars, xb = {}, Builder(lw)                       # scalar x[t] -> its expression (built by xb)
     results = []                                        # the buffer of each result (carries, then ys)
     for j in range(len(body.outputs)):
         o = body.outputs[j]
@@ -115,11 +116,10 @@ def scan_kernel(lw, roots) -> L.Kernel:
             info[rename[name]] = (tuple(bv.shape), bv.dtype)
             if is_scalar_param(bv):
                 syms[name] = L.Load(rename[name], L.c(0), "i32")
+        elif bv.shape == ():                            # a scalar x[t]: its expression at t, inlined
+            syms[name] = scalars[name] = xb.expr(a, (tsym,))
         else:                                           # a slice x[t] of xs
-            xs = outer(a)
-            slices[name] = (xs, bv.size)
-            if is_scalar_param(bv):
-                syms[name] = L.Load(xs, tsym, "i32")
+            slices[name] = (outer(a), bv.size)
     for name, (shape, dtype) in sub.buffers.items():
         if name not in sub.inputs:
             rename[name] = scratch(name, shape, dtype)
@@ -129,6 +129,8 @@ def scan_kernel(lw, roots) -> L.Kernel:
     def ex_node(x):
         if isinstance(x, L.Sym) and x.name in syms:
             return syms[x.name]
+        if isinstance(x, L.Load) and x.buf in scalars:
+            return scalars[x.buf]
         if isinstance(x, L.Load) and x.buf in slices:
             xs, size = slices[x.buf]
             return replace(x, buf=xs, index=L.add(L.mul(tsym, L.c(size)), x.index))
@@ -154,7 +156,9 @@ def scan_kernel(lw, roots) -> L.Kernel:
         a = e0.inputs[nk + i]
         src = L.Const(a.value, a.dtype) if isinstance(a, Lit) else (outer(a), a.dtype)
         init.append(_copy(results[i], src, max(1, int(np.prod(a.shape, dtype=np.int64)))))
-    eqns = [lw.g.producer[r] for r in roots]
+    for name, v in xb.reads.items():
+        info[name] = (tuple(v.shape), v.dtype)
+    eqns = [lw.g.producer[r] for r in roots] + list(xb.ops)
     body_stmts = section(f"scan of {length} steps -> {', '.join(results)}", eqns) + tuple(init) + (
         (L.Barrier(),) if init else ()) + (L.Loop(t, L.c(0), L.c(length), tuple(steps)),)
     return L.Kernel(f"scan_{results[0]}", "loop", _params(body_stmts, info, outer_scalars), body_stmts,
