@@ -49,6 +49,24 @@ def _expand_attention(body):
     return tuple(out)
 
 
+def _collapse_rows(body):
+    """A parallel row loop whose body is one nested row loop becomes one parallel loop over both
+    (``i, j = f / n, f % n``), so a workgroup's threads share all the rows of a step, not just the
+    outer ones.  Only for the row nests of the elementwise, reduce and scatter families, whose
+    rows are independent."""
+    out = []
+    for s in body:
+        while (isinstance(s, L.Loop) and s.parallel and len(s.body) == 1 and isinstance(s.body[0], L.Loop)
+               and all(isinstance(x, L.Const) for x in (s.start, s.stop, s.body[0].start, s.body[0].stop))
+               and s.start.value == 0 and s.body[0].start.value == 0):
+            inner, f = s.body[0], fresh("f")
+            n, fs = inner.stop.value, L.Sym(f, "i32")
+            merged = L.substitute(inner.body, {s.var: L.Bin("idiv", fs, L.c(n)), inner.var: L.Bin("mod", fs, L.c(n))})
+            s = L.Loop(f, L.c(0), L.c(s.stop.value * n), merged, parallel=True)
+        out.append(s)
+    return tuple(out)
+
+
 def _copy(dst, src, n, offset=None):
     """``dst[offset + f] = src[f]`` for f < n (``src`` a buffer name or a Const)."""
     f = fresh("f")
@@ -143,7 +161,8 @@ def scan_kernel(lw, roots) -> L.Kernel:
 
     steps, flops = [], 0
     for k in sub.kernels:
-        steps += [L.Comment(f"{k.name}"), *L.rewrite(_expand_attention(k.body), ex, lambda n: rename.get(n, n)),
+        stmts = _collapse_rows(k.body) if k.family in ("elementwise", "reduce", "scatter") else k.body
+        steps += [L.Comment(f"{k.name}"), *L.rewrite(_expand_attention(stmts), ex, lambda n: rename.get(n, n)),
                   L.Barrier()]
         flops += k.flops
     for j, o in enumerate(sub.outputs):
