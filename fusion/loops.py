@@ -22,7 +22,7 @@ import numpy as np
 from codegen import loopir as L
 from dsl.core import PRIMITIVES, Eqn, Lit, Program, Var
 
-from .lower import Builder, fresh
+from .lower import Builder, Unfusable, fresh
 from .partition import is_scalar_param
 
 
@@ -136,6 +136,8 @@ def scan_kernel(lw, roots) -> L.Kernel:
                 syms[name] = L.Load(rename[name], L.c(0), "i32")
         elif bv.shape == ():                            # a scalar x[t]: its expression at t, inlined
             syms[name] = scalars[name] = xb.expr(a, (tsym,))
+            if xb.row_stmts:                            # it needs a reduction first: read it from a buffer
+                raise Unfusable(a)
         else:                                           # a slice x[t] of xs
             slices[name] = (outer(a), bv.size)
     for name, (shape, dtype) in sub.buffers.items():

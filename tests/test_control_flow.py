@@ -218,3 +218,23 @@ def test_loop_kernels_compile_for_gfx906():
             if k.family == "loop":
                 assert "for (int t = 0;" in h.source and "__syncthreads();" in h.source and h.kernel.launch.grid == 1
             compile_hip(h.source, k.name)
+
+
+def test_scalar_xs_computed_from_reductions():
+    v, m = randn(6), randn(5, 4)
+
+    def f(v, m):
+        a = lax.scan(lambda c, r: (c * 0.5 + r, c * r), 1.0, dsl.max(v, axis=None, keepdims=True))
+        b = lax.scan(lambda c, r: (c * 0.5 + r, c - r), 0.0, m.max(-1) + dsl.arange(5).astype("f32"))
+        return a, b
+
+    def ref(v, m):
+        out = []
+        for xs, init, y in ((np.array([v.max()]), 1.0, np.multiply), (m.max(-1) + np.arange(5), 0.0, np.subtract)):
+            c, ys = np.float64(init), []
+            for r in xs:
+                ys.append(y(c, r))
+                c = c * 0.5 + r
+            out.append((c, np.array(ys)))
+        return out
+    close(dsl.jit(f)(v, m), ref(v, m))
