@@ -46,7 +46,10 @@ def deltanet_ref(S, q, k, v, beta, g):
 
 
 def deltanet_inputs(T, H=2, dk=8, dv=4):
-    return (randn(H, dk, dv), randn(T, H, dk), randn(T, H, dk), randn(T, H, dv),
+    """As the model feeds it: unit-norm keys (the delta rule is stable), queries scaled by 1/sqrt(dk)."""
+    k = randn(T, H, dk)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    return (randn(H, dk, dv), randn(T, H, dk) / np.float32(np.sqrt(dk)), k, randn(T, H, dv),
             RNG.random((T, H)).astype(np.float32), -RNG.random((T, H)).astype(np.float32))
 
 
@@ -238,3 +241,54 @@ def test_scalar_xs_computed_from_reductions():
             out.append((c, np.array(ys)))
         return out
     close(dsl.jit(f)(v, m), ref(v, m))
+
+
+def decode_loop(q, k, cache):
+    """T decode steps in one scan: write key t into the cache (a carry), attend over 0..t."""
+    def step(c, x):
+        qt, t = x
+        c = dsl.dynamic_update_slice(c, dsl.take(k, t)[None, None], [0, t, 0])
+        return c, dsl.attention(qt, c, c, t, 0.3)
+    return lax.scan(step, cache, (q, dsl.arange(q.shape[0])))
+
+
+def decode_loop_ref(q, k, cache):
+    from tests.test_vmap import attention_ref
+    c, ys = cache.astype(np.float64), []
+    for t in range(q.shape[0]):
+        c[0, t] = k[t]
+        ys.append(attention_ref(q[t], c, c, t, 0.3))
+    return c, np.stack(ys)
+
+
+def test_kv_cache_update_and_attention_inside_the_loop():
+    q, k, cache = randn(5, 2, 1, 8), randn(6, 8), np.zeros((1, 6, 8), np.float32)
+    f = dsl.jit(decode_loop)
+    close(f(q, k, cache), decode_loop_ref(q, k, cache), 1e-4)
+    assert [kk.family for kk in f.compile(q, k, cache).plan.kernels] == ["loop"]
+
+
+@pytest.mark.parametrize("wave", [32, 64])
+def test_loops_on_a_cuda_gpu(monkeypatch, wave):
+    """The loop family on an NVIDIA GPU (the gfx906 kernel text at wave 64); skipped without one."""
+    try:
+        from engine.executable import get_device
+        monkeypatch.setenv("VEGAFUSE_CUDA_WAVE", str(wave))
+        get_device("cuda")
+    except Exception as e:                                   # no driver, no GPU, no cuda-python
+        pytest.skip(f"CUDA tests skipped: {e}")
+    args = deltanet_inputs(64, H=4, dk=32, dv=32)
+    close(dsl.jit(deltanet_prefill, backend="cuda")(*args), deltanet_ref(*args), 1e-3)
+    batch = [np.stack([a, a[::-1].copy()]) for a in args]
+    refs = [deltanet_ref(*[a[b] for a in batch]) for b in range(2)]
+    close(dsl.jit(dsl.vmap(deltanet_prefill), backend="cuda")(*batch),
+          (np.stack([r[0] for r in refs]), np.stack([r[1] for r in refs])), 1e-3)
+    q, k, cache = randn(5, 2, 1, 8), randn(6, 8), np.zeros((1, 6, 8), np.float32)
+    close(dsl.jit(decode_loop, backend="cuda")(q, k, cache), decode_loop_ref(q, k, cache), 1e-4)
+    x, buf = randn(4, 6), randn(9, 6)
+    f = dsl.jit(lambda x, b: lax.fori_loop(2, 8, lambda i, b: dsl.dynamic_update_slice(
+        b, dsl.take(x, i - 2)[None] * 2.0 + b[0:1], [i, 0]), b), backend="cuda")
+    ref = buf.astype(np.float64)
+    for i in range(2, 8):
+        ref[i] = x[min(i - 2, 3)] * 2 + ref[0]
+    close(f(x, buf), ref)
