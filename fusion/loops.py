@@ -98,15 +98,16 @@ def scan_kernel(lw, roots) -> L.Kernel:
         info[name] = (tuple(v.shape), v.dtype)
         return name
 
-    def scratch(name, shape, dtype):
+    def scratch(name, shape, dtype):                    # a buffer of the plan, allocated if the kernel uses it
         n, i = f"scan_{name}", 1
         while n in lw.used:
             i += 1
             n = f"scan_{name}_{i}"
         lw.used.add(n)
-        lw.names[Var(tuple(shape), dtype)] = n
         info[n] = (tuple(shape), dtype)
+        made.append(n)
         return n
+    made = []
 
     t = fresh("t")
     tsym = L.Sym(t, "i32")
@@ -161,17 +162,27 @@ def scan_kernel(lw, roots) -> L.Kernel:
     def ex(e):
         return L.fold(L.rewrite_expr(e, ex_node))
 
-    steps, flops = [], 0
+    kernels = []
     for k in sub.kernels:
         stmts = _collapse_rows(k.body) if k.family in ("elementwise", "reduce", "scatter") else k.body
-        steps += [L.Comment(f"{k.name}"), *L.rewrite(_expand_attention(stmts), ex, lambda n: rename.get(n, n)),
-                  L.Barrier()]
-        flops += k.flops
-    for j, o in enumerate(sub.outputs):
-        src = (rename.get(o[1], o[1]), info[rename.get(o[1], o[1])][1])
+        kernels.append((k.name, L.rewrite(_expand_attention(stmts), ex, lambda n: rename.get(n, n))))
+    srcs = [rename.get(o[1], o[1]) for o in sub.outputs]
+    inplace = {srcs[j]: results[j] for j in range(nc)
+               if srcs.count(srcs[j]) == 1 and _in_place([b for _, b in kernels], srcs[j], results[j])}
+
+    def to_carry(e):
+        return L.rewrite_expr(e, lambda x: replace(x, buf=inplace[x.buf]) if isinstance(x, L.Load)
+                              and x.buf in inplace else None)
+    steps = []
+    for name, stmts in kernels:
+        steps += [L.Comment(name), *L.rewrite(stmts, to_carry, lambda n: inplace.get(n, n)), L.Barrier()]
+    for j, src in enumerate(srcs):
+        src = inplace.get(src, src)
         n = int(np.prod(body.outputs[j].shape, dtype=np.int64))
-        steps.append(_copy(results[j], src, n, None if j < nc else L.mul(tsym, L.c(n))))
+        if src != results[j]:
+            steps.append(_copy(results[j], (src, info[src][1]), n, None if j < nc else L.mul(tsym, L.c(n))))
     steps.append(L.Barrier())
+    flops = sum(k.flops for k in sub.kernels)
     init = []
     for i in range(nc):
         a = e0.inputs[nk + i]
@@ -182,8 +193,36 @@ def scan_kernel(lw, roots) -> L.Kernel:
     eqns = [lw.g.producer[r] for r in roots] + list(xb.ops)
     body_stmts = section(f"scan of {length} steps -> {', '.join(results)}", eqns) + tuple(init) + (
         (L.Barrier(),) if init else ()) + (L.Loop(t, L.c(0), L.c(length), tuple(steps)),)
-    return L.Kernel(f"scan_{results[0]}", "loop", _params(body_stmts, info, outer_scalars), body_stmts,
-                    tuple(eqns), 0, flops * length)
+    params = _params(body_stmts, info, outer_scalars)
+    used = {q.name for q in params}
+    for n in made:
+        if n in used:
+            lw.names[Var(*info[n])] = n
+    return L.Kernel(f"scan_{results[0]}", "loop", params, body_stmts, tuple(eqns), 0, flops * length)
+
+
+def _loads(e, buf):
+    return [x for x in L.walk_exprs(e) if isinstance(x, L.Load) and x.buf == buf]
+
+
+def _in_place(kernels, src, carry) -> bool:
+    """May the one step kernel that writes a carry's new value ``src`` write it into the carry's
+    own buffer?  Yes when no later kernel of the step reads the carry (the old value), and the
+    writer reads the carry only in the stores of ``src``, at the index it stores (an elementwise
+    update: each element is read, then written, by one thread)."""
+    writers = [i for i, b in enumerate(kernels) if any(isinstance(s, L.Store) and s.buf == src for s in L.walk_stmts(b))]
+    if len(writers) != 1:
+        return False
+    w = writers[0]
+    if any(_loads(e, carry) for b in kernels[w + 1:] for s in L.walk_stmts(b) for e in L.stmt_exprs(s)):
+        return False
+    for s in L.walk_stmts(kernels[w]):
+        if isinstance(s, L.Store) and s.buf == src:
+            if _loads(s.index, carry) or any(x.index != s.index for x in _loads(s.value, carry)):
+                return False
+        elif any(_loads(e, carry) for e in L.stmt_exprs(s)):
+            return False
+    return True
 
 
 def _params(body, info, scalars):

@@ -292,3 +292,32 @@ def test_loops_on_a_cuda_gpu(monkeypatch, wave):
     for i in range(2, 8):
         ref[i] = x[min(i - 2, 3)] * 2 + ref[0]
     close(f(x, buf), ref)
+
+
+def test_a_carry_updated_elementwise_is_written_in_place_and_others_are_not():
+    args = deltanet_inputs(6, H=2, dk=16, dv=8)
+    plan = dsl.jit(deltanet_prefill).compile(*args).plan
+    (k,) = plan.kernels
+    state = [p.name for p in k.params if p.shape == (2, 16, 8)]
+    assert len(state) == 2, state                       # the input S and the carry: no per-step copy
+    x = randn(4, 8)
+
+    def g(x):
+        a = lax.scan(lambda c, r: (c + r, (c * (c + r)).sum()), x[0], x)
+        b = lax.scan(lambda c, r: (c - c.mean() + r, c.max()), x[0], x)
+        d = lax.scan(lambda c, r: (dsl.concatenate([c[4:], c[:4]]) * 0.5 + r, c), x[0], x)   # a permutation
+        return a, b, d
+
+    def ref(x):
+        x = x.astype(np.float64)
+        outs = []
+        for upd, y in ((lambda c, r: c + r, lambda c, r: (c * (c + r)).sum()),
+                       (lambda c, r: c - c.mean() + r, lambda c, r: c.max()),
+                       (lambda c, r: np.concatenate([c[4:], c[:4]]) * 0.5 + r, lambda c, r: c)):
+            c, ys = x[0], []
+            for r in x:
+                ys.append(y(c, r))
+                c = upd(c, r)
+            outs.append((c, np.stack(ys)))
+        return outs
+    close(dsl.jit(g)(x), ref(x))
