@@ -257,6 +257,13 @@ def fori_loop(lower, upper, body_fun, init_val, unroll=None):
     return carry
 
 
+def map(f, xs):  # noqa: A001  (jax.lax.map)
+    """``jax.lax.map``: ``f`` applied to each slice of ``xs`` (a pytree) along its leading axis, the
+    results stacked: a scan without a carry, so one loop kernel running the slices in order.
+    ``dsl.vmap(f)(xs)`` computes the same with batched ops instead (parallel, one kernel per op)."""
+    return scan(lambda c, x: (c, f(x)), None, xs)[1]
+
+
 def cond(pred, true_fun, false_fun, *operands):
     """``jax.lax.cond``.  A static predicate (a Python or numpy bool/int) calls one branch only.
     A traced predicate (a bool or int scalar, or any size-1 array) is a select: BOTH branches are

@@ -97,6 +97,13 @@ def test_scan_pytrees_closures_literals_and_a_gemv_in_the_body():
     assert len(f.compile(h0, xs, w, g).plan.kernels) == 1
 
 
+def test_lax_map_is_a_scan_without_a_carry():
+    x = randn(5, 3, 4)
+    f = dsl.jit(lambda x: lax.map(lambda a: {"s": dsl.tanh(a).sum(0), "m": a.max()}, x))
+    close(f(x), {"s": np.tanh(x.astype(np.float64)).sum(1), "m": x.max((1, 2))})
+    assert [k.family for k in f.compile(x).plan.kernels] == ["loop"]
+
+
 def test_carries_that_swap_and_pass_through():
     a, b = randn(3, 5), randn(3, 5)
     f = dsl.jit(lambda a, b: lax.fori_loop(0, 3, lambda i, c: (c[1], c[0] + 1.0, c[2]), (a, b, a)))
