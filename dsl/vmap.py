@@ -37,10 +37,22 @@ def vmap(f, in_axes=0, out_axes=0):
     into pytrees (one axis per argument); primitives without a batching rule (and batched
     offsets of dynamic_update_slice, a batched attention position) run once per batch index and
     are stacked, which costs B ops instead of one."""
+    eager = {}                                          # keyword arguments -> the jitted mapped function
+
     def batched(*args, **kwargs):
-        if not _TRACES:                                 # eager call: jit the mapped function
+        if not _TRACES:                                 # eager call: jit the mapped function (once)
             from .jit import jit
-            return jit(lambda *a: vmap(f, in_axes, out_axes)(*a, **kwargs))(*args)
+            key = tuple(sorted(kwargs.items()))
+            try:
+                hash(key)
+            except TypeError:
+                key = None
+            j = eager.get(key) if key is not None else None
+            if j is None:
+                j = jit(lambda *a: _vmap_call(f, in_axes, out_axes, a, kwargs))
+                if key is not None:
+                    eager[key] = j
+            return j(*args)
         return _vmap_call(f, in_axes, out_axes, args, kwargs)
     batched.__name__ = f"vmap_{getattr(f, '__name__', 'f')}"
     batched.__doc__ = getattr(f, "__doc__", None)
