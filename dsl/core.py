@@ -330,3 +330,9 @@ def trace_subprogram(fn, avals):
     atoms = [captured.get(a, a) if isinstance(a, Var) else a for a in atoms]
     prog = Program(list(captured.values()) + ins, trace.eqns, atoms)
     return prog, list(captured), unflatten(tree, atoms)
+
+
+def loop_key(e) -> tuple:
+    """The equations of one loop (one per result) share this key: the body and the operands."""
+    return (id(e.params["body"]),) + tuple(("lit", a.value, a.dtype) if isinstance(a, Lit) else id(a)
+                                           for a in e.inputs)

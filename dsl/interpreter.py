@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import NP_DTYPES, QUANT_DTYPES, Lit
+from .core import NP_DTYPES, QUANT_DTYPES, Lit, loop_key
 
 
 def run_program(prog, args, compute_dtype=None):
@@ -37,7 +37,7 @@ def run_program(prog, args, compute_dtype=None):
     with np.errstate(all="ignore"):
         for e in prog.eqns:
             if e.prim.kind == "loop":
-                key = (id(e.params["body"]),) + tuple(id(a) for a in e.inputs)
+                key = loop_key(e)
                 if key not in loops:
                     p = e.params
                     loops[key] = run_scan(p["body"], [read(a) for a in e.inputs], p["length"], p["n_consts"],

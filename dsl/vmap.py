@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import PRIMITIVES as P, DSLError, Lit, Var, _TRACES, bind, current_trace, trace_subprogram, user_source
+from .core import PRIMITIVES as P, DSLError, Lit, _TRACES, bind, current_trace, loop_key, trace_subprogram, user_source
 from .pytree import flatten, unflatten
 
 
@@ -171,7 +171,7 @@ def batch_program(prog, ins, B):
         if not any(b for _, b in vals):
             env[e.out] = (bind(e.prim, *[v for v, _ in vals], **e.params), False)
         elif e.prim.kind == "loop":
-            key = (id(e.params["body"]),) + tuple(id(a) for a in e.inputs)
+            key = loop_key(e)
             if key not in done:
                 done[key] = _scan_rule(e, vals, B)
             env[e.out] = (done[key][e.params["out"]], True)

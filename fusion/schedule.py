@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from codegen import loopir as L
-from dsl.core import Lit, Var
+from dsl.core import Lit, Var, loop_key
 
 from .loops import scan_kernel
 from .lower import LOWER, Builder, Unfusable, fresh, unravel, wrap_index
@@ -100,7 +100,7 @@ class Lowering:
             grouped = False
             e = self.g.producer.get(r)
             if e is not None and e.prim.kind == "loop":     # the results of one scan: one kernel
-                key = (id(e.params["body"]),) + tuple(id(a) for a in e.inputs)
+                key = loop_key(e)
                 if items and items[-1][0] == "loop" and items[-1][1] == key:
                     items[-1][2].append(r)
                 else:
