@@ -112,7 +112,7 @@ def dynamic_update_index_in_dim(operand, update, index, axis):
 # are (closure constants..., initial carries..., xs...).  Fusion lowers them to ONE kernel whose
 # serial loop runs the body's fused code ``length`` times (``fusion/loops.py``).
 
-def _scan_rule(avals, *, body, length, n_consts, n_carry, out):
+def _scan_rule(avals, *, body, length, n_consts, n_carry, out, reverse=False):
     from .core import Program
     if not isinstance(body, Program):
         raise DSLError(f"body must be a program, got {type(body).__name__}")
@@ -137,9 +137,9 @@ def _scan_rule(avals, *, body, length, n_consts, n_carry, out):
     return (tuple(o.shape) if out < n_carry else (length,) + tuple(o.shape)), o.dtype
 
 
-def _scan_impl(*args, body, length, n_consts, n_carry, out):
+def _scan_impl(*args, body, length, n_consts, n_carry, out, reverse=False):
     from .interpreter import run_scan
-    return run_scan(body, list(args), length, n_consts, n_carry)[out]
+    return run_scan(body, list(args), length, n_consts, n_carry, reverse=reverse)[out]
 
 
 SCAN = primitive("scan", "loop", _scan_rule, _scan_impl)
@@ -183,14 +183,12 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1):
     compiles to one kernel whose serial loop runs the body's fused code (``fusion/loops.py``): the
     IR and the kernel count do not grow with the trip count.  On GPUs that kernel runs on one
     workgroup (the steps are serial; each step's work spreads over its threads).
-    Differs from JAX: ``reverse=True`` and ``unroll`` other than 1 are not supported (DSLError);
-    a carry must keep its shape and dtype exactly (as in JAX: no weak-type promotion).
+    ``reverse=True`` runs the steps from the last x to the first (``ys[i]`` still belongs to ``xs[i]``).
+    Differs from JAX: ``unroll`` other than 1 is not supported (DSLError); a carry must keep its
+    shape and dtype exactly (as in JAX: no weak-type promotion).
     Errors name the line that called ``scan``."""
     from .array import Tracer
     from .pytree import flatten, unflatten
-    if reverse:
-        raise DSLError(f"{user_source()}: scan(reverse=True) is not supported; flip xs and ys with a "
-                       "static index (x[::-1] is not supported either: loop over T - 1 - i with fori_loop)")
     if unroll != 1:
         raise DSLError(f"{user_source()}: scan(unroll={unroll!r}) is not supported; leave unroll=1")
     c_leaves, c_tree = flatten(init)
@@ -238,7 +236,7 @@ def scan(f, init, xs=None, length=None, reverse=False, unroll=1):
                        f"{_types([new_c[i]])[0]}; a carry keeps its shape and dtype (convert with .astype, "
                        "or broadcast the initial value)")
     operands = captured + c_atoms + x_atoms
-    params = dict(body=prog, length=length, n_consts=len(captured), n_carry=nc)
+    params = dict(body=prog, length=length, n_consts=len(captured), n_carry=nc, **({"reverse": True} if reverse else {}))
     res = [bind(SCAN, *[Tracer(a) if isinstance(a, Var) else a for a in operands], out=i, **params)
            for i in range(len(outs))]
     return unflatten(c_tree, res[:nc]), unflatten(box["y_tree"], res[nc:])

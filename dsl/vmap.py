@@ -277,7 +277,7 @@ def _scan_rule(e, vals, B):
         outs = batch_program(body, ins, B)
         return ([v if b else _broadcast_batch(v, B) for v, b in outs[:nc]],
                 [v if b else _broadcast_batch(v, B) for v, b in outs[nc:]])
-    carry, ys = lax.scan(step, init, [x for x, _ in xs], length=T)
+    carry, ys = lax.scan(step, init, [x for x, _ in xs], length=T, reverse=p.get("reverse", False))
     ys = [transpose(y, [1, 0] + list(range(2, len(_shape(y))))) for y in ys]
     return list(carry) + list(ys)
 

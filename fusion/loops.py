@@ -110,7 +110,8 @@ def scan_kernel(lw, roots) -> L.Kernel:
     made = []
 
     t = fresh("t")
-    tsym = L.Sym(t, "i32")
+    tsym = L.Sym(t, "i32")                              # the step; it reads x[at] and writes ys[at]
+    at = L.Bin("sub", L.c(length - 1), tsym) if p.get("reverse") else tsym
     rename, syms, slices = {}, {}, {}                   # body buffer -> outer; body Sym -> expr; body x -> (xs, size)
     scalars, xb = {}, Builder(lw)                       # scalar x[t] -> its expression (built by xb)
     results = []                                        # the buffer of each result (carries, then ys)
@@ -136,7 +137,7 @@ def scan_kernel(lw, roots) -> L.Kernel:
             if is_scalar_param(bv):
                 syms[name] = L.Load(rename[name], L.c(0), "i32")
         elif bv.shape == ():                            # a scalar x[t]: its expression at t, inlined
-            syms[name] = scalars[name] = xb.expr(a, (tsym,))
+            syms[name] = scalars[name] = xb.expr(a, (at,))
             if xb.row_stmts:                            # it needs a reduction first: read it from a buffer
                 raise Unfusable(a)
         else:                                           # a slice x[t] of xs
@@ -154,7 +155,7 @@ def scan_kernel(lw, roots) -> L.Kernel:
             return scalars[x.buf]
         if isinstance(x, L.Load) and x.buf in slices:
             xs, size = slices[x.buf]
-            return replace(x, buf=xs, index=L.add(L.mul(tsym, L.c(size)), x.index))
+            return replace(x, buf=xs, index=L.add(L.mul(at, L.c(size)), x.index))
         if isinstance(x, L.Load) and x.buf in rename:
             return replace(x, buf=rename[x.buf])
         return None
@@ -180,7 +181,7 @@ def scan_kernel(lw, roots) -> L.Kernel:
         src = inplace.get(src, src)
         n = int(np.prod(body.outputs[j].shape, dtype=np.int64))
         if src != results[j]:
-            steps.append(_copy(results[j], (src, info[src][1]), n, None if j < nc else L.mul(tsym, L.c(n))))
+            steps.append(_copy(results[j], (src, info[src][1]), n, None if j < nc else L.mul(at, L.c(n))))
     steps.append(L.Barrier())
     flops = sum(k.flops for k in sub.kernels)
     init = []
@@ -191,7 +192,8 @@ def scan_kernel(lw, roots) -> L.Kernel:
     for name, v in xb.reads.items():
         info[name] = (tuple(v.shape), v.dtype)
     eqns = [lw.g.producer[r] for r in roots] + list(xb.ops)
-    body_stmts = section(f"scan of {length} steps -> {', '.join(results)}", eqns) + tuple(init) + (
+    order = ", last x first" if p.get("reverse") else ""
+    body_stmts = section(f"scan of {length} steps{order} -> {', '.join(results)}", eqns) + tuple(init) + (
         (L.Barrier(),) if init else ()) + (L.Loop(t, L.c(0), L.c(length), tuple(steps)),)
     params = _params(body_stmts, info, outer_scalars)
     used = {q.name for q in params}

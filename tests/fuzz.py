@@ -373,7 +373,7 @@ class Writer:
                              f"dsl.take({an}, i) * 0.5).astype('{av.dtype}'), {an}[0] * 0.5)")
         y = ["c", "r * c", "dsl.sum(c * r) * 0.1" if row else "c * r"][int(p[0] * 3)]
         tn, _ = self.emit(f"dsl.lax.scan(lambda c, r: (dsl.tanh(({upd}) * 0.5 + r * 0.5).astype('{av.dtype}'), {y}), "
-                           f"{an}[0], {an})")
+                           f"{an}[0], {an}{', reverse=True' if pk[2] < 0.3 else ''})")
         cn, _ = self.emit(f"{tn}[0]")
         self.terminal.append(cn)
         return self.emit(f"{tn}[1]")

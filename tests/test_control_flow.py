@@ -97,6 +97,25 @@ def test_scan_pytrees_closures_literals_and_a_gemv_in_the_body():
     assert len(f.compile(h0, xs, w, g).plan.kernels) == 1
 
 
+def test_reverse_scan_runs_from_the_last_x():
+    x, h = randn(6, 4), randn(4)
+
+    def f(x, h):
+        return lax.scan(lambda c, r: (dsl.tanh(c * 0.9 + r), c.sum() + r[0]), h, x, reverse=True)
+
+    def ref(x, h):
+        c, ys = h.astype(np.float64), [None] * 6
+        for t in reversed(range(6)):
+            ys[t] = c.sum() + x[t, 0]
+            c = np.tanh(c * 0.9 + x[t])
+        return c, np.array(ys)
+    close(dsl.jit(f)(x, h), ref(x, h))
+    batched = dsl.jit(dsl.vmap(f, in_axes=(None, 0)))(x, np.stack([h, -h]))
+    close(batched, [np.stack(a) for a in zip(ref(x, h), ref(x, -h))])
+    text = dsl.jit(f).lower(x, h).as_text()
+    assert "reverse=True" in text and dsl.parse_ir(text).as_text() == text
+
+
 def test_lax_map_is_a_scan_without_a_carry():
     x = randn(5, 3, 4)
     f = dsl.jit(lambda x: lax.map(lambda a: {"s": dsl.tanh(a).sum(0), "m": a.max()}, x))
