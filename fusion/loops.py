@@ -78,129 +78,149 @@ def _copy(dst, src, n, offset=None):
 
 def scan_kernel(lw, roots) -> L.Kernel:
     """The kernel of one scan: ``roots`` are its equations' outputs (one per result)."""
-    from .schedule import build_plan, section
-    e0 = lw.g.producer[roots[0]]
-    p = e0.params
-    length, nk, nc = p["length"], p["n_consts"], p["n_carry"]
-    body = _copied_outputs(p["body"])
-    by_out = {lw.g.producer[r].params["out"]: r for r in roots}
-    names = [lw.buffer_of(a) if isinstance(a, Var) else f"c{i}" for i, a in enumerate(e0.inputs)]
-    for i in range(nk, nk + nc):                        # a carry is named after the scan's result
-        names[i] = lw.buffer_of(by_out[i - nk]) if i - nk in by_out else f"carry{i - nk}"
-    names[nk + nc:] = [n + "_t" for n in names[nk + nc:]]
-    sub = build_plan(body, lw.rules, names)
+    return _Scan(lw, roots).kernel()
 
-    info = {}                                           # buffer name -> (shape, dtype)
-    outer_scalars = {lw.names[v] for v in lw.prog.inputs if is_scalar_param(v)}
 
-    def outer(v):
-        name = lw.buffer_of(v)
-        info[name] = (tuple(v.shape), v.dtype)
+class _Scan:
+    """One scan lowered: its body's plan, and the names that plan's kernels take inside the loop
+    (constants and xs: the outer buffers; carries: the scan's result buffers; intermediates:
+    buffers of the plan named ``scan_<name>``)."""
+
+    def __init__(self, lw, roots):
+        from .schedule import build_plan
+        self.lw, self.roots = lw, roots
+        self.e = lw.g.producer[roots[0]]
+        p = self.e.params
+        self.length, self.nk, self.nc, self.reverse = p["length"], p["n_consts"], p["n_carry"], p.get("reverse", False)
+        self.body = _copied_outputs(p["body"])
+        by_out = {lw.g.producer[r].params["out"]: r for r in roots}
+        nk, nc = self.nk, self.nc
+        names = [lw.buffer_of(a) if isinstance(a, Var) else f"c{i}" for i, a in enumerate(self.e.inputs)]
+        for i in range(nk, nk + nc):                    # a carry is named after the scan's result
+            names[i] = lw.buffer_of(by_out[i - nk]) if i - nk in by_out else f"carry{i - nk}"
+        names[nk + nc:] = [n + "_t" for n in names[nk + nc:]]
+        self.sub = build_plan(self.body, lw.rules, names)
+        self.info, self.made = {}, []                   # buffer name -> (shape, dtype); scratch buffers
+        self.scalars = {lw.names[v] for v in lw.prog.inputs if is_scalar_param(v)}
+        self.t = fresh("t")
+        tsym = L.Sym(self.t, "i32")                     # the step; it reads x[at] and writes ys[at]
+        self.at = L.Bin("sub", L.c(self.length - 1), tsym) if self.reverse else tsym
+        self.results = []                               # the buffer of each result (carries, then ys)
+        for j, o in enumerate(self.body.outputs):
+            shape = tuple(o.shape) if j < nc else (self.length,) + tuple(o.shape)
+            self.results.append(self.outer(by_out[j]) if j in by_out else self.scratch(f"out{j}", shape, o.dtype))
+        self.bind_inputs()
+
+    def outer(self, v):
+        name = self.lw.buffer_of(v)
+        self.info[name] = (tuple(v.shape), v.dtype)
         return name
 
-    def scratch(name, shape, dtype):                    # a buffer of the plan, allocated if the kernel uses it
+    def scratch(self, name, shape, dtype):
+        """A new buffer of the plan (allocated only if the kernel uses it)."""
         n, i = f"scan_{name}", 1
-        while n in lw.used:
+        while n in self.lw.used:
             i += 1
             n = f"scan_{name}_{i}"
-        lw.used.add(n)
-        info[n] = (tuple(shape), dtype)
-        made.append(n)
+        self.lw.used.add(n)
+        self.info[n] = (tuple(shape), dtype)
+        self.made.append(n)
         return n
-    made = []
 
-    t = fresh("t")
-    tsym = L.Sym(t, "i32")                              # the step; it reads x[at] and writes ys[at]
-    at = L.Bin("sub", L.c(length - 1), tsym) if p.get("reverse") else tsym
-    rename, syms, slices = {}, {}, {}                   # body buffer -> outer; body Sym -> expr; body x -> (xs, size)
-    scalars, xb = {}, Builder(lw)                       # scalar x[t] -> its expression (built by xb)
-    results = []                                        # the buffer of each result (carries, then ys)
-    for j in range(len(body.outputs)):
-        o = body.outputs[j]
-        r = by_out.get(j)
-        shape = tuple(o.shape) if j < nc else (length,) + tuple(o.shape)
-        results.append(outer(r) if r is not None else scratch(f"out{j}", shape, o.dtype))
-    for i, (bv, a) in enumerate(zip(body.inputs, e0.inputs)):
-        name = sub.inputs[i]
-        if i < nk:                                      # a constant: the outer buffer itself
-            if isinstance(a, Lit):
-                syms[name] = L.Const(a.value, a.dtype)
-                continue
-            rename[name] = outer(a)
-            if is_scalar_param(bv) and rename[name] not in outer_scalars:
-                syms[name] = L.Load(rename[name], L.c(0), "i32")
-            elif is_scalar_param(bv):
-                syms[name] = L.Sym(rename[name], "i32")
-        elif i < nk + nc:                               # a carry: the scan's result buffer
-            rename[name] = results[i - nk]
-            info[rename[name]] = (tuple(bv.shape), bv.dtype)
-            if is_scalar_param(bv):
-                syms[name] = L.Load(rename[name], L.c(0), "i32")
-        elif bv.shape == ():                            # a scalar x[t]: its expression at t, inlined
-            syms[name] = scalars[name] = xb.expr(a, (at,))
-            if xb.row_stmts:                            # it needs a reduction first: read it from a buffer
-                raise Unfusable(a)
-        else:                                           # a slice x[t] of xs
-            slices[name] = (outer(a), bv.size)
-    for name, (shape, dtype) in sub.buffers.items():
-        if name not in sub.inputs:
-            rename[name] = scratch(name, shape, dtype)
-            if tuple(shape) == () and dtype == "i32":   # a computed i32 scalar, read as a Sym by the body
-                syms[name] = L.Load(rename[name], L.c(0), "i32")
+    def bind_inputs(self):
+        """What each name of the body's plan becomes: ``rename`` (buffer -> buffer), ``syms``
+        (an i32 scalar read by value -> expression), ``slices`` (x -> (xs, slice size)),
+        ``xs_scalar`` (a scalar x -> its expression at step ``at``, inlined, built by ``xb``)."""
+        nk, nc, sub = self.nk, self.nc, self.sub
+        self.rename, self.syms, self.slices, self.xs_scalar = {}, {}, {}, {}
+        self.xb = Builder(self.lw)
+        for i, (bv, a) in enumerate(zip(self.body.inputs, self.e.inputs)):
+            name = sub.inputs[i]
+            if isinstance(a, Lit) and i < nk:           # a literal constant (IR text may pass one)
+                self.syms[name] = self.xs_scalar[name] = L.Const(a.value, a.dtype)
+            elif i < nk:                                # a constant: the outer buffer itself
+                self.rename[name] = self.outer(a)
+                if is_scalar_param(bv):
+                    n = self.rename[name]
+                    self.syms[name] = L.Sym(n, "i32") if n in self.scalars else L.Load(n, L.c(0), "i32")
+            elif i < nk + nc:                           # a carry: the scan's result buffer
+                self.rename[name] = self.results[i - nk]
+                self.info[self.rename[name]] = (tuple(bv.shape), bv.dtype)
+                if is_scalar_param(bv):
+                    self.syms[name] = L.Load(self.rename[name], L.c(0), "i32")
+            elif bv.shape == ():                        # a scalar x[t]: its expression at t, inlined
+                self.syms[name] = self.xs_scalar[name] = self.xb.expr(a, (self.at,))
+                if self.xb.row_stmts:                   # it needs a reduction first: read it from a buffer
+                    raise Unfusable(a)
+            else:                                       # a slice x[t] of xs
+                self.slices[name] = (self.outer(a), bv.size)
+        for name, (shape, dtype) in sub.buffers.items():
+            if name not in sub.inputs:
+                self.rename[name] = self.scratch(name, shape, dtype)
+                if tuple(shape) == () and dtype == "i32":   # a computed i32 scalar, read as a Sym by the body
+                    self.syms[name] = L.Load(self.rename[name], L.c(0), "i32")
+        for name, v in self.xb.reads.items():
+            self.info[name] = (tuple(v.shape), v.dtype)
 
-    def ex_node(x):
-        if isinstance(x, L.Sym) and x.name in syms:
-            return syms[x.name]
-        if isinstance(x, L.Load) and x.buf in scalars:
-            return scalars[x.buf]
-        if isinstance(x, L.Load) and x.buf in slices:
-            xs, size = slices[x.buf]
-            return replace(x, buf=xs, index=L.add(L.mul(at, L.c(size)), x.index))
-        if isinstance(x, L.Load) and x.buf in rename:
-            return replace(x, buf=rename[x.buf])
-        return None
+    def expr(self, e):
+        """A body kernel's expression inside the loop."""
+        def node(x):
+            if isinstance(x, L.Sym) and x.name in self.syms:
+                return self.syms[x.name]
+            if isinstance(x, L.Load) and x.buf in self.xs_scalar:
+                return self.xs_scalar[x.buf]
+            if isinstance(x, L.Load) and x.buf in self.slices:
+                xs, size = self.slices[x.buf]
+                return replace(x, buf=xs, index=L.add(L.mul(self.at, L.c(size)), x.index))
+            if isinstance(x, L.Load) and x.buf in self.rename:
+                return replace(x, buf=self.rename[x.buf])
+            return None
+        return L.fold(L.rewrite_expr(e, node))
 
-    def ex(e):
-        return L.fold(L.rewrite_expr(e, ex_node))
+    def step(self):
+        """One step: the body's kernels, a barrier after each; then ys[at] and the carries that
+        were not updated in place are copied from the body's results."""
+        kernels = []
+        for k in self.sub.kernels:
+            stmts = _collapse_rows(k.body) if k.family in ("elementwise", "reduce", "scatter") else k.body
+            kernels.append((k.name, L.rewrite(_expand_attention(stmts), self.expr, lambda n: self.rename.get(n, n))))
+        srcs = [self.rename.get(o[1], o[1]) for o in self.sub.outputs]
+        res = self.results
+        inplace = {srcs[j]: res[j] for j in range(self.nc)
+                   if srcs.count(srcs[j]) == 1 and _in_place([b for _, b in kernels], srcs[j], res[j])}
 
-    kernels = []
-    for k in sub.kernels:
-        stmts = _collapse_rows(k.body) if k.family in ("elementwise", "reduce", "scatter") else k.body
-        kernels.append((k.name, L.rewrite(_expand_attention(stmts), ex, lambda n: rename.get(n, n))))
-    srcs = [rename.get(o[1], o[1]) for o in sub.outputs]
-    inplace = {srcs[j]: results[j] for j in range(nc)
-               if srcs.count(srcs[j]) == 1 and _in_place([b for _, b in kernels], srcs[j], results[j])}
+        def to_carry(e):
+            return L.rewrite_expr(e, lambda x: replace(x, buf=inplace[x.buf]) if isinstance(x, L.Load)
+                                  and x.buf in inplace else None)
+        steps = []
+        for name, stmts in kernels:
+            steps += [L.Comment(name), *L.rewrite(stmts, to_carry, lambda n: inplace.get(n, n)), L.Barrier()]
+        for j, src in enumerate(srcs):
+            src = inplace.get(src, src)
+            n = int(np.prod(self.body.outputs[j].shape, dtype=np.int64))
+            if src != res[j]:
+                steps.append(_copy(res[j], (src, self.info[src][1]), n, None if j < self.nc else L.mul(self.at, L.c(n))))
+        return tuple(steps) + (L.Barrier(),)
 
-    def to_carry(e):
-        return L.rewrite_expr(e, lambda x: replace(x, buf=inplace[x.buf]) if isinstance(x, L.Load)
-                              and x.buf in inplace else None)
-    steps = []
-    for name, stmts in kernels:
-        steps += [L.Comment(name), *L.rewrite(stmts, to_carry, lambda n: inplace.get(n, n)), L.Barrier()]
-    for j, src in enumerate(srcs):
-        src = inplace.get(src, src)
-        n = int(np.prod(body.outputs[j].shape, dtype=np.int64))
-        if src != results[j]:
-            steps.append(_copy(results[j], (src, info[src][1]), n, None if j < nc else L.mul(at, L.c(n))))
-    steps.append(L.Barrier())
-    flops = sum(k.flops for k in sub.kernels)
-    init = []
-    for i in range(nc):
-        a = e0.inputs[nk + i]
-        src = L.Const(a.value, a.dtype) if isinstance(a, Lit) else (outer(a), a.dtype)
-        init.append(_copy(results[i], src, max(1, int(np.prod(a.shape, dtype=np.int64)))))
-    for name, v in xb.reads.items():
-        info[name] = (tuple(v.shape), v.dtype)
-    eqns = [lw.g.producer[r] for r in roots] + list(xb.ops)
-    order = ", last x first" if p.get("reverse") else ""
-    body_stmts = section(f"scan of {length} steps{order} -> {', '.join(results)}", eqns) + tuple(init) + (
-        (L.Barrier(),) if init else ()) + (L.Loop(t, L.c(0), L.c(length), tuple(steps)),)
-    params = _params(body_stmts, info, outer_scalars)
-    used = {q.name for q in params}
-    for n in made:
-        if n in used:
-            lw.names[Var(*info[n])] = n
-    return L.Kernel(f"scan_{results[0]}", "loop", params, body_stmts, tuple(eqns), 0, flops * length)
+    def kernel(self):
+        from .schedule import section
+        init = []
+        for i in range(self.nc):                        # each carry starts as its initial value
+            a = self.e.inputs[self.nk + i]
+            src = L.Const(a.value, a.dtype) if isinstance(a, Lit) else (self.outer(a), a.dtype)
+            init.append(_copy(self.results[i], src, max(1, int(np.prod(a.shape, dtype=np.int64)))))
+        loop = L.Loop(self.t, L.c(0), L.c(self.length), self.step())
+        eqns = [self.lw.g.producer[r] for r in self.roots] + list(self.xb.ops)
+        order = ", last x first" if self.reverse else ""
+        body = section(f"scan of {self.length} steps{order} -> {', '.join(self.results)}", eqns) + tuple(init) + (
+            (L.Barrier(),) if init else ()) + (loop,)
+        params = _params(body, self.info, self.scalars)
+        used = {q.name for q in params}
+        for n in self.made:
+            if n in used:
+                self.lw.names[Var(*self.info[n])] = n
+        flops = sum(k.flops for k in self.sub.kernels) * self.length
+        return L.Kernel(f"scan_{self.results[0]}", "loop", params, body, tuple(eqns), 0, flops)
 
 
 def _loads(e, buf):
