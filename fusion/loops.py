@@ -22,7 +22,7 @@ import numpy as np
 from codegen import loopir as L
 from dsl.core import PRIMITIVES, Eqn, Lit, Program, Var
 
-from .lower import Builder, Unfusable, fresh
+from .lower import Builder, Unfusable, fresh, unravel
 from .partition import is_scalar_param
 
 
@@ -68,10 +68,10 @@ def _collapse_rows(body):
 
 
 def _copy(dst, src, n, offset=None):
-    """``dst[offset + f] = src[f]`` for f < n (``src`` a buffer name or a Const)."""
+    """``dst[offset + f] = src[f]`` for f < n (``src``: (buffer name, dtype), or a function of f)."""
     f = fresh("f")
     fs = L.Sym(f, "i32")
-    val = src if isinstance(src, L.Const) else L.Load(src[0], fs, src[1])
+    val = src(fs) if callable(src) else L.Load(src[0], fs, src[1])
     at = fs if offset is None else L.add(offset, fs)
     return L.Loop(f, L.c(0), L.c(n), (L.Store(dst, at, val),), parallel=True)
 
@@ -159,8 +159,6 @@ class _Scan:
                 self.rename[name] = self.scratch(name, shape, dtype)
                 if tuple(shape) == () and dtype == "i32":   # a computed i32 scalar, read as a Sym by the body
                     self.syms[name] = L.Load(self.rename[name], L.c(0), "i32")
-        for name, v in self.xb.reads.items():
-            self.info[name] = (tuple(v.shape), v.dtype)
 
     def expr(self, e):
         """A body kernel's expression inside the loop."""
@@ -205,10 +203,14 @@ class _Scan:
     def kernel(self):
         from .schedule import section
         init = []
-        for i in range(self.nc):                        # each carry starts as its initial value
+        for i in range(self.nc):                        # each carry starts as its initial value, computed here
             a = self.e.inputs[self.nk + i]
-            src = L.Const(a.value, a.dtype) if isinstance(a, Lit) else (self.outer(a), a.dtype)
-            init.append(_copy(self.results[i], src, max(1, int(np.prod(a.shape, dtype=np.int64)))))
+            init.append(_copy(self.results[i], lambda f, a=a: self.xb.expr(a, unravel(f, a.shape)),
+                              max(1, int(np.prod(a.shape, dtype=np.int64)))))
+            if self.xb.row_stmts:                       # it needs a reduction first: read it from a buffer
+                raise Unfusable(a)
+        for name, v in self.xb.reads.items():
+            self.info[name] = (tuple(v.shape), v.dtype)
         loop = L.Loop(self.t, L.c(0), L.c(self.length), self.step())
         eqns = [self.lw.g.producer[r] for r in self.roots] + list(self.xb.ops)
         order = ", last x first" if self.reverse else ""

@@ -169,6 +169,7 @@ def test_nested_scan_and_integer_carry_with_a_runtime_scalar():
         return (c, np.array(ys)), 1 + 6 * n
 
     close(dsl.jit(f)(x, 7), ref(x, 7))
+    assert [k.family for k in dsl.jit(f).compile(x, 7).plan.kernels] == ["loop", "loop"]   # x[0] computed in it
 
 
 def test_ir_text_prints_the_body_once_and_parses_back():
