@@ -268,7 +268,7 @@ def cond(pred, true_fun, false_fun, *operands):
     traced and computed, and each result leaf is ``where(pred, t, f)`` (differs from JAX, which runs
     one branch: a branch's cost is always paid, and a branch must be safe to compute).  Both
     branches must return the same structure, shapes and dtypes."""
-    from .array import Tracer, reshape, where
+    from .array import Tracer, _dt, reshape, where
     from .pytree import flatten, unflatten
     if not isinstance(pred, Tracer):
         if not isinstance(pred, (bool, int, np.bool_, np.integer)) and not (
@@ -279,8 +279,8 @@ def cond(pred, true_fun, false_fun, *operands):
         raise DSLError(f"{user_source()}: cond's predicate has shape {list(pred.shape)}; it must be a scalar "
                        "(for an elementwise choice use dsl.where)")
     p = reshape(pred, ())
-    if p.dtype != "bool":
-        p = p != (0.0 if p.dtype in ("f16", "f32") else 0)
+    if _dt(p) != "bool":
+        p = p != (0.0 if _dt(p) in ("f16", "f32") else 0)
     t_leaves, t_tree = flatten(true_fun(*operands))
     f_leaves, f_tree = flatten(false_fun(*operands))
     if t_tree != f_tree:
@@ -288,7 +288,7 @@ def cond(pred, true_fun, false_fun, *operands):
     out = []
     for i, (a, b) in enumerate(zip(t_leaves, f_leaves)):
         sa, sb = (tuple(getattr(x, "shape", ())) for x in (a, b))
-        da, db = (x.dtype if isinstance(x, Tracer) else None for x in (a, b))
+        da, db = (_dt(x) if isinstance(x, Tracer) else None for x in (a, b))
         if sa != sb or (da and db and da != db):
             raise DSLError(f"{user_source()}: cond's branches return {da or type(a).__name__}{list(sa)} and "
                            f"{db or type(b).__name__}{list(sb)} for output {i}; they must match")

@@ -75,7 +75,7 @@ def _axis_list(in_axes, n):
 
 
 def _vmap_call(f, in_axes, out_axes, args, kwargs):
-    from .array import Tracer, asarray
+    from .array import Tracer, _dt, asarray
     axes = _axis_list(in_axes, len(args))
     leaves, flags, trees, sizes = [], [], [], []
     for i, (a, ax) in enumerate(zip(args, axes)):
@@ -109,7 +109,7 @@ def _vmap_call(f, in_axes, out_axes, args, kwargs):
         for tree, n in zip(trees, counts):
             rebuilt.append(unflatten(tree, [next(it) for _ in range(n)]))
         return f(*rebuilt, **kwargs)
-    avals = [(tuple(x.shape[1:]) if b else tuple(x.shape), x.dtype) for x, b in zip(leaves, flags)]
+    avals = [(tuple(x.shape[1:]) if b else tuple(x.shape), _dt(x)) for x, b in zip(leaves, flags)]
     prog, captured, out = trace_subprogram(example, avals)
     ins = [(Tracer(v), False) for v in captured] + list(zip(leaves, flags))
     res = batch_program(prog, ins, B)

@@ -339,7 +339,7 @@ class Writer:
         op with a value of the program that broadcasts to it (captured by the body) or a constant."""
         u = list(UNARY)[int(p[0] * len(UNARY))]
         b = list(BINARY)[int(p[1] * len(BINARY))]
-        other = self.pick(p[2], lambda v: v.dtype in ("f16", "f32") and _broadcastable(v.shape, shape)
+        other = self.pick(p[2], lambda v: v.var.dtype in ("f16", "f32") and _broadcastable(v.shape, shape)
                           and v.ndim <= len(shape))
         on = other[0] if other is not None and p[3] < 0.6 else repr(round(p[3] - 0.5, 2) or 0.5)
         return UNARY[u].format(a=BINARY[b].format(a=x, b=on))
@@ -370,9 +370,9 @@ class Writer:
             n = av.shape[0]
             lo = int(p[2] * n) if n > 1 else 0
             return self.emit(f"dsl.lax.fori_loop({lo}, {n}, lambda i, c: dsl.tanh(({upd}) * 0.5 + "
-                             f"dsl.take({an}, i) * 0.5).astype('{av.dtype}'), {an}[0] * 0.5)")
+                             f"dsl.take({an}, i) * 0.5).astype('{av.var.dtype}'), {an}[0] * 0.5)")
         y = ["c", "r * c", "dsl.sum(c * r) * 0.1" if row else "c * r"][int(p[0] * 3)]
-        tn, _ = self.emit(f"dsl.lax.scan(lambda c, r: (dsl.tanh(({upd}) * 0.5 + r * 0.5).astype('{av.dtype}'), {y}), "
+        tn, _ = self.emit(f"dsl.lax.scan(lambda c, r: (dsl.tanh(({upd}) * 0.5 + r * 0.5).astype('{av.var.dtype}'), {y}), "
                            f"{an}[0], {an}{', reverse=True' if pk[2] < 0.3 else ''})")
         cn, _ = self.emit(f"{tn}[0]")
         self.terminal.append(cn)
