@@ -902,7 +902,17 @@ def buffer_traffic(k: Kernel) -> dict:
     at most its size.  Loops with a runtime extent count as reaching the whole buffer.  Accesses
     through a gathered index (one holding a load or a scalar parameter: an expert's weights at a
     routed id, an embedding row) reach their own elements: two gathers of one buffer at different
-    ids add up, and a gather is charged what it reaches, not the whole buffer."""
+    ids add up, and a gather is charged what it reaches, not the whole buffer.  The step loop of a
+    loop-family kernel (a scan) moves its body's bytes once per step."""
+    if k.family == "loop":
+        steps = [s for s in k.body if isinstance(s, Loop) and any(isinstance(x, Barrier) for x in s.body)
+                 and isinstance(s.start, Const) and isinstance(s.stop, Const)]
+        rest = tuple(s for s in k.body if not any(s is x for x in steps))
+        out = dict(buffer_traffic(replace(k, body=rest, family="")))
+        for s in steps:
+            for name, n in buffer_traffic(replace(k, body=s.body, family="")).items():
+                out[name] = out.get(name, 0) + (s.stop.value - s.start.value) * n
+        return out
     params = {p.name: p for p in k.params if p.kind == "buffer"}
     scalars = {p.name for p in k.params if p.kind == "scalar"}
     reach = {}                                     # buffer -> {gathered index: elements}, None: all

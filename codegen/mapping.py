@@ -46,6 +46,8 @@ def map_kernel(k: L.Kernel, t: Target, lds_limit: int = 0) -> L.Kernel:
     body = L.drop_unit_loops(k.body, keep_parallel=k.family == "contract")
     if k.family == "contract":
         body, launch = _contract(body, t, min(t.max_static_lds, lds_limit or t.max_static_lds))
+    elif k.family == "loop":
+        body, launch = _one_workgroup(body, t)
     elif any(isinstance(s, L.Attention) for s in body):
         body, launch = _attention(body, t)
     else:
@@ -77,8 +79,9 @@ def _once(stmts):
 
 
 # ------------------------------------------------------------------------------ elementwise, reduce
-def _cooperative(body):
-    """Statements that all threads of a workgroup run together."""
+def _cooperative(body, local=frozenset()):
+    """Statements that all threads of a workgroup run together (a store to a ``local`` array,
+    private to each thread, is run by every thread)."""
     out = []
     for s in body:
         if isinstance(s, L.Reduce):
@@ -86,11 +89,11 @@ def _cooperative(body):
         elif isinstance(s, L.Loop) and s.parallel:
             out.append(replace(s, map="block", body=_per_thread(s.body)))
         elif isinstance(s, L.Loop):
-            out.append(replace(s, body=_cooperative(s.body)))
+            out.append(replace(s, body=_cooperative(s.body, local)))
         elif isinstance(s, L.If):
-            out.append(L.If(s.cond, _cooperative(s.then), _cooperative(s.orelse)))
+            out.append(L.If(s.cond, _cooperative(s.then, local), _cooperative(s.orelse, local)))
         elif isinstance(s, L.Store):
-            out += _once([s])
+            out += [s] if s.buf in local else _once([s])
         else:
             out.append(s)
     return tuple(out)
@@ -129,6 +132,17 @@ def _generic(body, t):
                else "grid-stride loops over every thread")
     body = _scratch(body, t) + body
     return body, L.Launch(min(grid, MAX_GRID), t.block, "VF_BLOCK", how, _lds_bytes(body))
+
+
+def _one_workgroup(body, t):
+    """The loop family (a scan): its steps are serial, so it runs on one workgroup whose threads
+    share each step's parallel loops; the kernel's barriers order the phases.  Local arrays
+    (a GEMV's activation) are filled by every thread."""
+    local = {s.name for s in L.walk_stmts(body) if isinstance(s, L.Array) and s.space == "local"}
+    body = _cooperative(body, frozenset(local))
+    body = _scratch(body, t) + body
+    how = "one workgroup: the steps in order, each step's loops over its threads, barriers between phases"
+    return body, L.Launch(1, t.block, "VF_BLOCK", how, _lds_bytes(body))
 
 
 # ------------------------------------------------------------------------------ attention

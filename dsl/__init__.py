@@ -48,3 +48,5 @@ for _f, _n in ((equal, "equal"), (not_equal, "not_equal"), (less, "less"), (less
     _f.__doc__ = f"``jnp.{_n}``: the comparison operator, with broadcasting; a bool array."
 for _n, _f in lax._lax_names().items():
     setattr(lax, _n, _f)
+# ---- jax.vmap (issue 9, control flow)
+from .vmap import vmap  # noqa: F401  (jax.vmap over a leading axis: dsl/vmap.py)

@@ -287,3 +287,52 @@ def bind(prim: Primitive, *inputs, **params):
     check_shape(out.shape, f"{where}: {prim.name}")
     current_trace().eqns.append(Eqn(prim, atoms, params, out, src, scope))
     return Tracer(out)
+
+
+# ----------------------------------------------------------------------------- sub-programs (control flow)
+def trace_subprogram(fn, avals):
+    """Trace ``fn(*tracers)`` on fresh inputs of ``avals`` [(shape, dtype)] as a Program of its own
+    (the body of a loop primitive).  Values of the enclosing trace that ``fn`` reads (closures)
+    become extra inputs placed first: returns ``(program, captured, out)`` where ``captured`` are
+    the enclosing trace's Vars to pass for them and ``out`` is what ``fn`` returned, its traced
+    leaves replaced by the program's output atoms (Var or Lit)."""
+    from .array import Tracer
+    from .pytree import flatten, unflatten
+    ins = [Var(tuple(s), d) for s, d in avals]
+    trace = Trace()
+    _TRACES.append(trace)
+    try:
+        out = fn(*[Tracer(v) for v in ins])
+    finally:
+        _TRACES.pop()
+    leaves, tree = flatten(out)
+    atoms = []
+    for x in leaves:
+        if isinstance(x, Tracer):
+            atoms.append(x.var)
+        elif isinstance(x, (bool, int, float, np.bool_, np.integer, np.floating)):
+            d = "bool" if isinstance(x, (bool, np.bool_)) else "i32" if isinstance(x, (int, np.integer)) else "f32"
+            atoms.append(Lit(bool(x) if d == "bool" else int(x) if d == "i32" else float(x), d))
+        else:
+            raise DSLError(f"{user_source()}: a loop body returned {type(x).__name__}; return traced arrays "
+                           "(numpy arrays are passed as arguments of the jitted function)")
+    defined = set(ins) | {e.out for e in trace.eqns}
+    captured = {}
+    for e in trace.eqns:
+        for a in e.inputs:
+            if isinstance(a, Var) and a not in defined and a not in captured:
+                captured[a] = Var(a.shape, a.dtype)
+    for a in atoms:
+        if isinstance(a, Var) and a not in defined and a not in captured:
+            captured[a] = Var(a.shape, a.dtype)
+    for e in trace.eqns:
+        e.inputs = [captured.get(a, a) if isinstance(a, Var) else a for a in e.inputs]
+    atoms = [captured.get(a, a) if isinstance(a, Var) else a for a in atoms]
+    prog = Program(list(captured.values()) + ins, trace.eqns, atoms)
+    return prog, list(captured), unflatten(tree, atoms)
+
+
+def loop_key(e) -> tuple:
+    """The equations of one loop (one per result) share this key: the body and the operands."""
+    return (id(e.params["body"]),) + tuple(("lit", a.value, a.dtype) if isinstance(a, Lit) else id(a)
+                                           for a in e.inputs)

@@ -45,9 +45,20 @@ def _value(v):
     return str(v)
 
 
-def print_program(prog: Program) -> str:
-    gen = _names()
-    names = {}
+def print_program(prog: Program, gen=None, pad="") -> str:
+    """The IR text of ``prog``.  A loop's body (a Program parameter) prints nested, in braces, the
+    first time; the other equations of the same loop name the equation that printed it
+    (``body=d``).  ``gen``, ``pad``: the name generator and indentation of an enclosing program."""
+    gen = gen or _names()
+    names, bodies = {}, {}
+
+    def param(e, v):
+        if not isinstance(v, Program):
+            return _value(v)
+        if id(v) in bodies:
+            return bodies[id(v)]
+        bodies[id(v)] = names[e.out]
+        return print_program(v, gen, pad + "        ")
 
     def name(v):
         if v not in names:
@@ -61,15 +72,15 @@ def print_program(prog: Program) -> str:
     lines = [f"{{ lambda {head} ;"]
     for i, e in enumerate(prog.eqns):
         params = ""
-        if e.params:
-            params = "[" + ", ".join(f"{k}={_value(v)}" for k, v in sorted(e.params.items())) + "]"
-        args = " ".join(atom(a) for a in e.inputs)
         lhs = f"{name(e.out)}:{_type(e.out)}"
-        lines.append(f"  {'let' if i == 0 else '   '} {lhs} = {e.prim.name}{params}{' ' + args if args else ''}")
+        if e.params:
+            params = "[" + ", ".join(f"{k}={param(e, v)}" for k, v in sorted(e.params.items())) + "]"
+        args = " ".join(atom(a) for a in e.inputs)
+        lines.append(f"{pad}  {'let' if i == 0 else '   '} {lhs} = {e.prim.name}{params}{' ' + args if args else ''}")
     if not prog.eqns:
-        lines.append("  let")
+        lines.append(f"{pad}  let")
     outs = " ".join(atom(o) for o in prog.outputs)
-    lines.append(f"  in ( {outs} ) }}")
+    lines.append(f"{pad}  in ( {outs} ) }}")
     return "\n".join(lines)
 
 
@@ -84,6 +95,7 @@ param: NAME "=" value
       | BOOL -> boolean
       | NAME -> word
       | "(" [value ("," value)* ","?] ")" -> tuple
+      | program
 atom: NAME -> ref
     | literal
 literal: (NUMBER | BOOL) ":" DTYPE
@@ -170,8 +182,12 @@ class _Build(Transformer):
                     raise DSLError(f"IR text: undefined variable {a[1]!r}")
                 return env[a[1]]
             return a
-        built = []
+        built, made = [], {}
         for _, name, out, prim, params, atoms in eqns:
+            if isinstance(params.get("body"), str):        # body=d: the body printed with equation d
+                if params["body"] not in made or "body" not in made[params["body"]].params:
+                    raise DSLError(f"IR text: {name} = {prim}: body={params['body']} names no earlier loop")
+                params = dict(params, body=made[params["body"]].params["body"])
             if prim not in PRIMITIVES:
                 raise DSLError(f"IR text: unknown primitive {prim!r}")
             if name in env:
@@ -190,6 +206,7 @@ class _Build(Transformer):
                 raise DSLError(f"IR text: {name} declared {_type(out)} but {prim} gives {dtype}{list(shape)}")
             env[name] = out
             built.append(Eqn(p, ins, params, out))
+            made[name] = built[-1]
         return Program([v for _, v in binders], built, [resolve(o) for o in outs])
 
 

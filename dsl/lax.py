@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import builtins   # max, min, abs and pow below are jax.lax's elementwise ops (bound at import)
 
+import numpy as np
+
+from .core import DSLError, Lit, Var, bind, primitive, trace_subprogram, user_source
+
 # ---- slicing and indexing
 from . import array as _a  # noqa: E402
 from .core import DSLError as _DSLError, PRIMITIVES as _P, bind as _bind, user_source as _where  # noqa: E402
@@ -102,6 +106,200 @@ def dynamic_update_index_in_dim(operand, update, index, axis):
 
 
 # ---- control flow
+# ``scan`` is one primitive whose parameter ``body`` is a Program (a sub-program in the IR text).
+# It has one equation per result (every equation has one output): ``out=i`` picks result i of
+# (final carries..., stacked ys...); the equations of one scan share their body and inputs, which
+# are (closure constants..., initial carries..., xs...).  Fusion lowers them to ONE kernel whose
+# serial loop runs the body's fused code ``length`` times (``fusion/loops.py``).
+
+def _scan_rule(avals, *, body, length, n_consts, n_carry, out, reverse=False):
+    from .core import Program
+    if not isinstance(body, Program):
+        raise DSLError(f"body must be a program, got {type(body).__name__}")
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise DSLError(f"length must be a positive int, got {length!r}")
+    if len(avals) != len(body.inputs):
+        raise DSLError(f"takes {len(body.inputs)} operands (the body's inputs), got {len(avals)}")
+    n_ys = len(body.outputs) - n_carry
+    if not (0 <= n_consts and 0 <= n_carry <= len(body.outputs) and n_consts + n_carry <= len(avals)):
+        raise DSLError(f"bad n_consts={n_consts}, n_carry={n_carry} for {len(avals)} operands")
+    for i, ((s, d), v) in enumerate(zip(avals, body.inputs)):
+        want = tuple(v.shape) if i < n_consts + n_carry else (length,) + tuple(v.shape)
+        if (tuple(s), d) != (want, v.dtype):
+            raise DSLError(f"operand {i} is {d}{list(s)}, the body needs {v.dtype}{list(want)}")
+    for i in range(n_carry):
+        c, o = body.inputs[n_consts + i], body.outputs[i]
+        if (tuple(c.shape), c.dtype) != (tuple(o.shape), o.dtype):
+            raise DSLError(f"carry {i} enters as {c.dtype}{list(c.shape)} and leaves as {o.dtype}{list(o.shape)}")
+    if not 0 <= out < n_carry + n_ys:
+        raise DSLError(f"out={out} is not one of the {n_carry + n_ys} results")
+    o = body.outputs[out]
+    return (tuple(o.shape) if out < n_carry else (length,) + tuple(o.shape)), o.dtype
+
+
+def _scan_impl(*args, body, length, n_consts, n_carry, out, reverse=False):
+    from .interpreter import run_scan
+    return run_scan(body, list(args), length, n_consts, n_carry, reverse=reverse)[out]
+
+
+SCAN = primitive("scan", "loop", _scan_rule, _scan_impl)
+
+
+def _leaf_atom(x, what):
+    from .array import Tracer
+    if isinstance(x, Tracer):
+        return x.var
+    if isinstance(x, (bool, np.bool_)):
+        return Lit(bool(x), "bool")
+    if isinstance(x, (int, np.integer)):
+        return Lit(int(x), "i32")
+    if isinstance(x, (float, np.floating)):
+        return Lit(float(x), "f32")
+    raise DSLError(f"{user_source()}: {what} holds a {type(x).__name__}; use traced arrays or Python scalars "
+                   "(numpy arrays are passed as arguments of the jitted function)")
+
+
+def _static_int(x, what):
+    from .array import Tracer
+    if isinstance(x, Tracer):
+        raise DSLError(f"{user_source()}: {what} is a traced value; loops need a static trip count "
+                       "(a Python int, or a static argument of the jitted function)")
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise DSLError(f"{user_source()}: {what} must be a Python int, got {x!r}")
+    return int(x)
+
+
+def _types(atoms):
+    return [f"{a.dtype}{list(a.shape)}" for a in atoms]
+
+
+def scan(f, init, xs=None, length=None, reverse=False, unroll=1):
+    """``jax.lax.scan``: ``carry, y = f(carry, x)`` for each ``x`` of ``xs`` along its leading
+    axis; returns ``(final carry, stacked ys)``.  ``init``, ``xs`` and the ys are pytrees (dicts,
+    lists, tuples, None) of traced arrays; a Python scalar in ``init`` or a y is a constant.
+    The trip count is static: ``length`` (needed when ``xs`` is None) or the leading dim of ``xs``.
+
+    ``f`` is traced once, as a sub-program (the body, printed in the IR), and the whole loop
+    compiles to one kernel whose serial loop runs the body's fused code (``fusion/loops.py``): the
+    IR and the kernel count do not grow with the trip count.  On GPUs that kernel runs on one
+    workgroup (the steps are serial; each step's work spreads over its threads).
+    ``reverse=True`` runs the steps from the last x to the first (``ys[i]`` still belongs to ``xs[i]``).
+    Differs from JAX: ``unroll`` other than 1 is not supported (DSLError); a carry must keep its
+    shape and dtype exactly (as in JAX: no weak-type promotion).
+    Errors name the line that called ``scan``."""
+    from .array import Tracer
+    from .pytree import flatten, unflatten
+    if unroll != 1:
+        raise DSLError(f"{user_source()}: scan(unroll={unroll!r}) is not supported; leave unroll=1")
+    c_leaves, c_tree = flatten(init)
+    x_leaves, x_tree = flatten(xs)
+    c_atoms = [_leaf_atom(c, "scan's init") for c in c_leaves]
+    x_atoms = [_leaf_atom(x, "scan's xs") for x in x_leaves]
+    if length is not None:
+        length = _static_int(length, "scan's length")
+    for a in x_atoms:
+        if a.ndim == 0:
+            raise DSLError(f"{user_source()}: scan's xs holds a scalar; every x needs a leading axis to scan over")
+        if length is None:
+            length = int(a.shape[0])
+        if int(a.shape[0]) != length:
+            raise DSLError(f"{user_source()}: scan's xs have leading dims {[x.shape[0] for x in x_atoms]}"
+                           f"{'' if length is None else f' and length={length}'}; they must all equal the trip count")
+    if length is None:
+        raise DSLError(f"{user_source()}: scan with no xs needs length=")
+    if length < 1:
+        raise DSLError(f"{user_source()}: scan of length {length}; the trip count must be at least 1")
+    nc = len(c_atoms)
+    box = {}
+
+    def body(*tracers):
+        carry = unflatten(c_tree, list(tracers[:nc]))
+        x = unflatten(x_tree, list(tracers[nc:]))
+        res = f(carry, x)
+        if not (isinstance(res, (tuple, list)) and len(res) == 2):
+            raise DSLError(f"{user_source()}: the scan body must return a pair (carry, y), "
+                           f"got {type(res).__name__}")
+        new_leaves, new_tree = flatten(res[0])
+        if new_tree != c_tree:
+            raise DSLError(f"{user_source()}: the scan body returns a carry of another structure than init "
+                           f"({new_tree} vs {c_tree})")
+        box["y_tree"] = flatten(res[1])[1]
+        return list(new_leaves) + list(flatten(res[1])[0])
+
+    avals = [(a.shape, a.dtype) for a in c_atoms] + [(tuple(a.shape[1:]), a.dtype) for a in x_atoms]
+    prog, captured, outs = trace_subprogram(body, avals)
+    new_c = outs[:nc]
+    bad = [i for i, (a, b) in enumerate(zip(c_atoms, new_c)) if (a.shape, a.dtype) != (tuple(b.shape), b.dtype)]
+    if bad:
+        i = bad[0]
+        raise DSLError(f"{user_source()}: the scan body changes carry {i} from {_types([c_atoms[i]])[0]} to "
+                       f"{_types([new_c[i]])[0]}; a carry keeps its shape and dtype (convert with .astype, "
+                       "or broadcast the initial value)")
+    operands = captured + c_atoms + x_atoms
+    params = dict(body=prog, length=length, n_consts=len(captured), n_carry=nc, **({"reverse": True} if reverse else {}))
+    res = [bind(SCAN, *[Tracer(a) if isinstance(a, Var) else a for a in operands], out=i, **params)
+           for i in range(len(outs))]
+    return unflatten(c_tree, res[:nc]), unflatten(box["y_tree"], res[nc:])
+
+
+def fori_loop(lower, upper, body_fun, init_val, unroll=None):
+    """``jax.lax.fori_loop``: ``val = body_fun(i, val)`` for ``i`` in ``range(lower, upper)``, with
+    static Python int bounds (a traced bound is a DSLError: only static trip counts are supported).
+    ``i`` is a traced i32 scalar.  One kernel loop, as ``scan`` (no loop when ``upper <= lower``)."""
+    from .array import arange
+    lower, upper = _static_int(lower, "fori_loop's lower"), _static_int(upper, "fori_loop's upper")
+    if upper <= lower:
+        return init_val
+    idx = arange(upper - lower) + lower if lower else arange(upper - lower)
+    carry, _ = scan(lambda c, i: (body_fun(i, c), None), init_val, idx)
+    return carry
+
+
+def map(f, xs):  # noqa: A001  (jax.lax.map)
+    """``jax.lax.map``: ``f`` applied to each slice of ``xs`` (a pytree) along its leading axis, the
+    results stacked: a scan without a carry, so one loop kernel running the slices in order.
+    ``dsl.vmap(f)(xs)`` computes the same with batched ops instead (parallel, one kernel per op)."""
+    return scan(lambda c, x: (c, f(x)), None, xs)[1]
+
+
+def cond(pred, true_fun, false_fun, *operands):
+    """``jax.lax.cond``.  A static predicate (a Python or numpy bool/int) calls one branch only.
+    A traced predicate (a bool or int scalar, or any size-1 array) is a select: BOTH branches are
+    traced and computed, and each result leaf is ``where(pred, t, f)`` (differs from JAX, which runs
+    one branch: a branch's cost is always paid, and a branch must be safe to compute).  Both
+    branches must return the same structure, shapes and dtypes."""
+    from .array import Tracer, _dt, reshape, where
+    from .pytree import flatten, unflatten
+    if not isinstance(pred, Tracer):
+        if not isinstance(pred, (bool, int, np.bool_, np.integer)) and not (
+                isinstance(pred, np.ndarray) and pred.size == 1):
+            raise DSLError(f"{user_source()}: cond's predicate must be a bool scalar, got {type(pred).__name__}")
+        return true_fun(*operands) if bool(pred) else false_fun(*operands)
+    if pred.size != 1:
+        raise DSLError(f"{user_source()}: cond's predicate has shape {list(pred.shape)}; it must be a scalar "
+                       "(for an elementwise choice use dsl.where)")
+    p = reshape(pred, ())
+    if _dt(p) != "bool":
+        p = p != (0.0 if _dt(p) in ("f16", "f32") else 0)
+    t_leaves, t_tree = flatten(true_fun(*operands))
+    f_leaves, f_tree = flatten(false_fun(*operands))
+    if t_tree != f_tree:
+        raise DSLError(f"{user_source()}: cond's branches return different structures ({t_tree} vs {f_tree})")
+    out = []
+    for i, (a, b) in enumerate(zip(t_leaves, f_leaves)):
+        sa, sb = (tuple(getattr(x, "shape", ())) for x in (a, b))
+        da, db = (_dt(x) if isinstance(x, Tracer) else None for x in (a, b))
+        if sa != sb or (da and db and da != db):
+            raise DSLError(f"{user_source()}: cond's branches return {da or type(a).__name__}{list(sa)} and "
+                           f"{db or type(b).__name__}{list(sb)} for output {i}; they must match")
+        out.append(where(p, a, b))
+    return unflatten(t_tree, out)
+
+
+def while_loop(cond_fun, body_fun, init_val):
+    """Not supported: loops need a static trip count.  Use ``fori_loop`` or ``scan``."""
+    raise DSLError(f"{user_source()}: lax.while_loop is not supported (a data-dependent trip count); "
+                   "use lax.fori_loop or lax.scan with a static trip count")
 
 # ---- sorting and top-k
 # (issue 9, item 4)

@@ -113,6 +113,10 @@ def materialize(g: Graph, rules) -> set:
             m.add(e.out)
         if kind == "opaque":
             m.update(a for a in e.inputs if isinstance(a, Var) and not is_scalar_param(a))
+        if kind == "loop":                      # a scan: its own kernel, reading and writing buffers;
+            m.add(e.out)                        # initial carries and xs of scalars (fori_loop's index)
+            nk, first_x = e.params["n_consts"], e.params["n_consts"] + e.params["n_carry"]   # are computed in it
+            m.update(a for i, a in enumerate(e.inputs) if isinstance(a, Var) and (i < nk or i >= first_x and a.ndim > 1))
         if name in UPDATES and isinstance(e.inputs[0], Var):
             m.add(e.inputs[0])
         if "elementwise" not in rules and kind in ("elementwise", "index") and e.out.shape != ():

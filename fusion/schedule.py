@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from codegen import loopir as L
-from dsl.core import Lit, Var
+from dsl.core import Lit, Var, loop_key
 
+from .loops import scan_kernel
 from .lower import LOWER, Builder, Unfusable, fresh, unravel, wrap_index
 from .naming import buffer_name, c_safe, kernel_names
 from .partition import UPDATES, Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues
@@ -97,6 +98,14 @@ class Lowering:
         pos, items = {}, []
         for r in roots:
             grouped = False
+            e = self.g.producer.get(r)
+            if e is not None and e.prim.kind == "loop":     # the results of one scan: one kernel
+                key = loop_key(e)
+                if items and items[-1][0] == "loop" and items[-1][1] == key:
+                    items[-1][2].append(r)
+                else:
+                    items.append(("loop", key, [r]))
+                continue
             if "horizontal" in self.rules and r in self.epi:
                 a = self.g.producer[self.epi[r][0]].inputs[0]
                 for i, it in enumerate(items):
@@ -536,6 +545,9 @@ def _lower_all(lw) -> Plan:
     for kind, a, roots in items:
         if kind == "contract":
             kernels.append(contract_kernel(lw, a, roots))
+            continue
+        if kind == "loop":
+            kernels.append(scan_kernel(lw, roots))
             continue
         (r,) = roots
         e = lw.g.producer[r]

@@ -56,7 +56,8 @@ BINARY = {
 OPS = (list(UNARY) + list(BINARY) * 2 +
        ["where", "astype", "reduce", "reduce", "argmax", "reshape", "transpose", "slice", "concat",
         "expand", "index", "take", "matmul", "matmul", "dus", "scalar", "qmatmul", "qtake"] + list(ROW_OPS) +
-       ["gather", "gather", "at", "at", "selfupdate"])          # indexing: traced indices, .at[], in place
+       ["gather", "gather", "at", "at", "selfupdate"]          # indexing: traced indices, .at[], in place
+       + ["scan", "fori", "vmap"])             # control flow (tests/fuzz.py's control-flow block)
 QUANT = ("q4_0", "q4_1", "q8_0")
 # layout: a GEMV through one expert's weights picked by a runtime id (the MoE gather), (N, K) or (K, N)
 OPS += ["expert", "expert"]
@@ -243,6 +244,8 @@ class Writer:
             xq = self.new_input(rows + (k,), "f32", "q8")
             w = self.new_input((n, k), fmt)
             return self.emit(f"dsl.dot_t({xq}, {w}) * {round(1 / np.sqrt(k), 4)}")
+        if name in ("scan", "fori", "vmap"):
+            return self.control(name, an, av, pk, p)
         if name == "dus":
             if self.donated is None:
                 return None
@@ -329,6 +332,51 @@ class Writer:
             self.donated = res
             return None
         return res
+
+    # ---- control flow: random loop bodies and vmapped functions
+    def _small_body(self, x, p, shape):
+        """A random elementwise expression of ``x`` (a name, of ``shape``): a unary op of a binary
+        op with a value of the program that broadcasts to it (captured by the body) or a constant."""
+        u = list(UNARY)[int(p[0] * len(UNARY))]
+        b = list(BINARY)[int(p[1] * len(BINARY))]
+        other = self.pick(p[2], lambda v: v.var.dtype in ("f16", "f32") and _broadcastable(v.shape, shape)
+                          and v.ndim <= len(shape))
+        on = other[0] if other is not None and p[3] < 0.6 else repr(round(p[3] - 0.5, 2) or 0.5)
+        return UNARY[u].format(a=BINARY[b].format(a=x, b=on))
+
+    def control(self, name, an, av, pk, p):
+        """``lax.scan`` (carry and stacked ys), ``lax.fori_loop`` (the index picks rows with take)
+        and ``dsl.vmap``; carries stay bounded (tanh), bodies may hold a GEMV with a new weight."""
+        nd = av.ndim
+        if nd == 0:
+            return None
+        row = tuple(av.shape[1:])
+        if name == "vmap":
+            ax = -1 if p[0] < 0.3 and nd > 1 else 0
+            rshape = tuple(av.shape[:-1]) if ax == -1 else row
+            expr = self._small_body("r", [p[1], p[2], pk[1], p[3]], rshape)
+            if rshape and p[3] < 0.3:
+                expr = f"dsl.sum({expr}, axis=-1)"
+            elif rshape and p[3] < 0.55:
+                w = self.new_input(([1, 3, 8, 16][int(p[0] * 4)], rshape[-1]), "f32")
+                expr = f"dsl.dot_t({expr}, {w}) * {round(1 / np.sqrt(rshape[-1]), 4)}"
+            out_ax = ", out_axes=-1" if p[2] < 0.3 and rshape else ""
+            return self.emit(f"dsl.vmap(lambda r: {expr}, in_axes={ax}{out_ax})({an})")
+        upd = self._small_body("c", [p[1], p[2], pk[1], p[3]], row)
+        if row and p[0] < 0.35:
+            w = self.new_input((row[-1], row[-1]), "f32")
+            upd = f"dsl.dot_t({upd}, {w}) * {round(1 / np.sqrt(row[-1]), 4)}"
+        if name == "fori":
+            n = av.shape[0]
+            lo = int(p[2] * n) if n > 1 else 0
+            return self.emit(f"dsl.lax.fori_loop({lo}, {n}, lambda i, c: dsl.tanh(({upd}) * 0.5 + "
+                             f"dsl.take({an}, i) * 0.5).astype('{av.var.dtype}'), {an}[0] * 0.5)")
+        y = ["c", "r * c", "dsl.sum(c * r) * 0.1" if row else "c * r"][int(p[0] * 3)]
+        tn, _ = self.emit(f"dsl.lax.scan(lambda c, r: (dsl.tanh(({upd}) * 0.5 + r * 0.5).astype('{av.var.dtype}'), {y}), "
+                           f"{an}[0], {an}{', reverse=True' if pk[2] < 0.3 else ''})")
+        cn, _ = self.emit(f"{tn}[0]")
+        self.terminal.append(cn)
+        return self.emit(f"{tn}[1]")
 
     def write(self, outputs=None):
         """Trace the program (resolving every op); returns the source of ``f`` and its inputs."""

@@ -11,7 +11,8 @@ from fusion.lower import LOWER, REDUCE_OPS
 
 rng = np.random.default_rng()
 ELEMENTWISE = sorted(p for p, prim in PRIMITIVES.items() if prim.kind == "elementwise" and p in L.OPS)
-FAMILIES = {"dot": "contract", "attention": "attention", "dynamic_update_slice": "scatter", "scatter": "scatter"}
+FAMILIES = {"dot": "contract", "attention": "attention", "dynamic_update_slice": "scatter", "scatter": "scatter",
+            "scan": "loop"}
 
 
 def accepted_dtypes(prim, arity):
