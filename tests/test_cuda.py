@@ -265,3 +265,17 @@ def test_quantized_qkv_segments_with_bias(fmt):
     for out, w, b in zip(got, ws, bs):
         scale = (np.abs(h.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T).max()
         np.testing.assert_allclose(np.asarray(out, np.float64), q8_1_gemv(h, w) + b, rtol=0, atol=1e-5 * scale + 1e-6)
+
+
+def test_the_examples_of_issue_9():
+    """examples/ (GPT-2 block, Qwen3 attention, MoE, DeltaNet, perplexity) on the GPU against numpy in
+    float64, as tests/test_examples.py does on the CPU."""
+    from tests.test_examples import run_examples
+    run_examples("cuda")
+
+
+def test_f16_elementwise_with_literals():
+    """f16 arithmetic whose C spells half and float operands together (a literal, a libm call)."""
+    x = randn(3, 40, dtype=np.float16)
+    check(lambda x: dsl.exp(x) + 1.0, x, rtol=1e-2, atol=1e-2)
+    check(lambda x: dsl.nn.gelu(x) * 0.5 - dsl.sqrt(dsl.abs(x)), x, rtol=1e-2, atol=1e-2)
