@@ -74,7 +74,8 @@ def bare(e) -> str:
     if op is not None:
         return f"{_operand(e.a, op, False)} {op} {_operand(e.b, op, True)}"
     if isinstance(e, L.Select):
-        return f"{bare(e.cond)} ? {bare(e.a)} : {bare(e.b)}"
+        cond = expr(e.cond) if isinstance(e.cond, L.Select) else bare(e.cond)    # (c ? a : b) ? x : y
+        return f"{cond} ? {bare(e.a)} : {bare(e.b)}"
     return expr(e)
 
 

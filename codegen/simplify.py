@@ -217,6 +217,8 @@ def _fold_const(e):
         return L.Const(bool(v) if e.dtype == "bool" else int(v), e.dtype)
     if isinstance(e, L.Select) and _const(e.cond):
         return e.a if e.cond.value else e.b
+    if isinstance(e, L.Select) and e.dtype == "bool" and _const(e.a, True) and _const(e.b, False):
+        return e.cond                                                  # c ? true : false
     if isinstance(e, L.Cast) and e.x.dtype == e.dtype:
         return e.x
     if isinstance(e, L.Cast) and _const(e.x) and _int(e.x) and e.dtype in L.FLOAT_DTYPES:

@@ -272,3 +272,59 @@ def test_arguments_named_like_c_words_or_prelude_names_still_compile():
         compile_hip(render_hip(k, "gfx906").source, k.name)
     except HipUnavailable:
         pass
+
+
+def test_nested_selects_and_operators_keep_their_meaning_in_c():
+    """The C spelling of random expressions of selects, comparisons and arithmetic (parentheses only
+    where C's precedence needs them) computes what the Loop IR means: compiled by the host's C++
+    compiler and run on every input, against Python's evaluation.  A select used as another
+    select's condition once lost its parentheses (``c ? true : false ? a : b``)."""
+    import itertools
+    import random
+    import shutil
+    import subprocess
+    import tempfile
+    from codegen import loopir as L
+    from codegen.hip import bare
+    cxx = shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        pytest.skip("no host C++ compiler")
+    rnd = random.Random()
+    syms = [L.Sym(n, "i32") for n in "abc"]
+
+    def gen(depth, dtype):
+        if depth == 0:
+            return rnd.choice(syms) if dtype == "i32" else L.Bin("lt", rnd.choice(syms), L.c(rnd.randint(-1, 1)))
+        if dtype == "bool":
+            k = rnd.choice(["cmp", "select", "and"])
+            if k == "cmp":
+                return L.Bin(rnd.choice(["lt", "le", "eq", "ne", "gt"]), gen(depth - 1, "i32"), gen(depth - 1, "i32"))
+            if k == "and":
+                return L.Bin(rnd.choice(["and", "or"]), gen(depth - 1, "bool"), gen(depth - 1, "bool"))
+            return L.Select(gen(depth - 1, "bool"), gen(depth - 1, "bool"), gen(depth - 1, "bool"))
+        if rnd.random() < 0.5:
+            return L.Select(gen(depth - 1, "bool"), gen(depth - 1, "i32"), gen(depth - 1, "i32"))
+        return L.Bin(rnd.choice(["add", "sub", "mul"]), gen(depth - 1, "i32"), gen(depth - 1, "i32"))
+
+    def ev(e, env):
+        if isinstance(e, L.Sym):
+            return env[e.name]
+        if isinstance(e, L.Const):
+            return e.value
+        if isinstance(e, L.Select):
+            return ev(e.a, env) if ev(e.cond, env) else ev(e.b, env)
+        a, b = ev(e.a, env), ev(e.b, env)
+        return {"lt": a < b, "le": a <= b, "eq": a == b, "ne": a != b, "gt": a > b, "and": a and b, "or": a or b,
+                "add": a + b, "sub": a - b, "mul": a * b}[e.op]
+    exprs = [gen(3, "i32") for _ in range(40)]
+    inputs = list(itertools.product((-2, 0, 1), repeat=3))
+    body = "\n".join(f'  std::printf("%d\\n", (int)({bare(e)}));' for e in exprs)
+    src = "#include <cstdio>\nint main(int argc, char** argv) {\n  int a, b, c;\n" \
+          "  while (std::scanf(\"%d %d %d\", &a, &b, &c) == 3) {\n" + body + "\n  }\n}\n"
+    with tempfile.TemporaryDirectory() as d:
+        open(f"{d}/t.cpp", "w").write(src)
+        subprocess.run([cxx, "-O0", "-w", "-o", f"{d}/t", f"{d}/t.cpp"], check=True)
+        out = subprocess.run([f"{d}/t"], input="".join(f"{a} {b} {c}\n" for a, b, c in inputs),
+                             capture_output=True, text=True, check=True).stdout.split()
+    want = [int(ev(e, dict(zip("abc", v)))) for v in inputs for e in exprs]
+    assert [int(x) for x in out] == want
