@@ -84,6 +84,13 @@ def _args(template, *names):
     return [bool(re.search(r"[(,] ?\{%s\}[,)]" % n, template)) for n in names]
 
 
+def _f16_call(template, dtype) -> bool:
+    """Is an op on f16 operands spelled as a call of the C math library (``expf({x})``)?  Those take
+    and return float, so the f16 values go in through vf_h2f and the result back through vf_f2h:
+    NVIDIA's __half would otherwise meet float in the expression around it, an ambiguous overload."""
+    return dtype == "f16" and bool(re.match(r"\w+\(", template))
+
+
 def expr(e) -> str:
     """C expression for a Loop IR expression, parenthesized where it could bind to what is around
     it.  f16 values are converted to f32 by explicit Casts."""
@@ -103,6 +110,8 @@ def expr(e) -> str:
         t = L.spelling(e.op, e.x.dtype, "c")
         if callable(t):                        # an op composed of others (a user's primitive)
             return t(e.x)
+        if _f16_call(t, e.x.dtype):
+            return f"vf_f2h({t.format(x=f'vf_h2f({bare(e.x)})')})"
         (alone,) = _args(t, "x")
         return t.format(x=bare(e.x) if alone else expr(e.x))
     if isinstance(e, (L.Bin, L.Select)) and (_infix(e) or isinstance(e, L.Select)):
@@ -111,6 +120,9 @@ def expr(e) -> str:
         t = L.spelling(e.op, e.a.dtype, "c")
         if callable(t):
             return t(e.a, e.b)
+        if _f16_call(t, e.a.dtype):
+            call = t.format(a=f"vf_h2f({bare(e.a)})", b=f"vf_h2f({bare(e.b)})")
+            return call if e.dtype == "bool" else f"vf_f2h({call})"
         a_alone, b_alone = _args(t, "a", "b")
         return t.format(a=bare(e.a) if a_alone else expr(e.a), b=bare(e.b) if b_alone else expr(e.b))
     if isinstance(e, L.Cast):

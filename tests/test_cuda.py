@@ -271,7 +271,8 @@ def test_the_examples_of_issue_9():
     """examples/ (GPT-2 block, Qwen3 attention, MoE, DeltaNet, perplexity) on the GPU against numpy in
     float64, as tests/test_examples.py does on the CPU."""
     from tests.test_examples import run_examples
-    run_examples("cuda")
+    gfx906 = get_device("cuda").target.maps_like == "gfx906"          # f16 activations in LDS (v_dot2)
+    run_examples("cuda", rtol=1e-2 if gfx906 else 2e-4)
 
 
 def test_f16_elementwise_with_literals():

@@ -112,15 +112,17 @@ def close(got, want, rtol=2e-4):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * max(1.0, np.abs(want).max()))
 
 
-def run_examples(backend):
-    """Each example on ``backend`` (fresh random inputs) against its float64 reference."""
+def run_examples(backend, rtol=2e-4):
+    """Each example on ``backend`` (fresh random inputs) against its float64 reference, to ``rtol``
+    (1e-2 where the target's GEMVs keep their activation in LDS as f16: gfx906's v_dot2, also at
+    the emulated wave 64, a relative error up to 2^-11 per product)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     on = lambda jf: dsl.jit(jf.fn, static_argnums=jf.static_argnums, donate_argnums=jf.donate_argnums, backend=backend) if backend else jf  # noqa: E731
 
     p = gpt2_block.random_params(seed=seed)
     ids = rng.integers(0, 96, 16).astype(np.int32)
-    close(on(gpt2_block.gpt2_block)(p, ids, n_head=4), ref_gpt2(p, ids, 4))
+    close(on(gpt2_block.gpt2_block)(p, ids, n_head=4), ref_gpt2(p, ids, 4), rtol)
 
     p = qwen3_attention.random_params(seed=seed)
     kc, vc = (rng.standard_normal((8, 32, 16)).astype(np.float32) for _ in range(2))
@@ -128,23 +130,23 @@ def run_examples(backend):
     want = ref_qwen3(p, x, pos, kc, vc)
     got = on(qwen3_attention.qwen3_attention)(p, x, pos, kc.copy(), vc.copy())
     for g, w in zip(got, want):
-        close(g, w)
+        close(g, w, rtol)
 
     p = moe.random_params(seed=seed)
     x = rng.standard_normal(64).astype(np.float32)
-    close(on(moe.moe)(p, x), ref_moe(p, x))
+    close(on(moe.moe)(p, x), ref_moe(p, x), rtol)
 
     S, *xs = deltanet.random_inputs(T=64, seed=seed)
     want = ref_deltanet_prefill(S, *xs)
     got = on(deltanet.deltanet_prefill)(S.copy(), *xs)
     for g, w in zip(got, want):
-        close(g, w, rtol=1e-3)
+        close(g, w, max(rtol, 1e-3))
     step = [x[0] for x in xs]
     for g, w in zip(on(deltanet.deltanet_step)(S.copy(), *step), ref_deltanet_step(np.float64(S), *map(np.float64, step))):
-        close(g, w)
+        close(g, w, rtol)
 
     args = perplexity.random_inputs(seed=seed)
-    close(on(perplexity.perplexity)(*args), ref_perplexity(*args))
+    close(on(perplexity.perplexity)(*args), ref_perplexity(*args), rtol)
 
 
 def test_examples_against_numpy_float64():

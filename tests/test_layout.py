@@ -126,4 +126,5 @@ def test_kn_weight_on_a_cuda_gpu(wave, monkeypatch):
     monkeypatch.setenv("VEGAFUSE_CUDA_WAVE", str(wave))
     for T, K, N in ((1, 576, 1536), (16, 576, 1536), (1, 1536, 576)):
         x, w = rng.standard_normal((T, K)).astype("f4"), rng.standard_normal((K, N)).astype("f2")
-        _check(dsl.jit(lambda x, w: nn.silu(x @ w), backend="cuda"), x, w, rtol=1e-4)
+        # at wave 64 the kernel is gfx906's, whose GEMVs keep the activation in LDS as f16 (v_dot2)
+        _check(dsl.jit(lambda x, w: nn.silu(x @ w), backend="cuda"), x, w, rtol=1e-2 if wave == 64 else 1e-4)
