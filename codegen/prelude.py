@@ -292,6 +292,20 @@ __device__ __forceinline__ float vf_dot_q8_0(const vf_byte* __restrict__ w, int 
 }}
 """
 
+_OVER_STEP = r"""// t = x / step for a lane's 4 values of a block (step = max|x| / 127): as x * (127 / max|x|), one
+// division per block; divided when max|x| is tiny (or NaN), where 127 / max|x| may overflow
+__device__ __forceinline__ void vf_over_step(float amax, float step, float x0, float x1, float x2, float x3,
+                                             float& t0, float& t1, float& t2, float& t3) {
+  if (amax >= 1e-30f) {
+    const float inv = 127.0f / amax;
+    t0 = x0 * inv; t1 = x1 * inv; t2 = x2 * inv; t3 = x3 * inv;
+  } else {
+    t0 = step != 0.0f ? x0 / step : 0.0f; t1 = step != 0.0f ? x1 / step : 0.0f;
+    t2 = step != 0.0f ? x2 / step : 0.0f; t3 = step != 0.0f ? x3 / step : 0.0f;
+  }
+}
+"""
+
 _Q8_1R = r"""// a q8_1 activation block with a residual plane: 32 values x_j = d * (128 q_j + r_j), q_j = round(x_j / step)
 // with step = max|x| / 127, and r_j = round(128 (x_j / step - q_j)) in [-64, 64] (so |error| <= step / 256,
 // about f16's precision); int8 quants 4 per int (element 4i in the low byte of q[i] and r[i]),
@@ -305,14 +319,8 @@ __device__ __forceinline__ int vf_pack4(int a, int b, int c, int d) {
 __device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {
   const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
   const float step = amax / 127.0f;
-  float t0, t1, t2, t3;                              // x / step
-  if (amax >= 1e-30f) {                              // as x * (127 / max|x|): one division per block
-    const float inv = 127.0f / amax;
-    t0 = x0 * inv; t1 = x1 * inv; t2 = x2 * inv; t3 = x3 * inv;
-  } else {                                           // tiny (or NaN): divided, since 127 / max|x| may overflow
-    t0 = step != 0.0f ? x0 / step : 0.0f; t1 = step != 0.0f ? x1 / step : 0.0f;
-    t2 = step != 0.0f ? x2 / step : 0.0f; t3 = step != 0.0f ? x3 / step : 0.0f;
-  }
+  float t0, t1, t2, t3;
+  vf_over_step(amax, step, x0, x1, x2, x3, t0, t1, t2, t3);
   const int q0 = (int)roundf(t0), q1 = (int)roundf(t1), q2 = (int)roundf(t2), q3 = (int)roundf(t3);
   const int r0 = (int)roundf((t0 - q0) * 128.0f), r1 = (int)roundf((t1 - q1) * 128.0f);
   const int r2 = (int)roundf((t2 - q2) * 128.0f), r3 = (int)roundf((t3 - q3) * 128.0f);
@@ -339,14 +347,8 @@ struct vf_q8_1 { int q[8]; float d, s; };
 __device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {
   const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
   const float d = amax / 127.0f;
-  float t0, t1, t2, t3;                              // x / d
-  if (amax >= 1e-30f) {                              // as x * (127 / max|x|): one division per block
-    const float inv = 127.0f / amax;
-    t0 = x0 * inv; t1 = x1 * inv; t2 = x2 * inv; t3 = x3 * inv;
-  } else {                                           // tiny (or NaN): divided, since 127 / max|x| may overflow
-    t0 = d != 0.0f ? x0 / d : 0.0f; t1 = d != 0.0f ? x1 / d : 0.0f;
-    t2 = d != 0.0f ? x2 / d : 0.0f; t3 = d != 0.0f ? x3 / d : 0.0f;
-  }
+  float t0, t1, t2, t3;
+  vf_over_step(amax, d, x0, x1, x2, x3, t0, t1, t2, t3);
   const int q0 = (int)roundf(t0), q1 = (int)roundf(t1), q2 = (int)roundf(t2), q3 = (int)roundf(t3);
   const int sum = vf_sum8(q0 + q1 + q2 + q3);
   if (active) {
@@ -446,6 +448,6 @@ def prelude(t: Target, act: str | None = None, quant: bool = False) -> str:
         head = _NVIDIA.format(name=t.name, how=_nv_how(t), wave=_nv_wave(t),
                               pdl=_NV_PDL if t.pdl else _NV_NO_PDL) + _NV_WAVE_SUM
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
-    activation = _Q8_1 if int8 == "q8_1" else _Q8_1R         # the int8 GEMV's activation blocks
+    activation = _OVER_STEP + (_Q8_1 if int8 == "q8_1" else _Q8_1R)   # the int8 GEMV's activation blocks
     tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _QUANT.format(activation=activation)) if quant else ""
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format() + tail

@@ -289,20 +289,16 @@ def bind(prim: Primitive, *inputs, **params):
     return Tracer(out)
 
 
-# ----------------------------------------------------------------------------- sub-programs (control flow)
-def trace_subprogram(fn, avals):
-    """Trace ``fn(*tracers)`` on fresh inputs of ``avals`` [(shape, dtype)] as a Program of its own
-    (the body of a loop primitive).  Values of the enclosing trace that ``fn`` reads (closures)
-    become extra inputs placed first: returns ``(program, captured, out)`` where ``captured`` are
-    the enclosing trace's Vars to pass for them and ``out`` is what ``fn`` returned, its traced
-    leaves replaced by the program's output atoms (Var or Lit)."""
+def trace_call(fn, args, kwargs, refuse):
+    """Call ``fn(*args, **kwargs)`` (tracers among them) in a trace of its own: returns ``(trace,
+    atoms, tree)``, the output pytree's leaves as atoms (a Tracer's Var; a Python or numpy scalar
+    as a Lit of its dtype) and its structure.  Any other leaf raises DSLError(``refuse(leaf)``)."""
     from .array import Tracer
-    from .pytree import flatten, unflatten
-    ins = [Var(tuple(s), d) for s, d in avals]
+    from .pytree import flatten
     trace = Trace()
     _TRACES.append(trace)
     try:
-        out = fn(*[Tracer(v) for v in ins])
+        out = fn(*args, **kwargs)
     finally:
         _TRACES.pop()
     leaves, tree = flatten(out)
@@ -314,8 +310,23 @@ def trace_subprogram(fn, avals):
             d = "bool" if isinstance(x, (bool, np.bool_)) else "i32" if isinstance(x, (int, np.integer)) else "f32"
             atoms.append(Lit(bool(x) if d == "bool" else int(x) if d == "i32" else float(x), d))
         else:
-            raise DSLError(f"{user_source()}: a loop body returned {type(x).__name__}; return traced arrays "
-                           "(numpy arrays are passed as arguments of the jitted function)")
+            raise DSLError(refuse(x))
+    return trace, atoms, tree
+
+
+# ----------------------------------------------------------------------------- sub-programs (control flow)
+def trace_subprogram(fn, avals):
+    """Trace ``fn(*tracers)`` on fresh inputs of ``avals`` [(shape, dtype)] as a Program of its own
+    (the body of a loop primitive).  Values of the enclosing trace that ``fn`` reads (closures)
+    become extra inputs placed first: returns ``(program, captured, out)`` where ``captured`` are
+    the enclosing trace's Vars to pass for them and ``out`` is what ``fn`` returned, its traced
+    leaves replaced by the program's output atoms (Var or Lit)."""
+    from .array import Tracer
+    from .pytree import unflatten
+    ins = [Var(tuple(s), d) for s, d in avals]
+    trace, atoms, tree = trace_call(fn, [Tracer(v) for v in ins], {}, lambda x: (
+        f"{user_source()}: a loop body returned {type(x).__name__}; return traced arrays "
+        "(numpy arrays are passed as arguments of the jitted function)"))
     defined = set(ins) | {e.out for e in trace.eqns}
     captured = {}
     for e in trace.eqns:

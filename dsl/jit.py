@@ -21,7 +21,7 @@ import numpy as np
 
 from . import array as _array  # noqa: F401  (registers the primitives)
 from .array import Tracer
-from .core import _TRACES, DSLError, Lit, Program, Trace, Var, check_shape, dtype_of
+from .core import _TRACES, DSLError, Program, Var, check_shape, dtype_of, trace_call
 from .pytree import flatten, tree_flatten_with_path, unflatten
 
 BACKENDS = ("cpu", "reference", "cuda", "hip")
@@ -222,22 +222,8 @@ class jit:  # noqa: N801  (named like jax.jit)
         it = iter(t_args)
         full = [a if i in self.static_argnums else next(it) for i, a in enumerate(args)]
         full_kw = {k: (v if k in self.static_argnames else t_kw[k]) for k, v in kwargs.items()}
-        trace = Trace()
-        _TRACES.append(trace)
-        try:
-            out = self.fn(*full, **full_kw)
-        finally:
-            _TRACES.pop()
-        out_leaves, out_tree = flatten(out)
-        outs = []
-        for o in out_leaves:
-            if isinstance(o, Tracer):
-                outs.append(o.var)
-            elif isinstance(o, (int, float, bool, np.number)):
-                outs.append(Lit(o, _aval(o)[1] if not isinstance(o, bool) else "bool"))
-            else:
-                raise DSLError(f"{self.__name__} returned {type(o).__name__}; return traced arrays"
-                               + _UNREGISTERED(o))
+        trace, outs, out_tree = trace_call(self.fn, full, full_kw, lambda o: (
+            f"{self.__name__} returned {type(o).__name__}; return traced arrays" + _UNREGISTERED(o)))
         prog = Program(in_vars, trace.eqns, outs)
         names, donated, start = [], set(), 0
         argnames = self._positional_names(len(args))

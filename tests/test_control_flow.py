@@ -17,7 +17,7 @@ def randn(*shape):
 def close(out, ref, tol=2e-5):
     for o, r in zip(dsl.tree_flatten(out)[0], dsl.tree_flatten(ref)[0]):
         o, r = np.asarray(o, np.float64), np.asarray(r, np.float64)
-        assert o.shape == r.shape
+        assert o.shape == r.shape, (o.shape, r.shape)
         np.testing.assert_allclose(o, r, rtol=tol, atol=tol)
 
 
