@@ -64,7 +64,7 @@ def plan_program(traced, rules):
 
 def cached_plan(traced, rules, lower):
     """``lower()``'s plan through the disk cache: keyed by ``plan_cache_key`` (the program's IR
-    text, its inputs' names and donations, the rules, the compiler's sources), written atomically,
+    text and source lines, its inputs' names and donations, the rules, the compiler's sources), written atomically,
     lowered again when an entry does not load.  ``VEGAFUSE_PLAN_CACHE=0`` turns it off."""
     if os.environ.get("VEGAFUSE_PLAN_CACHE", "1") == "0":
         return lower()
@@ -106,14 +106,26 @@ def _compiler_sources() -> str:
 
 
 def plan_cache_key(traced, rules) -> dict:
-    """The disk-cache key of a program's plan: its IR text, the names and donations of its
-    inputs, the fusion rules and the compiler's source hash."""
+    """The disk-cache key of a program's plan: its IR text, its source lines, the names and
+    donations of its inputs, the fusion rules and the compiler's source hash."""
     import hashlib
     prog = traced.program
     donated = [i for i, v in enumerate(prog.inputs) if v in set(traced.donated)]
     return {"kind": "plan", "program": hashlib.sha256(prog.as_text().encode()).hexdigest(),
+            "lines": hashlib.sha256("\n".join(_source_lines(prog)).encode()).hexdigest(),
             "inputs": list(traced.in_names), "donated": donated, "rules": sorted(rules),
             "compiler": _compiler_sources()}
+
+
+def _source_lines(prog):
+    """Each equation's source line with its text and scope, loop bodies' too: the kernels' comments
+    and names come from them, so two programs equal but for their source never share a plan."""
+    from dsl.core import Program, source_text
+    for e in prog.eqns:
+        yield f"{source_text(e)} {e.scope}"
+        for v in e.params.values():
+            if isinstance(v, Program):
+                yield from _source_lines(v)
 
 
 def _pack_plan(plan, prog) -> bytes:

@@ -83,6 +83,28 @@ def test_a_program_seen_before_takes_its_plan_from_the_disk_cache(tmp_path, monk
     check_against_reference(dsl.jit(block), args, ex)
 
 
+def test_programs_equal_but_for_their_source_lines_do_not_share_a_plan(tmp_path, monkeypatch):
+    """The kernels' comments name the model's lines: a plan cached for one program is not reused
+    for another whose IR is the same but whose lines differ."""
+    monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path))
+    x = np.random.default_rng().standard_normal((4, 8)).astype(np.float32)
+
+    def first(x):
+        return dsl.exp(x) * 2.0
+
+    def second(x):
+
+        return dsl.exp(x) * 2.0
+    plans = [pipeline.lower_program(dsl.jit(f).lower(x)) for f in (first, second)]
+    assert dsl.jit(first).lower(x).as_text() == dsl.jit(second).lower(x).as_text()
+    from codegen import loopir as L
+    comments = [" ".join(str(s) for k in p.kernels for s in L.walk_stmts(k.body) if isinstance(s, L.Comment))
+                for p in plans]
+    for plan, comment in zip(plans, comments):
+        assert all(e.source in comment for k in plan.kernels for e in k.eqns), comment
+    assert comments[0] != comments[1]
+
+
 def test_reference_backend_has_no_kernels_but_a_plan():
     jf = dsl.jit(block, backend="reference")
     args = block_args()
