@@ -35,12 +35,15 @@ QUANT_DTYPES = ("q4_0", "q4_1", "q8_0", "gptq_int4")   # quantized weights (dsl/
 def dtype_of(x) -> str:
     """Our dtype name for a numpy array or dtype, or a quantized array (``dsl.QArray``: "q4_0",
     "q4_1", "q8_0", "gptq_int4"); raises DSLError for unsupported dtypes.  A bfloat16 array
-    (``ml_dtypes.bfloat16``) is a storage dtype: it is traced as f32 and converted on load."""
+    (``ml_dtypes.bfloat16``) is a storage dtype: it is traced as f32 and converted on load; float64
+    and int64 arrays are traced as f32 and i32 (JAX's default without x64)."""
     if getattr(x, "dtype", x) in QUANT_DTYPES:
         return getattr(x, "dtype", x)
     dt = np.dtype(getattr(x, "dtype", x))
     if dt.name == "bfloat16":
         return "f32"
+    if dt in (np.float64, np.int64):          # as JAX without x64: float32 and int32, converted on load
+        return "f32" if dt == np.float64 else "i32"
     for name in DTYPES:
         if dt == np.dtype(NP_DTYPES[name]):
             return name

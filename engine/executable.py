@@ -105,6 +105,8 @@ class Executable:
             a = np.asarray(x)
             if a.shape != v.shape:
                 raise ValueError(f"argument {name}: shape {list(a.shape)} != traced {list(v.shape)}")
+            if a.dtype == np.int64 and a.size and (a.min() < -2 ** 31 or a.max() >= 2 ** 31):
+                raise ValueError(f"argument {name}: int64 values beyond int32 (traced as i32, as JAX without x64)")
             if a.nbytes <= _STAGE_BYTES and name not in donated:
                 stage = self._buffers.setdefault(name, dev.empty(v.shape, v.dtype))
                 dev.copy_in(stage, a)

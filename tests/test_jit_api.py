@@ -210,3 +210,17 @@ def test_cost_analysis_counts_the_fused_plan():
     assert dsl.jit(block).lower(*args).cost_analysis()["flops"] == cost["flops"]
     unfused = dsl.jit(block, fusion={"epilogue": False, "prologue": False}).compile(*args).cost_analysis()
     assert unfused["kernels"] > 1 and unfused["bytes accessed"] > cost["bytes accessed"]
+
+
+def test_float64_and_int64_arguments_are_traced_as_float32_and_int32():
+    """As JAX without x64: np.arange's int64 and float64 arrays run as i32 and f32; int64 values
+    beyond int32 are refused, not wrapped."""
+    rng = np.random.default_rng()
+    x, n = rng.standard_normal(5), rng.integers(-1000, 1000, 5)
+    f = dsl.jit(lambda x, n: (x * 2.0, n + 1))
+    y, m = f(x, n)
+    assert y.dtype == np.float32 and m.dtype == np.int32
+    np.testing.assert_allclose(y, x * 2, rtol=1e-6)
+    np.testing.assert_array_equal(m, n + 1)
+    with pytest.raises(ValueError, match="beyond int32"):
+        f(x, np.array([0, 2 ** 40, 0, 0, 0]))
