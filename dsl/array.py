@@ -33,6 +33,16 @@ class Tracer:
     def __iter__(self):
         raise DSLError(f"{user_source()}: cannot iterate over a traced array; index it with static slices")
 
+    def __float__(self):
+        raise DSLError(f"{user_source()}: a traced value has no Python value while tracing; return it from "
+                       "the jitted function, or make what it depends on static (static_argnames)")
+
+    __int__ = __index__ = __complex__ = __float__
+
+    def __array__(self, *args, **kwargs):
+        raise DSLError(f"{user_source()}: a traced value cannot become a numpy array while tracing; use "
+                       "dsl.numpy's functions on it (numpy's own functions work on it too), or return it")
+
     def __bool__(self):
         raise DSLError(f"{user_source()}: a traced value has no Python truth value; use dsl.where")
 
@@ -387,6 +397,9 @@ def getitem(x, idx):
     Errors (float or bool index, too many indices, a static index out of range) name the line."""
     if not isinstance(idx, tuple):
         idx = (idx,)
+    if any(isinstance(i, slice) and any(isinstance(b, Tracer) for b in (i.start, i.stop, i.step)) for i in idx):
+        raise DSLError(f"{user_source()}: a slice bound is a traced value (its size would depend on data); "
+                       "make it static (static_argnames) or use dsl.lax.dynamic_slice with a static size")
     if any(_advanced(i) or (isinstance(i, slice) and i.step not in (None, 1)) for i in idx):
         return _gather_index(asarray(x), idx)
     for i in idx:

@@ -380,7 +380,7 @@ def _lax_names():
              "sin": D.sin, "cos": D.cos, "floor": D.floor, "erf": D.erf, "log1p": D.log1p, "expm1": D.expm1,
              "max": D.maximum, "min": D.minimum, "pow": N.power, "eq": D.equal, "ne": D.not_equal,
              "lt": D.less, "le": D.less_equal, "gt": D.greater, "ge": D.greater_equal,
-             "reshape": D.reshape, "transpose": D.transpose, "concatenate": D.concatenate, "iota": D.iota}
+             "reshape": D.reshape, "transpose": D.transpose, "concatenate": D.concatenate}
     return {k: v for k, v in names.items() if callable(v)}
 
 
@@ -405,3 +405,10 @@ def integer_pow(x, y):
 def square(x):
     """``jax.lax.square``: ``x * x``."""
     return x * x
+
+
+def iota(dtype, size):
+    """``jax.lax.iota``: 0, 1, ..., size - 1 of ``dtype`` (``dsl.iota(shape, dimension)`` is the
+    n-dimensional form)."""
+    import dsl as D
+    return D.arange(size).astype(dtype)

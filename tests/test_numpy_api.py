@@ -378,3 +378,26 @@ def test_sort_and_top_k_of_a_computed_value_compare_it_with_the_same_bits():
         close(v, -np.sort(-y)[:, :3], 1e-6)
     prog = dsl.jit(lambda x: dsl.sort(dsl.exp(x))).lower(f32(3, 8)).program
     assert [e.prim.name for e in prog.eqns].count("optimization_barrier") == 1
+
+
+def test_jnp_compositions_against_numpy():
+    """dsl.numpy's compositions (dot, outer, square, sign, log2, logaddexp, isnan, isfinite, any, all,
+    flip, moveaxis, eye) against numpy; dsl's own modules are not jnp names."""
+    import dsl.numpy as jnp
+    rng = np.random.default_rng()
+    x, y = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((4, 5)).astype(np.float32)
+    v = rng.standard_normal(4).astype(np.float32)
+    x[0, 1] = np.nan
+    got = dsl.jit(lambda x, y, v: (
+        jnp.dot(v, v), jnp.dot(x[1:], y), jnp.outer(v, v), jnp.square(v), jnp.sign(x), jnp.log2(jnp.abs(v)),
+        jnp.logaddexp(v, v[::-1]), jnp.isnan(x), jnp.isfinite(x), jnp.any(jnp.isnan(x), axis=1), jnp.all(v > -10),
+        jnp.flip(x, 1), jnp.moveaxis(y[None], 0, 2), jnp.eye(3, 4, 1)))(x, y, v)
+    want = (np.dot(v, v), x[1:] @ y, np.outer(v, v), v * v, np.sign(x), np.log2(np.abs(v)), np.logaddexp(v, v[::-1]),
+            np.isnan(x), np.isfinite(x), np.isnan(x).any(1), np.all(v > -10), np.flip(x, 1), np.moveaxis(y[None], 0, 2),
+            np.eye(3, 4, 1))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert np.asarray(g).shape == np.asarray(w).shape, i
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=1e-5, atol=1e-5,
+                                   equal_nan=True, err_msg=str(i))
+    with pytest.raises(AttributeError, match="dsl.numpy"):
+        jnp.core
