@@ -193,9 +193,10 @@ _DSL_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 _ROOT = os.path.dirname(_DSL_DIR)
-# Modules of building blocks: an op traced inside one is attributed to the line that called it
-# (the model's line), and the block's function names become the op's ``scope``.
-BUILDING_BLOCKS = (os.path.join(_ROOT, "stdlib", "nn.py"),)
+# Modules of building blocks (ours, and jax.nn's names): an op traced inside one is attributed to
+# the line that called it (the model's line), and the block's public function names become the
+# op's ``scope`` (kernel names: ``layer_norm_matmul_p_w_fc_add_gelu``).
+BUILDING_BLOCKS = (os.path.join(_ROOT, "stdlib", "nn.py"), os.path.join(_DSL_DIR, "nn.py"))
 MAX_ELEMENTS = 2 ** 31 - 1          # kernels index with 32-bit integers
 
 
@@ -214,7 +215,7 @@ def _site():
     while f is not None:
         fn = os.path.abspath(f.f_code.co_filename)
         if fn in BUILDING_BLOCKS:
-            if not f.f_code.co_name.startswith("<"):
+            if not f.f_code.co_name.startswith(("<", "_")):    # private helpers are not blocks
                 scope.append(f.f_code.co_name)
             inner = inner or f"{_relpath(fn)}:{f.f_lineno}"
         elif not fn.startswith(_DSL_DIR + os.sep):
