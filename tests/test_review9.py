@@ -68,3 +68,15 @@ def test_jit_on_a_method_binds_self_as_in_jax():
     x, y = rng.standard_normal(9).astype(np.float32), rng.standard_normal(9).astype(np.float32)
     np.testing.assert_allclose(Scale(2.5)(x), x * 2.5, rtol=1e-6)
     np.testing.assert_allclose(Scale(-1.5).shifted(x, y), x * -1.5 + y, rtol=1e-6)
+
+
+def test_tree_util_is_leaf_and_tree_reduce():
+    # jax.tree_util.tree_map(f, tree, is_leaf=...) raised TypeError; tree_reduce was missing
+    x = rng.standard_normal(5).astype(np.float32)
+    tree = {"pair": (x, x * 2), "w": x}
+    got = dsl.jit(lambda t: dsl.tree_util.tree_map(lambda a: a[0] + a[1] if isinstance(a, tuple) else a * 3, t,
+                                                   is_leaf=lambda a: isinstance(a, tuple)))(tree)
+    np.testing.assert_allclose(got["pair"], x * 3, rtol=1e-6)
+    np.testing.assert_allclose(got["w"], x * 3, rtol=1e-6)
+    assert dsl.tree_util.tree_leaves(tree, is_leaf=lambda a: isinstance(a, tuple))[0] == tree["pair"]
+    assert dsl.tree_util.tree_reduce(lambda a, b: a + b, [1, (2, {"z": 3})], 10) == 16
