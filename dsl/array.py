@@ -189,6 +189,8 @@ def _lit(x, dtype):
 def asarray(x, dtype=None):
     if isinstance(x, Tracer):
         return x
+    if isinstance(x, Lit):                  # a literal promoted once already (a ^ 3 promotes twice)
+        return x if dtype is None or dtype == x.dtype else _lit(x.value, dtype)
     if isinstance(x, (bool, int, float, np.number)):
         d = dtype or ("bool" if isinstance(x, bool) else "i32" if isinstance(x, (int, np.integer)) else "f32")
         return _lit(x, d)

@@ -15,6 +15,7 @@ called inside another traced function is traced inline.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -249,6 +250,11 @@ class jit:  # noqa: N801  (named like jax.jit)
         if key not in self._cache:
             self._cache[key] = self.lower(*args, **kwargs).compile()
         return self._cache[key]
+
+    def __get__(self, obj, objtype=None):
+        """A jitted function defined in a class is a method, as in JAX: ``obj.f(x)`` calls
+        ``f(obj, x)`` (``obj`` is usually static: ``static_argnums=0``)."""
+        return self if obj is None else functools.partial(self, obj)
 
     def __call__(self, *args, **kwargs):
         if _TRACES:                                   # inside another trace: inline

@@ -375,12 +375,12 @@ def _lax_names():
     (elementwise, not a reduction), ...), bound at import."""
     import dsl as D
     from . import numpy_api as N
-    names = {"abs": D.abs, "add": D.add, "sub": D.sub, "mul": D.mul, "div": D.div, "neg": D.neg,
+    names = {"abs": D.abs, "add": D.add, "sub": D.sub, "mul": D.mul, "div": div, "rem": rem, "neg": D.neg,
              "exp": D.exp, "log": D.log, "sqrt": D.sqrt, "rsqrt": D.rsqrt, "tanh": D.tanh, "logistic": D.sigmoid,
              "sin": D.sin, "cos": D.cos, "floor": D.floor, "erf": D.erf, "log1p": D.log1p, "expm1": D.expm1,
              "max": D.maximum, "min": D.minimum, "pow": N.power, "eq": D.equal, "ne": D.not_equal,
              "lt": D.less, "le": D.less_equal, "gt": D.greater, "ge": D.greater_equal,
-             "reshape": D.reshape, "transpose": D.transpose, "concatenate": D.concatenate}
+             "transpose": D.transpose, "concatenate": D.concatenate}
     return {k: v for k, v in names.items() if callable(v)}
 
 
@@ -412,3 +412,36 @@ def iota(dtype, size):
     n-dimensional form)."""
     import dsl as D
     return D.arange(size).astype(dtype)
+
+
+def _same_dtype(x, y, what):
+    from .array import Tracer, _dt, _promote_pair
+    x, y = _promote_pair(x, y)
+    if isinstance(x, Tracer) and isinstance(y, Tracer) and _dt(x) != _dt(y):
+        raise DSLError(f"{user_source()}: lax.{what} needs operands of one dtype, got {_dt(x)} and {_dt(y)}; "
+                       "convert with lax.convert_element_type")
+    return x, y
+
+
+def div(x, y):
+    """``jax.lax.div``: ``x / y``; on integers it rounds toward zero (C's division, not numpy's
+    floor: ``lax.div(-5, 2)`` is -2) and keeps the dtype.  An integer division by 0 gives 0."""
+    from .array import _binary, _dt
+    x, y = _same_dtype(x, y, "div")
+    return _binary("idiv" if _dt(x) in ("i32", "bool") else "div", x, y)
+
+
+def rem(x, y):
+    """``jax.lax.rem``: the remainder of ``lax.div`` (C's ``fmod``: the sign of ``x``).  An integer
+    remainder by 0 gives 0."""
+    from .array import _binary
+    return _binary("mod", *_same_dtype(x, y, "rem"))
+
+
+def reshape(operand, new_sizes, dimensions=None):
+    """``jax.lax.reshape``: ``operand`` (first transposed by ``dimensions`` when given) in the
+    shape ``new_sizes``."""
+    import dsl as D
+    if dimensions is not None:
+        operand = D.transpose(operand, tuple(dimensions))
+    return D.reshape(operand, tuple(new_sizes))

@@ -91,13 +91,14 @@ def _node(t):
     return None
 
 
-def tree_flatten_with_path(tree):
+def tree_flatten_with_path(tree, is_leaf=None):
     """``([(path, leaf), ...], treedef)``: each leaf with the keys leading to it (dict keys, list
-    indices, namedtuple and dataclass field names), in ``tree_flatten`` order."""
+    indices, namedtuple and dataclass field names), in ``tree_flatten`` order.  ``is_leaf(x)``
+    true stops the walk at ``x`` (a leaf, even a tuple or dict), as in JAX."""
     out = []
 
     def rec(t, path):
-        node = _node(t)
+        node = None if is_leaf is not None and is_leaf(t) else _node(t)
         if node is None:
             out.append((path, t))
             return ("leaf",)
@@ -106,9 +107,9 @@ def tree_flatten_with_path(tree):
     return out, rec(tree, ())
 
 
-def flatten(tree):
-    """``(leaves, treedef)``, as ``jax.tree_util.tree_flatten``."""
-    pairs, treedef = tree_flatten_with_path(tree)
+def flatten(tree, is_leaf=None):
+    """``(leaves, treedef)``, as ``jax.tree_util.tree_flatten`` (``is_leaf`` as there)."""
+    pairs, treedef = tree_flatten_with_path(tree, is_leaf)
     return [x for _, x in pairs], treedef
 
 
@@ -134,25 +135,31 @@ def unflatten(treedef, leaves):
     return rec(treedef)
 
 
-def tree_map(f, tree, *rest):
+def tree_map(f, tree, *rest, is_leaf=None):
     """``f`` applied to the leaves of ``tree`` (and the matching leaves of each of ``rest``, trees of
-    the same structure), as ``jax.tree_util.tree_map``."""
-    leaves, td = flatten(tree)
+    the same structure), as ``jax.tree_util.tree_map``; ``is_leaf`` as in ``flatten``."""
+    leaves, td = flatten(tree, is_leaf)
     others = []
     for r in rest:
-        lv, rd = flatten(r)
+        lv, rd = flatten(r, is_leaf)
         if rd != td:
             raise ValueError("tree_map: the trees have different structures")
         others.append(lv)
     return unflatten(td, [f(x, *xs) for x, *xs in zip(leaves, *others)])
 
 
-def tree_leaves(tree):
-    return flatten(tree)[0]
+def tree_leaves(tree, is_leaf=None):
+    return flatten(tree, is_leaf)[0]
 
 
-def tree_structure(tree):
-    return flatten(tree)[1]
+def tree_structure(tree, is_leaf=None):
+    return flatten(tree, is_leaf)[1]
+
+
+def tree_reduce(function, tree, *initializer, is_leaf=None):
+    """``functools.reduce(function, tree_leaves(tree), *initializer)``, as ``jax.tree_util.tree_reduce``."""
+    import functools
+    return functools.reduce(function, tree_leaves(tree, is_leaf), *initializer)
 
 
 tree_flatten, tree_unflatten = flatten, unflatten

@@ -441,7 +441,8 @@ def contract_kernel(lw, a, roots):
             while w in lw.g.producer and w not in lw.materialized and (       # the weight read through views,
                     lw.g.producer[w].prim.kind == "view" or lw.g.producer[w].prim.name in ("dequantize", "take")):
                 w = lw.g.producer[w].inputs[0]                  # a dequantization or a gather (an expert's rows)
-            labels[c] = short_name(lw.buffer_of(w)) if w in lw.materialized or w not in lw.g.producer else "dot"
+            labels[c] = ("dot" if isinstance(w, Lit) else      # a weight broadcast from a literal (jnp.full)
+                         short_name(lw.buffer_of(w)) if w in lw.materialized or w not in lw.g.producer else "dot")
         b.accs = {c: L.Sym(fresh(f"acc_{labels[c]}"), "f32") for c in contracts}
         b.n_idx = nsym
         kk = fresh("k")

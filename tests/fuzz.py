@@ -48,6 +48,14 @@ ROW_OPS = {     # functions along one axis (issue 9); values only: argsort and i
     "cumsum": "dsl.cumsum({a}, axis={ax}) * 0.1", "sort": "dsl.sort({a}, axis={ax})",
     "log_softmax": "dsl.nn.log_softmax({a}, axis={ax})", "var": "dsl.var({a}, axis={ax})",
     "top_k": "dsl.lax.top_k({a}, {k})[0]",
+    # more jax.numpy / jax.nn / jax.lax families along one axis (issue 9's review)
+    "softmax": "dsl.nn.softmax({a}, axis={ax})", "logsumexp": "dsl.nn.logsumexp({a}, axis={ax}, keepdims=True)",
+    "take_along": "dsl.take_along_axis({a}, dsl.argsort({a}, axis={ax}), axis={ax})",
+    "dyn_slice": "dsl.lax.dynamic_slice_in_dim({a}, {k} - 1, 1, axis={ax})",
+    "stack": "dsl.stack([{a}, -{a}], axis={ax})", "repeat": "dsl.repeat({a}, 2, axis={ax})",
+    "split": "dsl.split(dsl.concatenate([{a}, {a} * 0.5], axis={ax}), 2, axis={ax})[1]",
+    "cond": "dsl.lax.cond({a}.sum() > 0, lambda t: t * 2.0, lambda t: t - 1.0, {a})",
+    "einsum": "dsl.einsum('...i,...i->...', {a}, {a})", "pad": "dsl.pad({a}, 1, constant_values=0.5)",
 }
 BINARY = {
     "add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / (dsl.abs({b}) + 0.5)",
