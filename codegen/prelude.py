@@ -292,10 +292,13 @@ __device__ __forceinline__ float vf_dot_q8_0(const vf_byte* __restrict__ w, int 
 }}
 """
 
-_OVER_STEP = r"""// t = x / step for a lane's 4 values of a block (step = max|x| / 127): as x * (127 / max|x|), one
-// division per block; divided when max|x| is tiny (or NaN), where 127 / max|x| may overflow
-__device__ __forceinline__ void vf_over_step(float amax, float step, float x0, float x1, float x2, float x3,
-                                             float& t0, float& t1, float& t2, float& t3) {
+_OVER_STEP = r"""// the 8 consecutive lanes of a block, 4 values each: the block's step = max|x| / 127 (NaN when a value
+// is NaN), and t = x / step for this lane's values, as x * (127 / max|x|): one division per block;
+// divided when max|x| is tiny (or NaN), where 127 / max|x| may overflow
+__device__ __forceinline__ float vf_block_step(float x0, float x1, float x2, float x3,
+                                               float& t0, float& t1, float& t2, float& t3) {
+  const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
+  const float step = amax / 127.0f;
   if (amax >= 1e-30f) {
     const float inv = 127.0f / amax;
     t0 = x0 * inv; t1 = x1 * inv; t2 = x2 * inv; t3 = x3 * inv;
@@ -303,6 +306,7 @@ __device__ __forceinline__ void vf_over_step(float amax, float step, float x0, f
     t0 = step != 0.0f ? x0 / step : 0.0f; t1 = step != 0.0f ? x1 / step : 0.0f;
     t2 = step != 0.0f ? x2 / step : 0.0f; t3 = step != 0.0f ? x3 / step : 0.0f;
   }
+  return step;
 }
 """
 
@@ -317,10 +321,8 @@ __device__ __forceinline__ int vf_pack4(int a, int b, int c, int d) {
 // the 8 consecutive lanes of a block quantize it together, 4 values each (group g: elements 4g..4g+3);
 // the step is NaN when a value is NaN; a lane with active false only helps
 __device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {
-  const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
-  const float step = amax / 127.0f;
   float t0, t1, t2, t3;
-  vf_over_step(amax, step, x0, x1, x2, x3, t0, t1, t2, t3);
+  const float step = vf_block_step(x0, x1, x2, x3, t0, t1, t2, t3);
   const int q0 = (int)roundf(t0), q1 = (int)roundf(t1), q2 = (int)roundf(t2), q3 = (int)roundf(t3);
   const int r0 = (int)roundf((t0 - q0) * 128.0f), r1 = (int)roundf((t1 - q1) * 128.0f);
   const int r2 = (int)roundf((t2 - q2) * 128.0f), r3 = (int)roundf((t3 - q3) * 128.0f);
@@ -345,10 +347,8 @@ struct vf_q8_1 { int q[8]; float d, s; };
 // the 8 consecutive lanes of a block quantize it together, 4 values each (group g: elements 4g..4g+3);
 // d is NaN when a value is NaN; a lane with active false only helps
 __device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, float x1, float x2, float x3, bool active) {
-  const float amax = vf_max8(vf_max(vf_max(fabsf(x0), fabsf(x1)), vf_max(fabsf(x2), fabsf(x3))));
-  const float d = amax / 127.0f;
   float t0, t1, t2, t3;
-  vf_over_step(amax, d, x0, x1, x2, x3, t0, t1, t2, t3);
+  const float d = vf_block_step(x0, x1, x2, x3, t0, t1, t2, t3);
   const int q0 = (int)roundf(t0), q1 = (int)roundf(t1), q2 = (int)roundf(t2), q3 = (int)roundf(t3);
   const int sum = vf_sum8(q0 + q1 + q2 + q3);
   if (active) {
