@@ -120,14 +120,16 @@ def weight_bytes(cfg, params):
     return total
 
 
-def gpu_decode(cfg, params, n_tokens, context, prompt_tokens=32, seed=0):
-    """(tokens/s, executable) of greedy device-side decode after a random prompt."""
+def gpu_decode(cfg, params, n_tokens, context, prompt_tokens=32, seed=0, position=None):
+    """(tokens/s, executable) of greedy device-side decode after a random prompt of ``prompt_tokens``;
+    ``position``: decode from this cache position instead (the positions between the prompt and it
+    hold zeros: the step's speed depends on how many positions attention reads, not their values)."""
     from .model import Model
     m = Model(cfg, params, backend="cuda", context=context)
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_tokens).tolist()
     first = int(np.argmax(np.asarray(m.prefill(prompt))))
     m.decode_greedy(first, 2)                      # compile, capture the graph
-    m.pos = prompt_tokens
+    m.pos = prompt_tokens if position is None else position
     t0 = time.perf_counter()
     m.decode_greedy(first, n_tokens)
     dt = time.perf_counter() - t0
@@ -135,7 +137,7 @@ def gpu_decode(cfg, params, n_tokens, context, prompt_tokens=32, seed=0):
     return n_tokens / dt, ex
 
 
-def bench_torch_compile(cfg, n_tokens, context, prompt_tokens=32, dtype="f16"):
+def bench_torch_compile(cfg, n_tokens, context, prompt_tokens=32, dtype="f16", position=None):
     """Hugging Face transformers with a static KV cache; the one-token forward (with argmax) under
     torch.compile(mode="reduce-overhead", fullgraph=True), called in a plain decode loop as in
     Hugging Face's static-cache guide; random weights of the same shape.  Returns tokens/s or None."""
@@ -179,7 +181,7 @@ def bench_torch_compile(cfg, n_tokens, context, prompt_tokens=32, dtype="f16"):
         run(8, prompt_tokens)                          # compile, record the graph
         torch.cuda.synchronize()
         t = time.perf_counter()
-        run(n_tokens, prompt_tokens)
+        run(n_tokens, prompt_tokens if position is None else position)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
     del model, past
@@ -231,10 +233,14 @@ def main_gpu(args):
         print(format_resident(params), flush=True)
         params = dev.put(params)
     bw = dev.copy_bandwidth()
-    tps, ex = gpu_decode(cfg, params, args.tokens, args.context)
+    if args.position is not None and not 32 <= args.position <= args.context - args.tokens:
+        raise SystemExit(f"error: --position {args.position} must lie in [32, context - tokens = "
+                         f"{args.context - args.tokens}]; raise --context")
+    tps, ex = gpu_decode(cfg, params, args.tokens, args.context, position=args.position)
     wb = weight_bytes(cfg, params)
     print(f"{name}: {cfg.n_layers} layers, dim {cfg.dim}, {args.dtype} weights, batch 1, "
-          f"{args.tokens} tokens after a 32-token prompt, context {args.context}; device copy bandwidth "
+          f"{args.tokens} tokens after a 32-token prompt"
+          f"{f' from position {args.position}' if args.position is not None else ''}, context {args.context}; device copy bandwidth "
           f"{bw:.0f} GB/s (read + write)", flush=True)
     print(f"  vegafuse cuda{'' if dev.graphs else ' (no graphs)'}: {tps:8.1f} tok/s  {1e3 / tps:6.3f} ms/token  "
           f"{wb / 1e9:.3f} GB/token  {wb * tps / 1e9:7.0f} GB/s = {100 * wb * tps / 1e9 / bw:4.1f}% of copy  "
@@ -243,7 +249,7 @@ def main_gpu(args):
         profile(dev, ex, tps)
     if not args.no_peer:
         peer_dtype = "f16" if args.dtype in QUANT_DTYPES else args.dtype     # the peer has no such weights
-        peer = bench_torch_compile(cfg, args.tokens, args.context, dtype=peer_dtype)
+        peer = bench_torch_compile(cfg, args.tokens, args.context, dtype=peer_dtype, position=args.position)
         if peer is None:
             print("  torch.compile peer: torch/transformers not importable, skipped")
         else:
@@ -266,6 +272,8 @@ def main(argv=None):
     p.add_argument("--quant", default=None, choices=list(QUANT_DTYPES),
                    help="quantize every weight matrix and the embedding to this format at load")
     p.add_argument("--context", type=int, default=512, help="KV-cache positions (cuda, default 512)")
+    p.add_argument("--position", type=int, default=None,
+                   help="decode from this cache position (cuda; default: right after the 32-token prompt)")
     p.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer (cuda)")
     p.add_argument("--no-graphs", action="store_true", help="launch kernels one by one (cuda A/B)")
     p.add_argument("--capacity-check", action="store_true", help="cache 512 vs 32768 at context 64 (cuda)")
