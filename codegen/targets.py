@@ -51,8 +51,9 @@ class Target:
     int8_blocks_per_cu: int = 0  # the same for GEMVs on int8 dot products (0: blocks_per_cu); on an H200 they take
                                  # 64 registers, so 4 workgroups of 256 fit an SM and a grid of 8 per SM ran a second
                                  # round: 4 gave 427.8 against 410.3/410.5 tok/s (Qwen2.5-7B q4_0, A/B/A, 2026-12-01)
-    int8_balance: bool = False   # fewer rows per lane when the int8 GEMV's tiles leave waves idle in a last round
-                                 # of the grid (codegen.mapping.rows_per_lane); gfx906 keeps 8 for its LDS metric
+    int8_balance: bool = False   # rows per lane chosen for the grid (codegen.mapping.rows_per_lane): as few as
+                                 # keep the waves busy (more loads in flight), fewer when the tiles would leave
+                                 # waves idle in a last round; gfx906 keeps 8 for its LDS metric
     int8_prologue_budget: int = 0  # activation elements the int8 GEMV prologues of one CU quantize (0: no limit):
                                  # every workgroup quantizes the whole activation, so a long one takes fewer
                                  # workgroups per CU (codegen.mapping._blocks_per_cu)
