@@ -279,7 +279,7 @@ def _blocks_per_cu(t: Target, K: int, int8: bool) -> int:
 
 
 def _contract_rows(body, t, info):
-    out, segs, comments, arrays = [], [], [], set()
+    out, segs, comments, arrays, early = [], [], [], set(), []
     for s in body:
         if isinstance(s, L.Comment):                            # opens the next section
             comments.append(s)
@@ -288,9 +288,12 @@ def _contract_rows(body, t, info):
             segs.append((tuple(comments), s))
             comments = []
             continue
+        if segs and isinstance(s, L.Declare):                  # an invariant the simplifier hoisted out of the
+            early.append(s)                                    # next segment (a clamped position): computed
+            continue                                           # before the wave loop, which stays one
         if segs:
-            out += _wave_loop(segs, t, info)
-            segs = []
+            out += early + list(_wave_loop(segs, t, info))
+            segs, early = [], []
         out += comments
         comments = []
         if isinstance(s, L.Store) and s.buf in arrays:         # K = 1: the fill without its loop
@@ -321,7 +324,7 @@ def _contract_rows(body, t, info):
         else:
             out.append(s)
     if segs:
-        out += _wave_loop(segs, t, info)
+        out += early + list(_wave_loop(segs, t, info))
     return tuple(out + comments)
 
 
@@ -433,7 +436,12 @@ def _quant_wave_loop(segs, t, info):
             names = {a.name: _renamed(a.name, u) for a in red.accs} if per > 1 else {}
             row = {s.var: L.add(L.mul(own, L.c(per)), L.c(u))}
             syms = {a: L.Sym(b, "f32") for a, b in names.items()}
-            ren = lambda body: L.substitute(L.substitute(body, row), syms)  # noqa: E731
+            # the epilogue's own locals (RoPE's angle, a pair's head) are declared once per row
+            own_locals = {d.name: _renamed(d.name, u) for d in L.walk_stmts(tuple(rest))
+                          if isinstance(d, L.Declare)} if per > 1 else {}
+            ren = lambda body: L.rewrite(L.substitute(L.substitute(body, row), syms), lambda e: L.rewrite_expr(  # noqa: E731
+                e, lambda x: L.Sym(own_locals[x.name], x.dtype) if isinstance(x, L.Sym) and x.name in own_locals
+                else None), lambda n: own_locals.get(n, n))
             for a, q, r in quant_weights(red, info["act"]):
                 blk = L.add(L.mul(L.substitute((L.Declare("r", "i32", r),), row)[0].init, L.c(K // 32)), kb)
                 accs.append(replace(a, name=names.get(a.name, a.name),

@@ -13,15 +13,18 @@ import itertools
 import numpy as np
 
 from codegen import loopir as L
+from codegen.simplify import fold_expr
 from dsl.core import Lit, Var
 
 from .partition import is_scalar_param
 
 
 class Unfusable(Exception):
-    """A reduction was needed at an index other than the kernel's rows: materialize it."""
-    def __init__(self, var):
-        self.var = var
+    """A reduction was needed at an index other than the kernel's rows: materialize it.  With
+    ``cone``: the stores of epilogue root ``var`` (``partition.plan_stores``) could not be lowered
+    into its contraction's kernel: keep ``var`` in a buffer instead."""
+    def __init__(self, var, cone=False):
+        self.var, self.cone = var, cone
 
 
 _counter = itertools.count()
@@ -43,6 +46,8 @@ class Builder:
         self.row_idx = tuple(row_idx)
         self.accs = accs or {}          # contraction Var -> Sym of its accumulator
         self.n_idx = n_idx              # the output-column index of a contraction kernel
+        self.readers = {}               # contraction Var -> fn(idx): its accumulator at idx (an epilogue cone)
+        self.ranges = None              # loop variable -> (lo, hi): decides concatenations statically
         self.row_stmts = []             # statements computing per-row scalars, in order
         self.row_syms = {}              # reduce Var -> Sym
         self.reads = {}                 # buffer name -> Var
@@ -71,6 +76,9 @@ class Builder:
         if v in self.accs:
             assert self.at_rows(idx, v.shape[:-1] + (0,)) or idx[-1] == self.n_idx, "contraction index"
             acc = self.accs[v]              # f32; an f16 result is rounded before its epilogue uses it
+            return acc if acc.dtype == v.dtype else L.Cast(acc, v.dtype)
+        if v in self.readers:
+            acc = self.readers[v](idx)
             return acc if acc.dtype == v.dtype else L.Cast(acc, v.dtype)
         if v in ctx.materialized or v not in ctx.g.producer:
             return self.load(v, idx)
@@ -188,8 +196,16 @@ def _slice(b, e, idx):
 
 
 def _concatenate(b, e, idx):
+    """The input that holds ``idx``: a select over the inputs' ranges along the axis, or that
+    input alone when the builder's loop ranges decide it (the rotate-half of a paired epilogue)."""
     ax = e.params["axis"]
     offs = np.cumsum([0] + [a.shape[ax] for a in e.inputs])
+    if b.ranges is not None:
+        from codegen.simplify import value_range
+        lo, hi = value_range(fold_expr(idx[ax], b.ranges), b.ranges) or (None, None)
+        for a, start, stop in zip(e.inputs, offs[:-1], offs[1:]):
+            if lo is not None and start <= lo and hi < stop:
+                return b.expr(a, idx[:ax] + (L.add(idx[ax], L.c(-int(start))),) + idx[ax + 1:])
     out = None
     for a, lo in reversed(list(zip(e.inputs, offs[:-1]))):
         sub = idx[:ax] + (L.add(idx[ax], L.c(-int(lo))),) + idx[ax + 1:]

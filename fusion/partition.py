@@ -20,6 +20,9 @@ RULES = {
     "epilogue": "elementwise consumers of a GEMV/matmul run on its accumulator (bias, residual, SiLU*mul)",
     "dequantize": "a quantized weight is dequantized where it is read (inside the GEMV, the gather); "
                   "off: a kernel writes its float copy first",
+    "paired_epilogue": "an epilogue also stores through views and into in-place updates, and reads the "
+                       "accumulator of a partner row of the same block (RoPE's rotate-half: rows j and "
+                       "j + hd/2 side by side), so RoPE and the KV-cache write run in the QKV GEMV",
     "horizontal": "sibling kernels launch as one: GEMVs sharing their input (Q/K/V, gate/up), "
                   "and independent loops (RoPE and KV-cache writes)",
 }
@@ -288,3 +291,63 @@ def plan_epilogues(g: Graph, m: set, rules) -> dict:
     cap_depth(g, m, claimed)            # after the epilogues: their roots cut the residual stream
     return epi
 
+
+
+def _computes(g: Graph, v, m, kind) -> bool:
+    """Does the expression inlined for ``v`` (up to materialized values) hold an op of ``kind``?"""
+    stack, seen = [v], set()
+    while stack:
+        x = stack.pop()
+        if x in seen or x in m or x not in g.producer:
+            continue
+        seen.add(x)
+        if g.producer[x].prim.kind == kind:
+            return True
+        stack += [a for a in g.producer[x].inputs if isinstance(a, Var)]
+    return False
+
+
+CONE_KINDS = ("elementwise", "view")        # what an epilogue cone computes (no gather, reduction, contraction)
+
+
+def plan_stores(g: Graph, m: set, epi: dict, rules, refused=frozenset()) -> dict:
+    """Apply the paired_epilogue rule: {epilogue root R: the materialized values its kernel stores
+    instead of R}.  R's users are followed through elementwise ops and views (RoPE: reshape,
+    transpose, the rotate-half's slices and concatenate, cos/sin) up to the first materialized
+    values, the *stores*: a ``dynamic_update_slice`` whose update comes from R (the KV-cache write,
+    in place when donated) or an elementwise/view value (rotated q, read by attention).  Taken
+    only when every value on the way is read by nothing else, so R itself needs no buffer; R then
+    leaves ``m`` (updated) and its contraction's epilogue computes the stores, the accumulator
+    read at whatever rows they need (``schedule.cone_segment``).  ``refused``: roots whose cone
+    failed to lower (``Unfusable(R, cone=True)``)."""
+    if "paired_epilogue" not in rules or "epilogue" not in rules:
+        return {}
+    out, claimed = {}, set()
+    for r in epi:
+        if r in g.outputs or r in refused or r not in m:
+            continue
+        cone, stores, ok, todo = set(), [], True, [r]
+        while todo and ok:
+            v = todo.pop()
+            for u in g.users.get(v, []):
+                x = u.out
+                if x in cone or x in stores:
+                    continue
+                if x in m:
+                    upd = u.prim.name == "dynamic_update_slice" and u.inputs[1] is v and all(
+                        a is not v for i, a in enumerate(u.inputs) if i != 1)
+                    ok = upd or u.prim.kind in CONE_KINDS
+                    stores.append(x)
+                elif u.prim.kind in CONE_KINDS:
+                    cone.add(x)
+                    todo.append(x)
+                else:
+                    ok = False
+        inlined = {a for x in cone | set(stores) for a in g.producer[x].inputs
+                   if isinstance(a, Var) and a not in cone and a is not r and a not in m}
+        ok = ok and not any(_computes(g, a, m, "contract") for a in inlined)    # another GEMV's epilogue
+        if ok and stores and not (cone | set(stores)) & claimed:
+            claimed |= cone | set(stores)
+            out[r] = stores
+            m.discard(r)
+    return out

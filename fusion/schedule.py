@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from codegen import loopir as L
+from codegen.simplify import fold_expr
 from dsl.core import Lit, Var, loop_key
 
 from .loops import scan_kernel
 from .lower import LOWER, Builder, Unfusable, fresh, unravel, wrap_index
 from .naming import buffer_name, c_safe, kernel_names
-from .partition import UPDATES, Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues
+from .partition import UPDATES, Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues, plan_stores
 
 
 
@@ -47,11 +48,13 @@ def sanitize(name):
 
 
 class Lowering:
-    def __init__(self, prog, rules, input_names, donated, materialized):
+    def __init__(self, prog, rules, input_names, donated, materialized, refused=frozenset()):
         self.prog, self.rules, self.donated = prog, rules, set(donated)
         self.g = Graph.of(prog)
         self.materialized = set(materialized)
         self.epi = plan_epilogues(self.g, self.materialized, rules)
+        self.stores = plan_stores(self.g, self.materialized, self.epi, rules, refused)
+        self.segment = {f: r for r, fs in self.stores.items() for f in fs}     # store -> its epilogue root
         self.names = {}
         used = set()
         for v, n in zip(prog.inputs, input_names):
@@ -106,10 +109,13 @@ class Lowering:
                 else:
                     items.append(("loop", key, [r]))
                 continue
-            if "horizontal" in self.rules and r in self.epi:
-                a = self.g.producer[self.epi[r][0]].inputs[0]
+            seg = self.segment.get(r, r)            # a store of an epilogue cone: its root's kernel
+            home = [i for i, it in enumerate(items) if it[0] == "contract"
+                    and any(self.segment.get(x, x) is seg for x in it[2])] if seg is not r else []
+            if ("horizontal" in self.rules or home) and seg in self.epi:
+                a = self.g.producer[self.epi[seg][0]].inputs[0]
                 for i, it in enumerate(items):
-                    if it[0] == "contract" and it[1] is a:
+                    if it[0] == "contract" and it[1] is a and (not home or i == home[0]):
                         earlier = {x for j in range(i) for x in items[j][2]} | set(self.prog.inputs)
                         members = set(it[2])
                         d = self.deps(r)
@@ -117,9 +123,11 @@ class Lowering:
                             it[2].append(r)
                             grouped = True
                             break
+                if home and not grouped:            # it cannot join its segment's kernel
+                    raise Unfusable(seg, cone=True)
             if not grouped:
-                if r in self.epi:
-                    items.append(("contract", self.g.producer[self.epi[r][0]].inputs[0], [r]))
+                if seg in self.epi:
+                    items.append(("contract", self.g.producer[self.epi[seg][0]].inputs[0], [r]))
                 else:
                     items.append(("single", None, [r]))
             pos[r] = len(items) - 1
@@ -430,7 +438,7 @@ def contract_kernel(lw, a, roots):
     head = section("prologue", b.ops) if b.ops else ()
     stmts = [L.Array(act, "f32", K), L.Loop(k, L.c(0), L.c(K), (L.Store(act, L.Sym(k, "i32"), pro),))]
     writes, flops = {}, 0
-    for r in roots:
+    for r in dict.fromkeys(lw.segment.get(x, x) for x in roots):
         seen = len(b.ops)
         contracts = lw.epi[r]
         n = fresh("n")
@@ -443,20 +451,18 @@ def contract_kernel(lw, a, roots):
                 w = lw.g.producer[w].inputs[0]                  # a dequantization or a gather (an expert's rows)
             labels[c] = ("dot" if isinstance(w, Lit) else      # a weight broadcast from a literal (jnp.full)
                          short_name(lw.buffer_of(w)) if w in lw.materialized or w not in lw.g.producer else "dot")
-        b.accs = {c: L.Sym(fresh(f"acc_{labels[c]}"), "f32") for c in contracts}
-        b.n_idx = nsym
         kk = fresh("k")
         ksym = L.Sym(kk, "i32")
-        accs = []
-        for c in contracts:
-            ce = lw.g.producer[c]
-            b.ops.append(ce)
-            w = ce.inputs[1]
-            bidx = b.row_idx[:-1] + ((nsym, ksym) if ce.params["trans_b"] else (ksym, nsym))
-            wv = b.expr(w, bidx)
-            wv = wv if wv.dtype == "f32" else L.Cast(wv, "f32")
-            accs.append(L.Acc(b.accs[c].name, "add", L.Bin("mul", L.Load(act, ksym, "f32"), wv)))
-            flops += 2 * int(np.prod(c.shape, dtype=np.int64)) * K
+        flops += sum(2 * int(np.prod(c.shape, dtype=np.int64)) * K for c in contracts)
+        if r in lw.stores:
+            loop, outs = cone_segment(lw, b, r, labels, act, ksym, K)
+            writes.update(outs)
+            stmts += section(f"{', '.join(labels.values())} -> {', '.join(outs)}", b.ops[seen:])
+            stmts.append(loop)
+            continue
+        b.accs = {c: L.Sym(fresh(f"acc_{labels[c]}"), "f32") for c in contracts}
+        b.n_idx = nsym
+        accs = [accumulate(lw, b, c, b.accs[c].name, nsym, act, ksym) for c in contracts]
         order = access_order([a.value.b for a in accs], ksym, nsym) if K > 1 and r.shape[-1] > 1 else "inner"
         if r in b.accs:
             val = b.accs[r]
@@ -477,6 +483,239 @@ def contract_kernel(lw, a, roots):
     params = _params(lw, b, writes)
     name = "gemv" if int(np.prod(rows, dtype=np.int64)) == 1 else "matmul"
     return L.Kernel(f"{name}_{'_'.join(writes)}", "contract", params, body, _op_list(b), 0, flops)
+
+
+def accumulate(lw, b, c, name, col, act, k):
+    """The accumulator ``name += act[k] * w[col, k]`` of contraction ``c`` at output column ``col``."""
+    ce = lw.g.producer[c]
+    if ce not in b.ops:
+        b.ops.append(ce)
+    bidx = b.row_idx[:-1] + ((col, k) if ce.params["trans_b"] else (k, col))
+    wv = b.expr(ce.inputs[1], bidx)
+    wv = wv if wv.dtype == "f32" else L.Cast(wv, "f32")
+    return L.Acc(name, "add", L.Bin("mul", L.Load(act, k, "f32"), wv))
+
+
+def grid_value(e, env):
+    """The i32/bool expression ``e`` evaluated over numpy arrays of its symbols (``env``), with C's
+    truncating division; None when it holds anything else (a load, an unknown symbol)."""
+    if isinstance(e, L.Const):
+        return np.int64(int(e.value))
+    if isinstance(e, L.Sym):
+        return env.get(e.name)
+    if isinstance(e, L.Cast) and e.dtype == e.x.dtype == "i32":
+        return grid_value(e.x, env)
+    if isinstance(e, L.Select):
+        c, a, b = (grid_value(x, env) for x in (e.cond, e.a, e.b))
+        return None if c is None or a is None or b is None else np.where(c, a, b)
+    if not isinstance(e, L.Bin):
+        return None
+    a, b = grid_value(e.a, env), grid_value(e.b, env)
+    if a is None or b is None or (e.op in ("idiv", "mod") and np.any(b == 0)):
+        return None
+    ops = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
+           "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
+           "ne": np.not_equal, "and": np.logical_and, "or": np.logical_or,
+           "idiv": lambda x, y: np.trunc(np.true_divide(x, y)).astype(np.int64), "mod": np.fmod}
+    return ops[e.op](a, b) if e.op in ops else None
+
+
+class _NoPairing(Exception):
+    """This pairing of output rows does not give every read of the accumulator a sibling."""
+
+
+def _store_target(lw, b, f, idx):
+    """(buffer, flat index, value) that store ``f`` of an epilogue cone writes at ``idx`` of its
+    space: a ``dynamic_update_slice`` writes its update at the clamped offsets (in place when
+    aliased); any other value its own element."""
+    e = lw.g.producer[f]
+    out = lw.buffer_of(f)
+    if e not in b.ops:
+        b.ops.append(e)
+    if e.prim.name != "dynamic_update_slice":
+        return out, L.linear_index(idx, f.shape), LOWER[e.prim.name](b, e, idx)
+    o, u, *starts = e.inputs
+    offs = [L.Bin("max", L.c(0), L.Bin("min", b.expr(s, ()), L.c(m - n))) for s, n, m in zip(starts, u.shape, o.shape)]
+    return out, L.linear_index(tuple(L.add(a, i) for a, i in zip(offs, idx)), o.shape), b.expr(u, idx)
+
+
+def _space(lw, f):
+    """The index space a store of an epilogue cone iterates: a ``dynamic_update_slice``'s update."""
+    e = lw.g.producer[f]
+    return tuple(e.inputs[1].shape if e.prim.name == "dynamic_update_slice" else f.shape)
+
+
+def _pairings(extent):
+    """Ways to run the output rows along the innermost column dim of ``extent``: alone (None),
+    then rows j and j + h side by side in blocks of 2h, h from the largest (RoPE's rotate-half:
+    h = hd/2) to 1 (an interleaved rotation)."""
+    out, h = [None], extent // 2
+    while h >= 1:
+        if extent % (2 * h) == 0:
+            out.append(h)
+        h = h // 2 if h > 1 else 0
+    return out
+
+
+def cone_segment(lw, b, root, labels, act, k, K):
+    """The paired_epilogue rule's segment: the stores of ``root``'s cone (``lw.stores``: rotated q
+    into its buffer, rotated k and v into the caches at ``pos``) computed from the accumulators of
+    ``root``'s contractions.  The loop runs over the stores' space without the contraction's rows
+    (the rows stay the kernel's outer loop); when an epilogue reads the accumulator at a partner
+    row (RoPE's rotate-half reads row j +/- hd/2 of the head), rows j and j + h of the innermost dim
+    run side by side, each read being one of the two rows' accumulators, siblings in one Reduce
+    as gate and up are: every backend's GEMV mapping takes them unchanged.  Tries no pairing, then
+    h = extent/2 down to 1 (``_pairings``); each read's column is checked over every loop value
+    (``grid_value``).  Returns (the parallel loop, {buffer: stored Var}).  Raises
+    ``Unfusable(root, cone=True)`` when no pairing works (the root then keeps its buffer)."""
+    stores, contracts = lw.stores[root], lw.epi[root]
+    space = _space(lw, stores[0])
+    rows = contracts[0].shape[:-1]
+    if any(_space(lw, f) != space for f in stores):
+        raise Unfusable(root, cone=True)
+    row_dims = _row_dims(lw, b, root, space, rows)
+    cols = [d for d in range(len(space)) if d not in row_dims]
+    if not cols:
+        raise Unfusable(root, cone=True)
+    for h in _pairings(space[cols[-1]]):
+        try:
+            return _paired_loop(lw, b, root, labels, act, k, K, space, row_dims, cols, h)
+        except (_NoPairing, Unfusable):
+            continue
+    raise Unfusable(root, cone=True)
+
+
+def _row_dims(lw, b, root, space, rows):
+    """The dims of the stores' ``space`` that index the contraction's rows, in the rows' order
+    (found by lowering the first store at one symbol per dim and reading where it reads the
+    accumulator); None entries for rows of extent 1."""
+    syms = tuple(L.Sym(fresh("s"), "i32") for _ in space)
+    probe, reads = Builder(lw, b.row_idx), []
+    for c in lw.epi[root]:
+        probe.readers[c] = lambda idx: reads.append(idx) or L.Sym("probe", "f32")
+    try:
+        _store_target(lw, probe, lw.stores[root][0], syms)
+    except Unfusable as u:
+        raise Unfusable(root, cone=True)
+    if not reads:
+        raise Unfusable(root, cone=True)
+    out = []
+    for j, n in enumerate(rows):
+        if n == 1:
+            continue
+        dims = [d for d, s in enumerate(syms) if stride(reads[0][j], s) == 1 and space[d] == n]
+        if len(dims) != 1:
+            raise Unfusable(root, cone=True)
+        out.append(dims[0])
+    return out
+
+
+def _paired_loop(lw, b, root, labels, act, k, K, space, row_dims, cols, h):
+    """``cone_segment`` for one pairing ``h`` (None: each row alone)."""
+    contracts, rows = lw.epi[root], contracts_rows(lw, root)
+    inner = space[cols[-1]] // (2 if h else 1)
+    col_shape = tuple(space[d] for d in cols[:-1]) + (inner,)
+    n = fresh("pair" if h else "n")
+    p = L.Sym(n, "i32")
+    P = int(np.prod(col_shape, dtype=np.int64))
+    comps = unravel(p, col_shape)
+    q = comps[-1]
+    lo = q if not h or h * 2 == space[cols[-1]] else L.add(L.mul(L.Bin("idiv", q, L.c(h)), L.c(2 * h)), L.Bin("mod", q, L.c(h)))
+    lasts = [lo] + ([L.add(lo, L.c(h))] if h else [])
+    instances = []
+    for last in lasts:
+        idx, it, rv = [None] * len(space), iter(comps[:-1] + (last,)), iter(b.row_idx)
+        row_of = dict(zip([d for d in row_dims], [r for r, m in zip(b.row_idx, rows) if m != 1]))
+        for d in range(len(space)):
+            idx[d] = row_of[d] if d in row_of else next(it)
+        instances.append(tuple(idx))
+    # the loop values: every pair index, the rows at their first, second and last values
+    ranges = {n: (0, P - 1), **{r.name: (0, m - 1) for r, m in zip(b.row_idx, rows)}}
+    axes = [np.arange(P)] + [np.array(sorted({0, min(1, m - 1), m - 1})) for m in rows]
+    mesh = np.meshgrid(*axes, indexing="ij")
+    env = {n: mesh[0].ravel(), **{r.name: g.ravel() for r, g in zip(b.row_idx, mesh[1:])}}
+    columns = {}                                    # contraction -> [(its column values, expression)]
+
+    def column(c, idx):
+        """The index of ``c``'s accumulator that ``idx`` reads: its column among those seen."""
+        for r, m, i in zip(b.row_idx, rows, idx[:-1]):
+            v = grid_value(i, env)
+            if v is None or not np.array_equal(np.broadcast_to(v, env[n].shape), env[r.name] if m > 1 else 0 * env[n]):
+                raise _NoPairing()
+        v = grid_value(idx[-1], env)
+        if v is None:
+            raise _NoPairing()
+        v = np.broadcast_to(v, env[n].shape)
+        seen = columns.setdefault(c, [])
+        for j, (w, _) in enumerate(seen):
+            if np.array_equal(w, v):
+                return j
+        if len(seen) == len(instances) or v.min() < 0 or v.max() >= c.shape[-1]:
+            raise _NoPairing()
+        seen.append((v, _affine(idx[-1], v, comps, env, ranges)))
+        return len(seen) - 1
+
+    trial = Builder(lw, b.row_idx)
+    trial.ranges = ranges
+    for c in contracts:
+        trial.readers[c] = lambda idx, c=c: (column(c, idx), L.Sym("probe", "f32"))[1]
+    for last in instances:
+        for f in lw.stores[root]:
+            _store_target(lw, trial, f, last)
+    # the accumulators, lowest column first: acc_wq_lo (row j), acc_wq_hi (row j + h)
+    accs, syms = [], {}
+    for c in contracts:
+        seen = columns.get(c, [])
+        order = sorted(range(len(seen)), key=lambda j: int(seen[j][0][0]))
+        for rank, j in enumerate(order):
+            suffix = ("_lo", "_hi")[rank] if len(seen) == 2 else ""
+            syms[c, j] = L.Sym(fresh(f"acc_{labels[c]}{suffix}"), "f32")
+        for j in order:
+            accs.append(accumulate(lw, b, c, syms[c, j].name, seen[j][1], act, k))
+    b.ranges = ranges
+    for c in contracts:
+        b.readers[c] = lambda idx, c=c: syms[c, column(c, idx)]
+    stmts, outs = [], {}
+    try:
+        for last in instances:
+            for f in lw.stores[root]:
+                buf, at, val = _store_target(lw, b, f, last)
+                val = val if val.dtype == lw.g.producer[f].out.dtype else L.Cast(val, f.dtype)
+                stmts.append(L.Store(buf, at, val))
+                outs[buf] = f
+    finally:
+        b.ranges, b.readers = None, {}
+    order = access_order([a.value.b for a in accs], k, p) if K > 1 else "inner"
+    return L.Loop(n, L.c(0), L.c(P), (L.Reduce(k.name, L.c(0), L.c(K), tuple(accs), order=order),) + tuple(stmts),
+                  parallel=True), outs
+
+
+def contracts_rows(lw, root):
+    return lw.epi[root][0].shape[:-1]
+
+
+def _affine(e, v, comps, env, ranges):
+    """``e`` (values ``v`` over the grid) as ``c0 + sum(s_i * comps_i)`` when that holds at every
+    loop value (the weight row a person writes: ``head * 64 + i + 32``); else ``e`` folded."""
+    vals = [np.broadcast_to(grid_value(x, env), v.shape) for x in comps]
+    at0 = np.all([x == 0 for x in vals], axis=0)
+    if not at0.any():
+        return fold_expr(e, ranges)
+    c0, out, fit = int(v[at0][0]), L.c(0), np.zeros_like(v)
+    fit += c0
+    for x, xv in zip(comps, vals):
+        if isinstance(x, L.Const):
+            continue
+        one = at0.copy()
+        one[:] = (xv == 1) & np.all([w == 0 for w in vals if w is not xv], axis=0) if len(vals) > 1 else (xv == 1)
+        if not one.any():
+            return fold_expr(e, ranges)
+        s = int(v[one][0]) - c0
+        fit = fit + s * xv
+        out = L.add(out, L.mul(x, L.c(s)))
+    if not np.array_equal(fit, v):
+        return fold_expr(e, ranges)
+    return L.add(out, L.c(c0))
 
 
 def attention_kernel(lw, r):
@@ -528,13 +767,13 @@ def build_plan(prog, rules=None, input_names=None, donated=()) -> Plan:
     rules = enabled_rules() if rules is None else frozenset(rules)
     input_names = input_names or [f"in{i}" for i in range(len(prog.inputs))]
     g = Graph.of(prog)
-    extra = set()
+    extra, refused = set(), set()
     while True:
-        lw = Lowering(prog, rules, input_names, donated, materialize(g, rules) | extra)
+        lw = Lowering(prog, rules, input_names, donated, materialize(g, rules) | extra, frozenset(refused))
         try:
             return _lower_all(lw)
         except Unfusable as u:
-            extra.add(u.var)
+            (refused if u.cone else extra).add(u.var)
 
 
 def _lower_all(lw) -> Plan:
@@ -545,6 +784,10 @@ def _lower_all(lw) -> Plan:
     kernels = []
     for kind, a, roots in items:
         if kind == "contract":
+            for r in roots:             # a cone's update of a buffer it may not overwrite: a copy first
+                e = lw.g.producer[r]
+                if e.prim.name in UPDATES and r not in aliases:
+                    kernels.append(copy_kernel(lw, e.inputs[0], lw.buffer_of(r), r))
             kernels.append(contract_kernel(lw, a, roots))
             continue
         if kind == "loop":
