@@ -13,7 +13,6 @@ import itertools
 import numpy as np
 
 from codegen import loopir as L
-from codegen.simplify import fold_expr
 from dsl.core import Lit, Var
 
 from .partition import is_scalar_param
@@ -47,7 +46,7 @@ class Builder:
         self.accs = accs or {}          # contraction Var -> Sym of its accumulator
         self.n_idx = n_idx              # the output-column index of a contraction kernel
         self.readers = {}               # contraction Var -> fn(idx): its accumulator at idx (an epilogue cone)
-        self.ranges = None              # loop variable -> (lo, hi): decides concatenations statically
+        self.grid = None                # loop variable -> its values (numpy): decides concatenations statically
         self.row_stmts = []             # statements computing per-row scalars, in order
         self.row_syms = {}              # reduce Var -> Sym
         self.reads = {}                 # buffer name -> Var
@@ -197,15 +196,14 @@ def _slice(b, e, idx):
 
 def _concatenate(b, e, idx):
     """The input that holds ``idx``: a select over the inputs' ranges along the axis, or that
-    input alone when the builder's loop ranges decide it (the rotate-half of a paired epilogue)."""
+    input alone when the index's values over the builder's ``grid`` decide it (the rotate-half of a
+    paired epilogue)."""
     ax = e.params["axis"]
     offs = np.cumsum([0] + [a.shape[ax] for a in e.inputs])
-    if b.ranges is not None:
-        from codegen.simplify import value_range
-        lo, hi = value_range(fold_expr(idx[ax], b.ranges), b.ranges) or (None, None)
-        for a, start, stop in zip(e.inputs, offs[:-1], offs[1:]):
-            if lo is not None and start <= lo and hi < stop:
-                return b.expr(a, idx[:ax] + (L.add(idx[ax], L.c(-int(start))),) + idx[ax + 1:])
+    at = grid_value(idx[ax], b.grid) if b.grid is not None else None
+    for a, start, stop in zip(e.inputs, offs[:-1], offs[1:]):
+        if at is not None and start <= np.min(at) and np.max(at) < stop:
+            return b.expr(a, idx[:ax] + (L.add(idx[ax], L.c(-int(start))),) + idx[ax + 1:])
     out = None
     for a, lo in reversed(list(zip(e.inputs, offs[:-1]))):
         sub = idx[:ax] + (L.add(idx[ax], L.c(-int(lo))),) + idx[ax + 1:]
@@ -243,6 +241,30 @@ def _gather(b, e, idx):
     at = tuple(L.Bin("max", L.c(0), L.Bin("min", wrap_index(b.expr(i, idx), n), L.c(n - 1)))
                for i, n in zip(ids, x.shape))
     return b.expr(x, at)
+
+
+def grid_value(e, env):
+    """The i32/bool expression ``e`` evaluated over numpy arrays of its symbols (``env``), with C's
+    truncating division; None when it holds anything else (a load, an unknown symbol)."""
+    if isinstance(e, L.Const):
+        return np.int64(int(e.value))
+    if isinstance(e, L.Sym):
+        return env.get(e.name)
+    if isinstance(e, L.Cast) and e.dtype == e.x.dtype == "i32":
+        return grid_value(e.x, env)
+    if isinstance(e, L.Select):
+        c, a, b = (grid_value(x, env) for x in (e.cond, e.a, e.b))
+        return None if c is None or a is None or b is None else np.where(c, a, b)
+    if not isinstance(e, L.Bin):
+        return None
+    a, b = grid_value(e.a, env), grid_value(e.b, env)
+    if a is None or b is None or (e.op in ("idiv", "mod") and np.any(b == 0)):
+        return None
+    ops = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
+           "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
+           "ne": np.not_equal, "and": np.logical_and, "or": np.logical_or,
+           "idiv": lambda x, y: np.trunc(np.true_divide(x, y)).astype(np.int64), "mod": np.fmod}
+    return ops[e.op](a, b) if e.op in ops else None
 
 
 class _Rules(dict):

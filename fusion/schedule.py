@@ -24,7 +24,7 @@ from codegen.simplify import fold_expr
 from dsl.core import Lit, Var, loop_key
 
 from .loops import scan_kernel
-from .lower import LOWER, Builder, Unfusable, fresh, unravel, wrap_index
+from .lower import LOWER, Builder, Unfusable, fresh, grid_value, unravel, wrap_index
 from .naming import buffer_name, c_safe, kernel_names
 from .partition import UPDATES, Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues, plan_stores
 
@@ -496,30 +496,6 @@ def accumulate(lw, b, c, name, col, act, k):
     return L.Acc(name, "add", L.Bin("mul", L.Load(act, k, "f32"), wv))
 
 
-def grid_value(e, env):
-    """The i32/bool expression ``e`` evaluated over numpy arrays of its symbols (``env``), with C's
-    truncating division; None when it holds anything else (a load, an unknown symbol)."""
-    if isinstance(e, L.Const):
-        return np.int64(int(e.value))
-    if isinstance(e, L.Sym):
-        return env.get(e.name)
-    if isinstance(e, L.Cast) and e.dtype == e.x.dtype == "i32":
-        return grid_value(e.x, env)
-    if isinstance(e, L.Select):
-        c, a, b = (grid_value(x, env) for x in (e.cond, e.a, e.b))
-        return None if c is None or a is None or b is None else np.where(c, a, b)
-    if not isinstance(e, L.Bin):
-        return None
-    a, b = grid_value(e.a, env), grid_value(e.b, env)
-    if a is None or b is None or (e.op in ("idiv", "mod") and np.any(b == 0)):
-        return None
-    ops = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum, "min": np.minimum,
-           "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
-           "ne": np.not_equal, "and": np.logical_and, "or": np.logical_or,
-           "idiv": lambda x, y: np.trunc(np.true_divide(x, y)).astype(np.int64), "mod": np.fmod}
-    return ops[e.op](a, b) if e.op in ops else None
-
-
 class _NoPairing(Exception):
     """This pairing of output rows does not give every read of the accumulator a sibling."""
 
@@ -586,136 +562,126 @@ def cone_segment(lw, b, root, labels, act, k, K):
 
 
 def _row_dims(lw, b, root, space, rows):
-    """The dims of the stores' ``space`` that index the contraction's rows, in the rows' order
-    (found by lowering the first store at one symbol per dim and reading where it reads the
-    accumulator); None entries for rows of extent 1."""
+    """The dims of the stores' ``space`` that index the contraction's rows of extent > 1, in the
+    rows' order: found by lowering the first store at one symbol per dim and reading where it reads
+    the accumulator (the dim that steps the row by one)."""
     syms = tuple(L.Sym(fresh("s"), "i32") for _ in space)
     probe, reads = Builder(lw, b.row_idx), []
     for c in lw.epi[root]:
         probe.readers[c] = lambda idx: reads.append(idx) or L.Sym("probe", "f32")
     try:
         _store_target(lw, probe, lw.stores[root][0], syms)
-    except Unfusable as u:
-        raise Unfusable(root, cone=True)
-    if not reads:
+    except Unfusable:
         raise Unfusable(root, cone=True)
     out = []
     for j, n in enumerate(rows):
-        if n == 1:
-            continue
-        dims = [d for d, s in enumerate(syms) if stride(reads[0][j], s) == 1 and space[d] == n]
-        if len(dims) != 1:
+        dims = [d for d, s in enumerate(syms) if reads and stride(reads[0][j], s) == 1 and space[d] == n]
+        if n > 1 and len(dims) != 1:
             raise Unfusable(root, cone=True)
-        out.append(dims[0])
+        out += dims[:1] if n > 1 else []
     return out
 
 
 def _paired_loop(lw, b, root, labels, act, k, K, space, row_dims, cols, h):
     """``cone_segment`` for one pairing ``h`` (None: each row alone)."""
-    contracts, rows = lw.epi[root], contracts_rows(lw, root)
-    inner = space[cols[-1]] // (2 if h else 1)
-    col_shape = tuple(space[d] for d in cols[:-1]) + (inner,)
+    contracts, stores = lw.epi[root], lw.stores[root]
+    rows = contracts[0].shape[:-1]
+    col_shape = tuple(space[d] for d in cols[:-1]) + (space[cols[-1]] // (2 if h else 1),)
     n = fresh("pair" if h else "n")
-    p = L.Sym(n, "i32")
-    P = int(np.prod(col_shape, dtype=np.int64))
+    p, P = L.Sym(n, "i32"), int(np.prod(col_shape, dtype=np.int64))
     comps = unravel(p, col_shape)
-    q = comps[-1]
-    lo = q if not h or h * 2 == space[cols[-1]] else L.add(L.mul(L.Bin("idiv", q, L.c(h)), L.c(2 * h)), L.Bin("mod", q, L.c(h)))
-    lasts = [lo] + ([L.add(lo, L.c(h))] if h else [])
+    q = comps[-1]                                   # row j of a pair: (q / h) * 2h + q % h; its partner j + h
+    atoms = comps                                   # what a column is an affine function of
+    lo = q
+    if h and 2 * h < space[cols[-1]]:
+        atoms = comps[:-1] + (L.Bin("idiv", q, L.c(h)), L.Bin("mod", q, L.c(h)))
+        lo = L.add(L.mul(atoms[-2], L.c(2 * h)), atoms[-1])
+    row_of = dict(zip(row_dims, [r for r, m in zip(b.row_idx, rows) if m > 1]))
     instances = []
-    for last in lasts:
-        idx, it, rv = [None] * len(space), iter(comps[:-1] + (last,)), iter(b.row_idx)
-        row_of = dict(zip([d for d in row_dims], [r for r, m in zip(b.row_idx, rows) if m != 1]))
-        for d in range(len(space)):
-            idx[d] = row_of[d] if d in row_of else next(it)
-        instances.append(tuple(idx))
-    # the loop values: every pair index, the rows at their first, second and last values
+    for last in [lo] + ([L.add(lo, L.c(h))] if h else []):
+        it = iter(comps[:-1] + (last,))
+        instances.append(tuple(row_of[d] if d in row_of else next(it) for d in range(len(space))))
+    # the loop values the reads are checked at: every pair and every row; when that grid would be
+    # large, the first, second and last row of each (then a concatenation is decided only by an
+    # index free of the rows: ``decide``)
     ranges = {n: (0, P - 1), **{r.name: (0, m - 1) for r, m in zip(b.row_idx, rows)}}
-    axes = [np.arange(P)] + [np.array(sorted({0, min(1, m - 1), m - 1})) for m in rows]
-    mesh = np.meshgrid(*axes, indexing="ij")
-    env = {n: mesh[0].ravel(), **{r.name: g.ravel() for r, g in zip(b.row_idx, mesh[1:])}}
-    columns = {}                                    # contraction -> [(its column values, expression)]
+    full = P * int(np.prod(rows, dtype=np.int64)) <= 1 << 18
+    axes = [np.arange(P)] + [np.arange(m) if full else np.array(sorted({0, min(1, m - 1), m - 1})) for m in rows]
+    mesh = [g.ravel() for g in np.meshgrid(*axes, indexing="ij")]
+    env = {n: mesh[0], **{r.name: g for r, g in zip(b.row_idx, mesh[1:])}}
+    decide = env if full else {n: np.arange(P)}
+    columns = {}                                    # contraction -> [(its column's values, expression)]
 
     def column(c, idx):
-        """The index of ``c``'s accumulator that ``idx`` reads: its column among those seen."""
-        for r, m, i in zip(b.row_idx, rows, idx[:-1]):
+        """Which of ``c``'s accumulators ``idx`` reads: the kernel's rows and a column seen before
+        (a new one while there are fewer than the instances)."""
+        for r, i in zip(b.row_idx, idx[:-1]):
             v = grid_value(i, env)
-            if v is None or not np.array_equal(np.broadcast_to(v, env[n].shape), env[r.name] if m > 1 else 0 * env[n]):
+            if v is None or not np.array_equal(np.broadcast_to(v, mesh[0].shape), env[r.name]):
                 raise _NoPairing()
         v = grid_value(idx[-1], env)
         if v is None:
             raise _NoPairing()
-        v = np.broadcast_to(v, env[n].shape)
+        v = np.broadcast_to(v, mesh[0].shape)
         seen = columns.setdefault(c, [])
         for j, (w, _) in enumerate(seen):
             if np.array_equal(w, v):
                 return j
         if len(seen) == len(instances) or v.min() < 0 or v.max() >= c.shape[-1]:
             raise _NoPairing()
-        seen.append((v, _affine(idx[-1], v, comps, env, ranges)))
+        seen.append((v, _affine(idx[-1], v, atoms, env, ranges)))
         return len(seen) - 1
 
-    trial = Builder(lw, b.row_idx)
-    trial.ranges = ranges
+    trial = Builder(lw, b.row_idx)                  # which columns the stores read, before building them
+    trial.grid = decide
     for c in contracts:
         trial.readers[c] = lambda idx, c=c: (column(c, idx), L.Sym("probe", "f32"))[1]
-    for last in instances:
-        for f in lw.stores[root]:
-            _store_target(lw, trial, f, last)
-    # the accumulators, lowest column first: acc_wq_lo (row j), acc_wq_hi (row j + h)
-    accs, syms = [], {}
+    for idx in instances:
+        for f in stores:
+            _store_target(lw, trial, f, idx)
+    accs, syms = [], {}                             # lowest column first: acc_wq_lo (row j), acc_wq_hi (j + h)
     for c in contracts:
         seen = columns.get(c, [])
-        order = sorted(range(len(seen)), key=lambda j: int(seen[j][0][0]))
-        for rank, j in enumerate(order):
-            suffix = ("_lo", "_hi")[rank] if len(seen) == 2 else ""
-            syms[c, j] = L.Sym(fresh(f"acc_{labels[c]}{suffix}"), "f32")
-        for j in order:
+        for rank, j in enumerate(sorted(range(len(seen)), key=lambda j: int(seen[j][0][0]))):
+            syms[c, j] = L.Sym(fresh(f"acc_{labels[c]}{('_lo', '_hi')[rank] if len(seen) == 2 else ''}"), "f32")
             accs.append(accumulate(lw, b, c, syms[c, j].name, seen[j][1], act, k))
-    b.ranges = ranges
+    b.grid = decide
     for c in contracts:
         b.readers[c] = lambda idx, c=c: syms[c, column(c, idx)]
-    stmts, outs = [], {}
+    body, outs = [], {}
     try:
-        for last in instances:
-            for f in lw.stores[root]:
-                buf, at, val = _store_target(lw, b, f, last)
-                val = val if val.dtype == lw.g.producer[f].out.dtype else L.Cast(val, f.dtype)
-                stmts.append(L.Store(buf, at, val))
+        for idx in instances:
+            for f in stores:
+                buf, at, val = _store_target(lw, b, f, idx)
+                body.append(L.Store(buf, at, val if val.dtype == f.dtype else L.Cast(val, f.dtype)))
                 outs[buf] = f
     finally:
-        b.ranges, b.readers = None, {}
+        b.grid, b.readers = None, {}
     order = access_order([a.value.b for a in accs], k, p) if K > 1 else "inner"
-    return L.Loop(n, L.c(0), L.c(P), (L.Reduce(k.name, L.c(0), L.c(K), tuple(accs), order=order),) + tuple(stmts),
-                  parallel=True), outs
-
-
-def contracts_rows(lw, root):
-    return lw.epi[root][0].shape[:-1]
+    red = L.Reduce(k.name, L.c(0), L.c(K), tuple(accs), order=order)
+    return L.Loop(n, L.c(0), L.c(P), (red,) + tuple(body), parallel=True), outs
 
 
 def _affine(e, v, comps, env, ranges):
-    """``e`` (values ``v`` over the grid) as ``c0 + sum(s_i * comps_i)`` when that holds at every
-    loop value (the weight row a person writes: ``head * 64 + i + 32``); else ``e`` folded."""
+    """Column ``e`` (its values ``v`` over the grid) written as ``c0 + sum(s_i * comps_i)`` of the
+    loop's index components when that holds at every loop value (the weight row a person writes:
+    ``pair / 32 * 64 + pair % 32 + 32``); else ``e`` folded."""
     vals = [np.broadcast_to(grid_value(x, env), v.shape) for x in comps]
-    at0 = np.all([x == 0 for x in vals], axis=0)
-    if not at0.any():
+    zero = np.all([x == 0 for x in vals], axis=0)
+    if not zero.any():
         return fold_expr(e, ranges)
-    c0, out, fit = int(v[at0][0]), L.c(0), np.zeros_like(v)
-    fit += c0
-    for x, xv in zip(comps, vals):
+    c0 = int(v[zero][0])
+    out, fit = L.c(0), np.full(v.shape, c0)
+    for i, (x, xv) in enumerate(zip(comps, vals)):
         if isinstance(x, L.Const):
             continue
-        one = at0.copy()
-        one[:] = (xv == 1) & np.all([w == 0 for w in vals if w is not xv], axis=0) if len(vals) > 1 else (xv == 1)
-        if not one.any():
+        unit = (xv == 1) & np.all([w == 0 for j, w in enumerate(vals) if j != i], axis=0)
+        if not unit.any():
             return fold_expr(e, ranges)
-        s = int(v[one][0]) - c0
+        s = int(v[unit][0]) - c0
         fit = fit + s * xv
         out = L.add(out, L.mul(x, L.c(s)))
-    if not np.array_equal(fit, v):
-        return fold_expr(e, ranges)
-    return L.add(out, L.c(c0))
+    return L.add(out, L.c(c0)) if np.array_equal(fit, v) else fold_expr(e, ranges)
 
 
 def attention_kernel(lw, r):

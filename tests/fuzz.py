@@ -69,6 +69,8 @@ OPS = (list(UNARY) + list(BINARY) * 2 +
 QUANT = ("q4_0", "q4_1", "q8_0")
 # layout: a GEMV through one expert's weights picked by a runtime id (the MoE gather), (N, K) or (K, N)
 OPS += ["expert", "expert"]
+# a rotate-half epilogue over a contraction (RoPE: the paired_epilogue rule pairs rows j and j + h)
+OPS += ["rope", "rope"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -87,7 +89,8 @@ def random_program(rng):
     ops = [{"op": str(rng.choice(OPS)), "pick": frac(3), "p": frac(4)}
            for _ in range(int(rng.integers(2, 14)))]
     return {"inputs": inputs, "ops": ops, "donate": bool(rng.random() < 0.3),
-            "fusion": {r: False for r in ("elementwise", "reduce", "prologue", "epilogue", "horizontal")
+            "fusion": {r: False for r in ("elementwise", "reduce", "prologue", "epilogue", "horizontal",
+                                          "paired_epilogue")
                        if rng.random() < 0.07}}
 
 
@@ -272,9 +275,26 @@ class Writer:
             return None
         if name == "expert":
             return self.expert(av, an, p)
+        if name == "rope":
+            return self.rope(av, an, p)
         if name in ("gather", "at", "selfupdate"):
             return self.indexing(name, a, pk, p)
         raise ValueError(f"unknown op {name}")
+
+    def rope(self, av, an, p):
+        """``dot_t(x, w)`` split into heads of 2h rows, each rotated half by half (RoPE's
+        ``x * cos + rotate_half(x) * sin``, angles from an iota and at times a runtime position),
+        back to the contraction's shape: an epilogue that reads the accumulator at row j +/- h."""
+        if av.ndim < 1:
+            return None
+        k, h, heads = av.shape[-1], [1, 2, 4, 8, 32][int(p[0] * 5)], 1 + int(p[1] * 3)
+        n = heads * 2 * h
+        w = self.new_input((n, k), "f16" if p[2] < 0.4 else "f32")
+        y, _ = self.emit(f"(dsl.dot_t({an}, {w}) * {round(1 / np.sqrt(k), 4)}).reshape({tuple(av.shape[:-1]) + (heads, 2 * h)})")
+        pos = self.new_input((), "i32", "int", 50) if p[3] < 0.5 else "3"
+        ang, _ = self.emit(f"(dsl.arange({2 * h}) % {h} + {pos}).astype('f32') * {round(0.1 + p[3], 2)}")
+        rot = f"dsl.concatenate([-{y}[..., {h}:], {y}[..., :{h}]], axis=-1)"
+        return self.emit(f"({y} * dsl.cos({ang}) + {rot} * dsl.sin({ang})).reshape({tuple(av.shape[:-1]) + (n,)})")
 
     def expert(self, av, an, p):
         """``x @ take(w, e).T`` or ``x @ take(w, e)``: expert ``e`` (a runtime i32, at times out

@@ -20,7 +20,7 @@ def kernels():
 
 def test_every_family_of_the_decode_step_renders(kernels):
     fams = {k.family for k in kernels}
-    assert {"contract", "attention", "elementwise"} <= fams
+    assert {"contract", "attention"} <= fams
     for k in kernels:
         src = render_hip(k, "gfx906").body
         bounds = "VF_ATT_BLOCK" if k.family == "attention" else "VF_BLOCK"

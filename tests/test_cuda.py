@@ -280,3 +280,43 @@ def test_f16_elementwise_with_literals():
     x = randn(3, 40, dtype=np.float16)
     check(lambda x: dsl.exp(x) + 1.0, x, rtol=1e-2, atol=1e-2)
     check(lambda x: dsl.nn.gelu(x) * 0.5 - dsl.sqrt(dsl.abs(x)), x, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("shape", ["qwen2", "smollm2"])
+@pytest.mark.parametrize("wdtype", ["f16", "q8_0", "q4_1"])
+@pytest.mark.parametrize("t,cache", [(1, "f2"), (1, "f4"), (16, "f4")])
+def test_qkv_gemv_with_rope_and_kv_write_in_its_epilogue(shape, wdtype, t, cache):
+    """The paired_epilogue rule: RMSNorm -> Q/K/V GEMVs whose epilogue rotates q and k (RoPE's
+    rotate-half pairs rows j and j + hd/2 as sibling accumulators) and writes k and v into the caches
+    at pos, in place: one kernel, on the float and the int8 (dp4a) GEMV paths, against the float64
+    interpreter (Qwen2.5-1.5B's heads with bias and GQA 12/2; SmolLM2's 9/3 without)."""
+    from tests.test_quant_kernels import quantized
+    D, hq, hkv, hd, bias, theta = (1536, 12, 2, 128, True, 1e6) if shape == "qwen2" else (576, 9, 3, 64, False, 1e4)
+    S, pos = 4096, int(rng.integers(0, 4096 - t))
+    x, g = randn(t, D), rng.uniform(0.5, 1.5, D).astype(np.float32)
+    ws = [quantized((n, D), wdtype) if wdtype != "f16" else randn(n, D, dtype=np.float16, scale=D ** -0.5)
+          for n in (hq * hd, hkv * hd, hkv * hd)]
+    bs = [randn(n) for n in (hq * hd, hkv * hd, hkv * hd)] if bias else [None] * 3
+    kc, vc = randn(hkv, S, hd, dtype=cache), randn(hkv, S, hd, dtype=cache)
+
+    def qkv_rope(x, g, ws, bs, kc, vc, pos):
+        h = nn.rms_norm(x, g, 1e-6)
+        q, k, v = (nn.linear(h, w, b).reshape(t, -1, hd).transpose(1, 0, 2) for w, b in zip(ws, bs))
+        kc, vc = nn.kv_write(kc, vc, nn.rope(k, pos, theta), v, pos)
+        return nn.rope(q, pos, theta), kc, vc
+    args = (x, g, ws, bs, kc, vc, pos)
+    jf = dsl.jit(qkv_rope, backend="cuda", donate_argnums=(4, 5))
+    low = jf.lower(*args)
+    want = low.program.run(*dsl.tree_flatten(list(args))[0], compute_dtype="f64")
+    got = [np.asarray(a, np.float64) for a in dsl.tree_flatten(jf(x, g, ws, bs, kc.copy(), vc.copy(), pos))[0]]
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(a, w, rtol=0, atol=3e-2 * np.abs(w[..., pos:pos + t, :] if w.shape[1] == S
+                                                                        else w).max())
+    c = jf.compile(*args)
+    (kern,) = c.kernels
+    from codegen import loopir as L
+    segs = [s for s in L.walk_stmts(kern.kernel.body) if isinstance(s, L.Loop) and s.parallel]
+    assert kern.kernel.name.endswith("rope_kv_write") and [len(s.body[0].accs) for s in segs] == [2, 2, 1]
+    assert ("vf_quantize_q8_1" in kern.hip.body) == (wdtype != "f16")
+    if c.device.target.emulated_wave:
+        assert kern.hip.body == render_hip(kern.kernel, "gfx906").body

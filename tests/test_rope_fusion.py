@@ -67,6 +67,48 @@ def test_layer_with_rope_and_kv_write_in_the_qkv_gemv(T, bias, wdtype, cache_dty
     assert on.plan.aliases == {"kc": "kc", "vc": "vc"} or set(on.plan.aliases.values()) == {"kc", "vc"}
 
 
+def decode_step(cfg, params, S, rule):
+    """One decode step of ``llama.forward`` (a random token at a random position, random caches)
+    fused with the rule on or off, against the float64 interpreter: logits and caches."""
+    from dataclasses import replace
+    L = len(params["layers"])
+    cfg = replace(cfg, n_layers=L)
+    cache = [(randn(cfg.n_kv_heads, S, cfg.head_dim), randn(cfg.n_kv_heads, S, cfg.head_dim)) for _ in range(L)]
+    tokens, pos = rng.integers(0, cfg.vocab_size, 1).astype(np.int32), int(rng.integers(0, S))
+    f = dsl.jit(lambda params, tokens, pos, last, cache: llama.forward(cfg, params, tokens, pos, last, cache),
+                backend="cpu", donate_argnums=(4,), fusion={"paired_epilogue": rule})
+    args = (params, tokens, pos, 0, cache)
+    want = f.lower(*args).program.run(*dsl.tree_flatten(list(args))[0], compute_dtype="f64")
+    got = dsl.tree_flatten(f(params, tokens, pos, 0, [(k.copy(), v.copy()) for k, v in cache]))[0]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=0, atol=2e-2 * np.abs(w).max())
+    kernels = f.compile(*args).plan.kernels
+    assert len(kernels) == (5 if rule else 6) * L + 1, [k.name for k in kernels]
+    return kernels
+
+
+def test_smollm2_decode_step_with_the_rule_on_and_off():
+    """SmolLM2-135M's first two layers with its own Q4_1 weights (the int8 GEMV path): five kernels
+    per layer with the rule, six without, both against the float64 interpreter."""
+    from engine.weights import default_model_path, load_model
+    cfg, params, _ = load_model(default_model_path(), "native")
+    params = dict(params, layers=params["layers"][:2])
+    on = decode_step(cfg, params, 64, True)
+    assert on[0].name == "layers_0_rms_norm_linear_wq_wk_wv_rope_kv_write"
+    decode_step(cfg, params, 64, False)
+
+
+def test_qwen2_shaped_decode_step_with_the_rule_on_and_off():
+    """Qwen2.5-1.5B's attention shapes (12 query heads, 2 KV heads of 128, q/k/v bias), two layers
+    of random f16 weights."""
+    cfg, p, *_ = layer_args(1, True, "f2", "f4", hq=12, hkv=2, hd=128, D=1536, F=256)
+    params = {"embed": randn(96, 1536, dtype=np.float16), "norm": randn(1536),
+              "layers": [p, layer_args(1, True, "f2", "f4", hq=12, hkv=2, hd=128, D=1536, F=256)[1]]}
+    from dataclasses import replace
+    decode_step(replace(cfg, vocab_size=96), params, 48, True)
+    decode_step(replace(cfg, vocab_size=96), params, 48, False)
+
+
 def test_paired_rows_are_sibling_accumulators_of_one_loop():
     """Rotate-half reads row j + hd/2: q and k each pair rows j and j + hd/2 in one output loop
     (two accumulators, like gate/up); v stores each row alone."""
@@ -103,4 +145,31 @@ def test_interleaved_rotation_pairs_neighbouring_rows():
     got = jf(*[a.copy() if isinstance(a, np.ndarray) else a for a in args])
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
     (k,) = jf.compile(*args).plan.kernels
-    assert k.family == "contract"
+    from codegen import loopir as L
+    (seg,) = [s for s in L.walk_stmts(k.body) if isinstance(s, L.Loop) and s.parallel]
+    assert k.family == "contract" and len(seg.body[0].accs) == 2 and seg.stop.value == 16
+
+
+@pytest.mark.parametrize("wdtype,cache_dtype", [("f2", "f2"), ("q8_0", "f4"), ("q4_1", "f2")])
+def test_qwen2_shaped_fused_qkv_kernel_passes_the_gfx906_gates(wdtype, cache_dtype):
+    """Qwen2.5-1.5B's heads (12/2 of 128, bias): the fused QKV + RoPE + KV-write kernel compiles for
+    gfx906 with no scratch, 16-byte weight loads (v_dot2 or v_dot4 in the main loop) and at most 9
+    waves per SIMD."""
+    from engine.devices.rocm import HipUnavailable, find_hiprtc
+    try:
+        find_hiprtc()
+    except HipUnavailable as e:
+        pytest.skip(f"gfx906 compile skipped: {e}")
+    from codegen.inspect import Inspected, counts, main_loop
+    from codegen.targets import get_target
+    from fusion import build_plan
+    cfg, p, x, kc, vc, pos = layer_args(1, True, wdtype, cache_dtype, hq=12, hkv=2, hd=128, D=1536, F=256, S=64)
+    low = dsl.jit(lambda params, x, kc, vc, pos: llama.block(cfg, params, x, kc, vc, pos),
+                  donate_argnums=(2, 3)).lower(p, x, kc, vc, pos)
+    qkv = build_plan(low.program, None, low.in_names, low.donated).kernels[0]
+    assert qkv.name.endswith("rope_kv_write")
+    it = Inspected(qkv, get_target("gfx906"))
+    c = counts(main_loop(it.isa()))
+    assert it.res["scratch_bytes"] == 0 and "flat_load" not in it.isa() and c["dwordx4"] >= 1, c
+    assert ("v_dot4_i32_i8" if wdtype.startswith("q") else "v_dot2_f32_f16") in it.isa()
+    assert 1 <= it.res["waves_per_simd"] <= 9, it.res
