@@ -336,7 +336,7 @@ def plan_stores(g: Graph, m: set, epi: dict, rules, refused=frozenset()) -> dict
                 if x in m:
                     upd = u.prim.name == "dynamic_update_slice" and u.inputs[1] is v and all(
                         a is not v for i, a in enumerate(u.inputs) if i != 1)
-                    ok = upd or u.prim.kind in CONE_KINDS
+                    ok = ok and (upd or u.prim.kind in CONE_KINDS)
                     stores.append(x)
                 elif u.prim.kind in CONE_KINDS:
                     cone.add(x)
