@@ -173,3 +173,22 @@ def test_qwen2_shaped_fused_qkv_kernel_passes_the_gfx906_gates(wdtype, cache_dty
     assert it.res["scratch_bytes"] == 0 and "flat_load" not in it.isa() and c["dwordx4"] >= 1, c
     assert ("v_dot4_i32_i8" if wdtype.startswith("q") else "v_dot2_f32_f16") in it.isa()
     assert 1 <= it.res["waves_per_simd"] <= 9, it.res
+
+
+def test_caches_not_donated_are_copied_before_the_fused_kernel_writes_them():
+    """Without donation the new caches are fresh buffers: each is copied from the old one, then the
+    QKV kernel writes its k and v rows into the copy; the caller's arrays are unchanged."""
+    cfg, p, x, kc, vc, pos = layer_args(1, False, "f2", "f4")
+    f = dsl.jit(lambda params, x, kc, vc, pos: llama.block(cfg, params, x, kc, vc, pos), backend="cpu")
+    args = (p, x, kc, vc, pos)
+    want = f.lower(*args).program.run(*dsl.tree_flatten(list(args))[0], compute_dtype="f64")
+    k0, v0 = kc.copy(), vc.copy()
+    got = dsl.tree_flatten(f(*args))[0]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=2e-3, atol=2e-3 * max(1.0, np.abs(w).max()))
+    np.testing.assert_array_equal(kc, k0)
+    np.testing.assert_array_equal(vc, v0)
+    kernels = f.compile(*args).plan.kernels                 # the two copies launch as one loop kernel
+    assert [k.family for k in kernels[:2]] == ["elementwise", "contract"], [k.name for k in kernels]
+    copies = {p.name for p in kernels[0].params if p.role == "out"}
+    assert len(copies) == 2 and copies <= {p.name for p in kernels[1].params if p.role != "in"}
