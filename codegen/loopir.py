@@ -921,21 +921,22 @@ def buffer_traffic(k: Kernel) -> dict:
         return frozenset(x for x in walk_exprs(index) if isinstance(x, Load)
                          or (isinstance(x, Sym) and x.name in scalars))
 
-    def touch(name, extent, index=None):
+    def touch(name, extent, index=None, rows=False):
         if name in params and reach.get(name, 0) is not None:
             if extent is None:
                 reach[name] = None
             else:
                 key = gather(index) if index is not None else frozenset()
+                key = (key, index) if rows else key        # a reduction's accumulators at other rows add up
                 seen = reach.setdefault(name, {})
                 seen[key] = max(seen.get(key, 0), extent)
 
-    def visit_expr(e, extent):
+    def visit_expr(e, extent, rows=False):
         for x in walk_exprs(e):
             if isinstance(x, Load):
-                touch(x.buf, extent, x.index)
+                touch(x.buf, extent, x.index, rows)
             elif isinstance(x, QDot):                      # a block: 32 elements per step
-                touch(x.w, None if extent is None else extent * 32, x.block)
+                touch(x.w, None if extent is None else extent * 32, x.block, rows)
 
     def trips(s, extent):
         n = s.stop.value - s.start.value if isinstance(s.stop, Const) and isinstance(s.start, Const) else None
@@ -945,9 +946,9 @@ def buffer_traffic(k: Kernel) -> dict:
         for s in body:
             if isinstance(s, Loop):
                 visit(s.body, trips(s, extent))
-            elif isinstance(s, Reduce):
-                for a in s.accs:
-                    visit_expr(a.value, trips(s, extent))
+            elif isinstance(s, Reduce):                    # (a paired epilogue's rows j and j + h: two
+                for a in s.accs:                           # accumulators over one weight)
+                    visit_expr(a.value, trips(s, extent), len(s.accs) > 1)
             elif isinstance(s, If):
                 visit_expr(s.cond, extent)
                 visit(s.then, extent)
