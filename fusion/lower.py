@@ -47,6 +47,7 @@ class Builder:
         self.n_idx = n_idx              # the output-column index of a contraction kernel
         self.readers = {}               # contraction Var -> fn(idx): its accumulator at idx (an epilogue cone)
         self.grid = None                # loop variable -> its values (numpy): decides concatenations statically
+        self.index_form = None          # fn(index) -> the same index as a person writes it (a paired epilogue)
         self.row_stmts = []             # statements computing per-row scalars, in order
         self.row_syms = {}              # reduce Var -> Sym
         self.reads = {}                 # buffer name -> Var
@@ -68,7 +69,8 @@ class Builder:
             self.reads[name] = v
             return L.Sym(name, "i32")
         self.reads[name] = v
-        return L.Load(name, L.linear_index(idx, v.shape), v.dtype)
+        index = L.linear_index(idx, v.shape)
+        return L.Load(name, self.index_form(index) if self.index_form else index, v.dtype)
 
     def _expr(self, v, idx):
         ctx = self.ctx

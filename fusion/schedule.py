@@ -646,6 +646,14 @@ def _paired_loop(lw, b, root, labels, act, k, K, space, row_dims, cols, h):
             syms[c, j] = L.Sym(fresh(f"acc_{labels[c]}{('_lo', '_hi')[rank] if len(seen) == 2 else ''}"), "f32")
             accs.append(accumulate(lw, b, c, syms[c, j].name, seen[j][1], act, k))
     b.grid = decide
+    parts = tuple(r for r, m in zip(b.row_idx, rows) if m > 1) + atoms
+
+    def index_form(e):
+        """A load's index as an affine function of the rows and the pair's parts where it is one at
+        every loop value (a bias read through RoPE's reshapes: ``bq[pair / 32 * 64 + pair % 32]``)."""
+        v = grid_value(e, env) if full else None
+        return e if v is None else _affine(e, np.broadcast_to(v, mesh[0].shape), parts, env, ranges)
+    b.index_form = index_form
     for c in contracts:
         b.readers[c] = lambda idx, c=c: syms[c, column(c, idx)]
     body, outs = [], {}
@@ -656,7 +664,7 @@ def _paired_loop(lw, b, root, labels, act, k, K, space, row_dims, cols, h):
                 body.append(L.Store(buf, at, val if val.dtype == f.dtype else L.Cast(val, f.dtype)))
                 outs[buf] = f
     finally:
-        b.grid, b.readers = None, {}
+        b.grid, b.readers, b.index_form = None, {}, None
     order = access_order([a.value.b for a in accs], k, p) if K > 1 else "inner"
     red = L.Reduce(k.name, L.c(0), L.c(K), tuple(accs), order=order)
     return L.Loop(n, L.c(0), L.c(P), (red,) + tuple(body), parallel=True), outs
