@@ -316,7 +316,7 @@ def test_qkv_gemv_with_rope_and_kv_write_in_its_epilogue(shape, wdtype, t, cache
     (kern,) = c.kernels
     from codegen import loopir as L
     segs = [s for s in L.walk_stmts(kern.kernel.body) if isinstance(s, L.Loop) and s.parallel]
-    assert kern.kernel.name.endswith("rope_kv_write") and [len(s.body[0].accs) for s in segs] == [2, 2, 1]
+    assert kern.kernel.name.endswith("rope_kv_write") and sorted(len(s.body[0].accs) for s in segs) == [1, 2, 2]   # q, k paired; v alone
     assert ("vf_quantize_q8_1" in kern.hip.body) == (wdtype != "f16")
     if c.device.target.emulated_wave:
         assert kern.hip.body == render_hip(kern.kernel, "gfx906").body
