@@ -180,7 +180,7 @@ def _reduce_update(s, a, pad):
     """One iteration's update of accumulator ``a`` of ``s``."""
     if s.vector > 1:                              # act[k] * w[row * K + k], checked by the mapping
         w, act = (x.x if isinstance(x, L.Cast) else x for x in (a.value.b, a.value.a))
-        return [f"{pad}{a.name} = {VECTOR_DOT[w.dtype]}({a.name}, {w.buf} + {bare(w.index)}, {act.buf} + {s.var});"]
+        return [f"{pad}{a.name} = {VECTOR_DOT[w.dtype]}({a.name}, {w.buf} + {bare(w.index)}, {act.buf} + {bare(act.index)});"]
     v = bare(a.value)
     if a.op == "add":
         return [f"{pad}{a.name} += {v};"]

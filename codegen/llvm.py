@@ -39,7 +39,7 @@ from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Cons
                      interchange, serial_reduce)
 from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
 from .loopir import spelling as op_spelling
-from .loopir import walk_exprs, walk_stmts
+from .loopir import fold, local_names, rewrite, rewrite_expr, walk_exprs, walk_stmts
 from dsl.quant import FORMATS, QUANT_DTYPES, nbytes
 
 I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()
@@ -434,6 +434,9 @@ class _Renderer:
         interchanged: k outside, chunks of ``COLUMNS`` consecutive columns inside (vector loads)."""
         if emit is None and s.parallel and can_interchange(s):
             return self.interchanged(s, env)
+        if emit is None and s.parallel and not self.in_parallel and self.kernel.family == "contract" \
+                and is_matmul_columns(s):
+            return self.micro_tiled(s, env)
         b, fn = self.b, self.b.function
         lo, hi = self.expr(s.start, env), self.expr(s.stop, env)
         split = s.parallel and not self.in_parallel
@@ -476,6 +479,16 @@ class _Renderer:
         r = next(x for x in s.body if isinstance(x, Reduce))
         chunk = max(16, COLUMNS // len(r.accs) // 16 * 16)
         self.stmts((interchange(s, chunk, Sym(f"{s.var}_lo", "i32"), Sym(f"{s.var}_hi", "i32"), ROWS),), inner)
+        self.in_parallel = saved
+
+    def micro_tiled(self, s, env):
+        """A matmul's columns (``fusion.schedule.row_tiles``): this thread's share of them, in
+        micro-tiles of ``MICRO_ROWS`` rows x a few columns (``micro_tiles``)."""
+        lo, hi = self.chunk(self.expr(s.start, env), self.expr(s.stop, env))
+        inner = dict(env)
+        inner[f"{s.var}_lo"], inner[f"{s.var}_hi"] = ("val", lo, "i32"), ("val", hi, "i32")
+        saved, self.in_parallel = self.in_parallel, True
+        self.stmts((micro_tiles(s, Sym(f"{s.var}_lo", "i32"), Sym(f"{s.var}_hi", "i32")),), inner)
         self.in_parallel = saved
 
     def reduce(self, s, env):
@@ -660,6 +673,58 @@ def int8_gemv(k: Kernel) -> Kernel:
                 out.append(s)
         return tuple(out)
     return replace(k, body=rewrite(k.body))
+
+
+MICRO_ROWS = int(os.environ.get("VEGAFUSE_CPU_MICRO_ROWS", 4))
+MICRO_ACCS = int(os.environ.get("VEGAFUSE_CPU_MICRO_ACCS", 16))     # vector accumulators of a micro-tile
+
+
+def is_matmul_columns(s: Loop) -> bool:
+    """Is ``s`` a matmul's parallel column loop (``codegen.mapping.matmul_rows``)?"""
+    from .mapping import matmul_rows
+    return matmul_rows(s) is not None
+
+
+def micro_tiles(s: Loop, lo, hi) -> Loop:
+    """Columns [``lo``, ``hi``) of a matmul's column loop ``s`` (``is_matmul_columns``) as
+    micro-tiles of R rows x C columns: one Reduce over k folds R x C x (siblings) accumulators, so
+    that each activation and weight vector loaded feeds several fused multiply-adds (LLVM
+    vectorizes the k loop: one vector accumulator each); then each (row, column) of the tile runs
+    the rest of the body.  Past the last row or column a copy reads the last one and stores
+    nothing (a store twice would add an in-place residual twice)::
+
+        for n_g in [0, ceil((hi - lo) / C)): for r_g in [0, ceil(TR / R)):
+          reduce k: acc_<i>_<j> += value(r = min(r_g R + i, TR - 1), n = min(lo + n_g C + j, hi - 1))
+          for each (i, j): if r_g R + i < TR and lo + n_g C + j < hi: the rest of the body at (r, n)
+    """
+    from .mapping import matmul_rows
+    rows = matmul_rows(s)
+    red, *rest = rows.body
+    TR = rows.stop.value
+    R = max(1, min(MICRO_ROWS, TR))
+    C = max(1, MICRO_ACCS // (R * len(red.accs)))
+    ng, rg = Sym(f"{s.var}_g", "i32"), Sym(f"{rows.var}_g", "i32")
+    bound = set(local_names(tuple(rest))) | {a.name for a in red.accs}
+    accs, tail = [], []
+    for i in range(R):
+        for j in range(C):
+            n = Bin("add", lo, Bin("add", Bin("mul", ng, Const(C, "i32")), Const(j, "i32")))
+            r = Bin("add", Bin("mul", rg, Const(R, "i32")), Const(i, "i32"))
+            vals = {s.var: Bin("min", n, Bin("sub", hi, Const(1, "i32"))), rows.var: Bin("min", r, Const(TR - 1, "i32"))}
+            names = {x: f"{x}_{i}_{j}" for x in bound}
+            vals.update({a.name: Sym(names[a.name], a.dtype) for a in red.accs})
+
+            def ex(e, vals=vals, names=names):
+                return fold(rewrite_expr(e, lambda x: vals.get(x.name, Sym(names[x.name], x.dtype) if x.name in names else None)
+                                         if isinstance(x, Sym) else None))
+            body = rewrite(tuple(rest), ex, lambda x, names=names: names.get(x, x))
+            accs += [replace(a, name=names[a.name], value=ex(a.value)) for a in red.accs]
+            ok = [Bin("lt", n, hi)] + ([Bin("lt", r, Const(TR, "i32"))] if TR % R else [])
+            cond = ok[0] if len(ok) == 1 else Bin("and", ok[0], ok[1])
+            tail.append(If(cond, body))
+    inner = Loop(rg.name, Const(0, "i32"), Const(-(-TR // R), "i32"), (replace(red, accs=tuple(accs)),) + tuple(tail))
+    groups = Bin("idiv", Bin("add", Bin("sub", hi, lo), Const(C - 1, "i32")), Const(C, "i32"))
+    return Loop(ng.name, Const(0, "i32"), groups, (inner,))
 
 
 def render_into(module: ir.Module, kernel: Kernel, symbol: str | None = None, vnni: bool = False) -> ir.Function:

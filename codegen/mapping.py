@@ -162,7 +162,8 @@ def vector_width(r: L.Reduce, act: str, t: Target) -> int:
     widths = set()
     for a in r.accs:
         v = a.value
-        if not (isinstance(v, L.Bin) and v.op == "mul" and v.a == L.Load(act, k, "f32")):
+        if not (isinstance(v, L.Bin) and v.op == "mul" and isinstance(v.a, L.Load) and v.a.buf == act
+                and (v.a.index == k or _row_offset(v.a.index, k) is not None)):
             return 1
         w = v.b.x if isinstance(v.b, L.Cast) and v.b.dtype == "f32" else v.b
         if not (type(w) is L.Load and w.dtype in ("f16", "f32")):
@@ -179,6 +180,12 @@ def vector_width(r: L.Reduce, act: str, t: Target) -> int:
     if len(widths) != 1 or not extent_ok or r.stop.value % next(iter(widths)):
         return 1
     return widths.pop()
+
+
+def _row_offset(index, k):
+    """The constant c of a matmul's activation index ``c + k`` (a row of its LDS group), else None."""
+    ok = isinstance(index, L.Bin) and index.op == "add" and isinstance(index.a, L.Const) and index.b == k
+    return index.a.value if ok else None
 
 
 def ksplit(t: Target, rows, K: int, vec: int) -> int:
@@ -239,8 +246,9 @@ def _int8_path(body, t, lds_limit) -> bool:
 
 def _contract(body, t, lds_limit):
     """Map the body of a contraction kernel (see the module docstring)."""
-    info = {"q8": _int8_path(body, t, lds_limit)}
-    body = _contract_rows(body, t, info)
+    matmul = _is_matmul(body)
+    info = {"q8": not matmul and _int8_path(body, t, lds_limit)}
+    body = _matmul_rows(body, t, info, lds_limit) if matmul else _contract_rows(body, t, info)
     if info.get("act_dtype") == "f16":                     # the activation is read back as f16
         act = info["act"]
         body = L.rewrite(body, lambda e: L.rewrite_expr(
@@ -258,6 +266,11 @@ def _contract(body, t, lds_limit):
         return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info["act_dtype"])
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
+    if matmul:
+        how = (f"a matmul: {info['group']} activation rows of {K} elements at a time in LDS; "
+               f"{'a wave' if ks == 1 else f'{ks} waves'} per output column ({total} columns), each lane folding every "
+               f"weight load into the {info['group']} rows; lanes stride k "
+               + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
     if info.get("columns"):                                # (K, N) weights: _column_loops
         cols = (f"a thread per output column of a (K, N) weight ({info['columns']} columns), each folding k "
                 f"alone, consecutive lanes reading consecutive columns")
@@ -325,6 +338,118 @@ def _contract_rows(body, t, info):
             out.append(s)
     if segs:
         out += early + list(_wave_loop(segs, t, info))
+    return tuple(out + comments)
+
+
+def matmul_rows(s: L.Loop):
+    """The loop over a tile's rows that a matmul's column loop ``s`` holds (``fusion.schedule.row_tiles``),
+    with the column's locals (a bias loaded once per column) substituted into it; None when ``s``
+    is not a matmul's column loop (its body locals and one serial loop opening with a Reduce of
+    "add" accumulators over a constant row range)."""
+    *head, rows = s.body or (None,)
+    if not (s.parallel and isinstance(rows, L.Loop) and not rows.parallel and isinstance(rows.stop, L.Const)
+            and rows.body and isinstance(rows.body[0], L.Reduce) and all(isinstance(d, L.Declare) for d in head)
+            and all(a.op == "add" for a in rows.body[0].accs)):
+        return None
+    body = rows.body
+    for d in reversed(head):
+        body = L.substitute(body, {d.name: d.init})
+    return replace(rows, body=body)
+
+
+def _is_matmul(body) -> bool:
+    """Is ``body`` the matmul form: every column loop a matmul's (``matmul_rows``)?"""
+    segs = [s for s in L.walk_stmts(body) if isinstance(s, L.Loop) and s.parallel]
+    return bool(segs) and all(matmul_rows(s) is not None for s in segs)
+
+
+def matmul_group(t: Target, tile: int, K: int, lds_limit: int) -> int:
+    """Activation rows a matmul workgroup holds in LDS at once (and each lane folds into every
+    weight load): at most 8 (its accumulators stay in registers) and the tile's rows, the f16/f32
+    rows within ``MATMUL_LDS`` bytes (or ``lds_limit`` less 4 KiB, where that is less: a fixed
+    budget, so that gfx906 and the NVIDIA wave-64 flavour of its text choose alike)."""
+    size = ITEMSIZE[act_dtype(t, K)] * K
+    return max(1, min(8, tile, min(MATMUL_LDS, lds_limit - 4096) // size))
+
+
+MATMUL_LDS = 32 << 10
+
+
+def _matmul_rows(body, t, info, lds_limit):
+    """The matmul form on a GPU: each tile's rows in groups of G (``matmul_group``); per group the
+    workgroup fills G activation rows into LDS (each row's prologue reductions block-wide), then
+    the segments' output columns run as a GEMV's wave loop whose lane reduction folds each 16-byte
+    weight load into G accumulators (one per row: the weight is read once per G rows), and lane 0
+    stores the G rows' epilogues."""
+    out, segs, comments = [], [], []
+    for s in body:
+        if isinstance(s, L.Comment):
+            comments.append(s)
+        elif isinstance(s, L.Loop) and s.parallel:
+            segs.append((tuple(comments), s))
+            comments = []
+        elif isinstance(s, L.Array):
+            arr = s
+        elif isinstance(s, L.Loop) and not _is_matmul(s.body):             # the fill of the tile's rows
+            fill = s
+            out += comments
+            comments = []
+        elif isinstance(s, L.Loop):                 # the loop over row tiles (its LDS declared before it)
+            inner = _matmul_rows(s.body, t, info, lds_limit)
+            lds = tuple(x for x in inner if isinstance(x, L.Array))
+            out = list(lds) + out + comments + [replace(s, body=tuple(x for x in inner if x not in lds) + (L.Barrier(),))]
+            comments = []
+        else:
+            out.append(s)
+    if not segs:
+        return tuple(out + comments)
+    TR = fill.stop.value
+    K = arr.size // TR
+    G = matmul_group(t, TR, K, lds_limit)
+    groups = -(-TR // G)
+    dt = act_dtype(t, K)
+    r, g = fill.var, L.Sym(f"{fill.var}_grp", "i32")
+    ri = L.Sym(f"{fill.var}_in", "i32")
+
+    def rows(body, local, row):        # act[r * K + x] -> act[local * K + x]; then r -> the tile's row
+        def ex(e):
+            return L.rewrite_expr(e, lambda x: replace(x, index=L.add(L.mul(local, L.c(K)), x.index.b))
+                                  if isinstance(x, L.Load) and x.buf == arr.name else None)
+        body = L.rewrite(body, ex)
+        body = tuple(replace(st, index=L.add(L.mul(local, L.c(K)), st.index.b))
+                     if isinstance(st, L.Store) and st.buf == arr.name else st for st in body)
+        return L.substitute(body, {r: row})
+    at = L.add(L.mul(g, L.c(G)), ri) if groups > 1 else ri
+    first = L.Bin("min", at, L.c(TR - 1)) if TR % G else at
+
+    def fill_stmt(s):
+        if isinstance(s, L.Reduce):
+            return _block_reduce(s)
+        if isinstance(s, L.Loop):
+            (st,) = rows(s.body, ri, first)
+            value = L.Cast(st.value, dt) if dt != "f32" else st.value
+            return replace(s, map="block", unroll=t.prologue_unroll, body=(L.Store(st.buf, st.index, value),))
+        return s
+    fill_body = tuple(fill_stmt(s) for s in rows(fill.body[:-1], ri, first) + (fill.body[-1],))
+    group = (L.Loop(ri.name, L.c(0), L.c(G), fill_body), L.Barrier())
+    new_segs = []
+    for cmts, s in segs:
+        red, *rest = matmul_rows(s).body
+        accs, stores = [], []
+        for u in range(G):
+            local = L.c(u)
+            row = L.add(L.mul(g, L.c(G)), local) if groups > 1 else local
+            names = {a.name: _renamed(a.name, u) for a in red.accs} if G > 1 else {}
+            syms = {a.name: L.Sym(names[a.name], a.dtype) for a in red.accs if a.name in names}
+            red_u = rows((red,), local, L.Bin("min", row, L.c(TR - 1)) if TR % G else row)[0]
+            accs += [replace(a, name=names.get(a.name, a.name)) for a in red_u.accs]
+            body_u = L.substitute(rows(tuple(rest), local, row), syms)
+            stores += body_u if not TR % G or (groups - 1) * G + u < TR else [L.If(L.Bin("lt", row, L.c(TR)), body_u)]
+        new_segs.append((cmts, replace(s, body=(replace(red, accs=tuple(accs)),) + tuple(stores))))
+    info["act"], info["K"], info["act_dtype"], info["group"] = arr.name, K, dt, G
+    group += _wave_loop(new_segs, t, info) + (L.Barrier(),)
+    out = [replace(arr, size=G * K, dtype=dt, space="lds")] + out
+    out += [L.Loop(g.name, L.c(0), L.c(groups), group)] if groups > 1 else L.substitute(group, {g.name: L.c(0)})
     return tuple(out + comments)
 
 

@@ -14,8 +14,9 @@ Kernel families and their loop nests (``rows`` are the output's leading dims):
 """
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -479,7 +480,8 @@ def contract_kernel(lw, a, roots):
         stmts += section(f"{', '.join(labels.values())} -> {out}", b.ops[seen:])
         stmts.append(L.Loop(n, L.c(0), L.c(r.shape[-1]), seg, parallel=True))
     b.accs, b.n_idx = {}, None
-    body = _nest(rv, rows, head + tuple(b.row_stmts) + tuple(stmts), parallel_outer=False)
+    tiled = row_tiles(rv, rows, K, act, tuple(b.row_stmts), stmts)
+    body = head + tiled if tiled else _nest(rv, rows, head + tuple(b.row_stmts) + tuple(stmts), parallel_outer=False)
     params = _params(lw, b, writes)
     name = "gemv" if int(np.prod(rows, dtype=np.int64)) == 1 else "matmul"
     return L.Kernel(f"{name}_{'_'.join(writes)}", "contract", params, body, _op_list(b), 0, flops)
@@ -690,6 +692,72 @@ def _affine(e, v, comps, env, ranges):
         fit = fit + s * xv
         out = L.add(out, L.mul(x, L.c(s)))
     return L.add(out, L.c(c0)) if np.array_equal(fit, v) else fold_expr(e, ranges)
+
+
+MATMUL_ROWS = 4             # a contraction of this many rows or more runs as a matmul (row tiles)
+TILE_BYTES = 256 << 10      # a row tile's activation (f32) stays within this (L2 on the CPU)
+
+
+def row_tile(T: int, K: int) -> int:
+    """Rows per tile of a T-row matmul over K: every row when they fit ``TILE_BYTES`` of f32
+    activation (and 64 rows), else the most that do, a multiple of 4."""
+    most = max(4, min(64, TILE_BYTES // (4 * K) // 4 * 4))
+    return T if T <= most else most
+
+
+def row_tiles(rv, rows, K, act, row_stmts, stmts):
+    """The matmul family: a contraction of T >= ``MATMUL_ROWS`` rows over a 2-D activation as
+    tiles of TR rows (``row_tile``), each a prologue of its TR rows into ``act[TR * K]`` and then,
+    per output column n (parallel), the TR rows' dot products and epilogue stores::
+
+        for rt in [0, ceil(T / TR)):
+          f32 act[TR * K]; for r in [0, TR): row = rt * TR + r; [row scalars]; act[r * K + k] = prologue
+          for parallel n in [0, N): for r in [0, TR): acc = sum_k act[r * K + k] * w[n, k]; out[row, n] = epilogue
+
+    Each weight row is read once per tile (T / TR times in all, not T), and a backend tiles the
+    (n, r) nest further (``codegen/llvm.py``'s micro-tiles, ``codegen/mapping.py``'s ``_matmul``).
+    Rows past T (a last partial tile) read row T - 1 and store nothing.  None when the GEMV form
+    stays: fewer rows, a batched activation, a (K, N) weight (order "outer") or an epilogue that
+    reads a row scalar."""
+    if len(rows) != 1 or rows[0] < MATMUL_ROWS or os.environ.get("VEGAFUSE_MATMUL", "1") == "0":
+        return None
+    segs = [s for s in stmts if isinstance(s, L.Loop) and s.parallel]
+    if any(r.order != "inner" for s in segs for r in s.body if isinstance(r, L.Reduce)):
+        return None
+    bound = set(L.local_names(row_stmts))
+    if any(isinstance(x, L.Sym) and x.name in bound for s in segs for st in s.body[1:]
+           for e in L.stmt_exprs(st) for x in L.walk_exprs(e)):
+        return None
+    T, (i,) = rows[0], rv
+    TR = row_tile(T, K)
+    tiles = -(-T // TR)
+    rt, r = fresh("rt"), fresh("r")
+    rsym = L.Sym(r, "i32")
+    row = L.add(L.mul(L.Sym(rt, "i32"), L.c(TR)), rsym) if tiles > 1 else rsym
+    at = L.Bin("min", row, L.c(T - 1)) if T % TR else row
+
+    def tile(body):             # the row's index, and its slice of the activation
+        body = L.substitute(body, {i: at})
+        return L.rewrite(body, lambda e: L.rewrite_expr(e, lambda x: L.Load(act, L.add(L.mul(rsym, L.c(K)), x.index), x.dtype)
+                                                        if isinstance(x, L.Load) and x.buf == act else None))
+    out = []
+    for s in stmts:
+        if isinstance(s, L.Array) and s.name == act:
+            out.append(L.Array(act, s.dtype, TR * K))
+        elif isinstance(s, L.Loop) and not s.parallel:          # the prologue's fill
+            fill = L.Loop(s.var, s.start, s.stop, tuple(L.Store(act, L.add(L.mul(rsym, L.c(K)), st.index), st.value)
+                                                        for st in s.body))
+            out.append(L.Loop(r, L.c(0), L.c(TR), tile(row_stmts + (fill,))))
+        elif isinstance(s, L.Loop):
+            red, *stores = tile(s.body)
+            if T % TR:
+                stores = [L.If(L.Bin("lt", row, L.c(T)), tuple(stores))]
+            out.append(replace(s, body=(L.Loop(r, L.c(0), L.c(TR), (red, *stores)),)))
+        else:
+            out.append(s)
+    if tiles == 1:
+        return L.substitute(tuple(out), {rt: L.c(0)})
+    return (L.Loop(rt, L.c(0), L.c(tiles), tuple(out)),)
 
 
 def attention_kernel(lw, r):

@@ -320,3 +320,39 @@ def test_qkv_gemv_with_rope_and_kv_write_in_its_epilogue(shape, wdtype, t, cache
     assert ("vf_quantize_q8_1" in kern.hip.body) == (wdtype != "f16")
     if c.device.target.emulated_wave:
         assert kern.hip.body == render_hip(kern.kernel, "gfx906").body
+
+
+# ------------------------------------------------------------------------------ the matmul family
+def matmul_weight(n, k, dtype):
+    """An (n, k) weight of ``dtype`` scaled by 1 / sqrt(k) (outputs of order 1, so that f16
+    activations in LDS stay within the tolerance), or quantized."""
+    from tests.test_quant_kernels import quantized
+    if dtype in ("f16", "f32"):
+        return randn(n, k, dtype={"f16": np.float16, "f32": np.float32}[dtype], scale=k ** -0.5)
+    return quantized((n, k), dtype, scale=k ** -0.5)
+
+
+@pytest.mark.parametrize("T", [2, 17, 64, 200])
+@pytest.mark.parametrize("dtype,K,N", [("f16", 576, 1536), ("f16", 1536, 37), ("f16", 99, 37), ("f32", 200, 37),
+                                         ("q4_0", 576, 96)])
+def test_matmul_rmsnorm_gate_up_silu_mul_residual(T, dtype, K, N):
+    """A T-row RMSNorm -> gate/up -> SiLU * mul -> residual kernel (T >= 4: the matmul family, G
+    activation rows in LDS per weight load; T = 2: GEMVs) against the float64 interpreter."""
+    from tests.test_matmul import gate_up
+    x, g, r = randn(T, K), rng.uniform(0.5, 1.5, K).astype(np.float32), randn(T, N)
+    c = check(gate_up, x, g, matmul_weight(N, K, dtype), matmul_weight(N, K, dtype), r, gemv_k=K)
+    assert [ck.kernel.family for ck in c.kernels] == ["contract"]
+    assert ("a matmul" in c.kernels[0].hip.kernel.launch.how) == (T >= 4)
+
+
+@pytest.mark.parametrize("T", [17, 64])
+def test_matmul_qkv_with_bias_and_in_place_residual(T):
+    """Q, K, V segments with a bias, then an O projection whose residual is written in place
+    (donated): every row and column stored once."""
+    from tests.test_matmul import qkv
+    K = 512
+    args = (randn(T, K), rng.uniform(0.5, 1.5, K).astype(np.float32), matmul_weight(512, K, "f16"),
+            matmul_weight(128, K, "f16"), matmul_weight(128, K, "f16"), randn(512))
+    check(qkv, *args, gemv_k=K)
+    x, w, res = randn(T, K), matmul_weight(300, K, "f16"), randn(T, 300)
+    check(lambda x, w, res: res + nn.linear(x, w), x, w, res, donate=(2,), gemv_k=K)
