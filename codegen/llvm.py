@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from llvmlite import ir
@@ -340,7 +340,7 @@ class _Renderer:
     # ---- statements
     def stmts(self, body, env):
         for s in body:
-            self.STMT[type(s)](self, s, env)
+            (self.STMT.get(type(s)) or self.STMT_CPU[type(s)])(self, s, env)
 
     def declare(self, s, env):
         slot = self.entry.alloca(TYPES[s.dtype], name=s.name)
@@ -570,9 +570,48 @@ class _Renderer:
     def attention(self, s, env):
         self.stmts(expand_attention(s), env)
 
+    def dequant_row(self, s, env):
+        """``DequantRow``: the K values of weight row ``s.row`` as f32, one block of 32 at a time
+        with vector code (its 16 or 32 quant bytes loaded at once, q4's low then high nibbles), the
+        arithmetic of ``qload`` (no fast-math flags: the values equal ``gguf.quants.dequantize``'s)."""
+        b, f, f32 = self.b, FORMATS[s.fmt], TYPES["f32"]
+        _, w, _ = self.lookup(env, s.buf)
+        _, arr, _ = self.lookup(env, s.arr)
+        i32 = lambda n: ir.Constant(I32, n)  # noqa: E731
+        vec = lambda ty, n=32: ir.VectorType(ty, n)  # noqa: E731
+        first = b.mul(self.expr(s.row, env), i32(s.K // 32), flags=["nsw"])        # the row's first block
+
+        def splat(x):
+            return b.shuffle_vector(b.insert_element(ir.Constant(vec(f32), None), x, i32(0)),
+                                    ir.Constant(vec(f32), None), ir.Constant(vec(I32), [0] * 32))
+
+        def block(scope):
+            kb = scope[s.var][1]
+            blk = b.add(first, kb, flags=["nsw"])
+            quants = self.byte_ptr(w, b.mul(blk, i32(f.quant_bytes), flags=["nsw"]))
+            scales = b.add(i32(s.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes), flags=["nsw"]), flags=["nsw"])
+            d = splat(b.fpext(b.load(self.byte_ptr(w, scales), typ=ir.HalfType(), align=2), f32))
+            if s.fmt == "q8_0":
+                val = b.fmul(b.sitofp(b.load(quants, typ=vec(I8), align=1), vec(f32)), d)
+            else:
+                raw = b.load(quants, typ=vec(I8, 16), align=1)
+                lo = b.and_(raw, ir.Constant(vec(I8, 16), [15] * 16))
+                hi = b.lshr(raw, ir.Constant(vec(I8, 16), [4] * 16))
+                q = b.uitofp(b.shuffle_vector(lo, hi, ir.Constant(vec(I32), list(range(32)))), vec(f32))
+                if s.fmt == "q4_0":
+                    val = b.fmul(d, b.fsub(q, ir.Constant(vec(f32), [8.0] * 32)))
+                else:
+                    m = splat(b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2))), typ=ir.HalfType(), align=2), f32))
+                    val = b.fmul(d, b.fsub(q, m)) if s.fmt == "gptq_int4" else b.fadd(b.fmul(d, q), m)
+            at = b.add(i32(s.offset), b.mul(kb, i32(32), flags=["nsw"]), flags=["nsw"])
+            ptr = b.gep(arr, [at], inbounds=True, source_etype=TYPES["f32"])
+            b.store(val, b.bitcast(ptr, vec(f32).as_pointer()), align=4)
+        self.loop(Loop(s.var, Const(0, "i32"), Const(s.K // 32, "i32"), ()), env, emit=block)
+
     STMT = {Loop: loop, Declare: declare, Assign: assign, Array: array, Store: store, Reduce: reduce, If: if_,
             QuantizeQ8: quantize_q8,
             Barrier: nothing, Comment: nothing, Attention: attention}
+    STMT_CPU = {}                              # statements of the CPU's own rewrites (DequantRow)
 
     # ---- functions
     def render(self, symbol):
@@ -677,6 +716,7 @@ def int8_gemv(k: Kernel) -> Kernel:
 
 MICRO_ROWS = int(os.environ.get("VEGAFUSE_CPU_MICRO_ROWS", 4))
 MICRO_ACCS = int(os.environ.get("VEGAFUSE_CPU_MICRO_ACCS", 16))     # vector accumulators of a micro-tile
+MICRO_COLUMNS = int(os.environ.get("VEGAFUSE_CPU_MICRO_COLUMNS", 64))  # columns whose epilogue runs as one loop
 
 
 def is_matmul_columns(s: Loop) -> bool:
@@ -686,45 +726,102 @@ def is_matmul_columns(s: Loop) -> bool:
 
 
 def micro_tiles(s: Loop, lo, hi) -> Loop:
-    """Columns [``lo``, ``hi``) of a matmul's column loop ``s`` (``is_matmul_columns``) as
-    micro-tiles of R rows x C columns: one Reduce over k folds R x C x (siblings) accumulators, so
-    that each activation and weight vector loaded feeds several fused multiply-adds (LLVM
-    vectorizes the k loop: one vector accumulator each); then each (row, column) of the tile runs
-    the rest of the body.  Past the last row or column a copy reads the last one and stores
-    nothing (a store twice would add an in-place residual twice)::
+    """Columns [``lo``, ``hi``) of a matmul's column loop ``s`` (``is_matmul_columns``), in chunks of
+    ``MICRO_COLUMNS`` columns.  Per chunk, micro-tiles of R rows x C columns: one Reduce over k
+    folds R x C x (siblings) accumulators, so that each activation and weight vector loaded feeds
+    several fused multiply-adds (LLVM vectorizes the k loop: one vector accumulator each), and
+    stores them into the chunk's accumulator arrays (a copy past the last row or column reads and
+    writes the last one again: the same value).  Then the rest of the body (the epilogue) runs
+    once per (row, column) of the chunk, its column loop innermost, so that LLVM vectorizes it
+    too (SiLU's exp through libmvec)::
 
-        for n_g in [0, ceil((hi - lo) / C)): for r_g in [0, ceil(TR / R)):
-          reduce k: acc_<i>_<j> += value(r = min(r_g R + i, TR - 1), n = min(lo + n_g C + j, hi - 1))
-          for each (i, j): if r_g R + i < TR and lo + n_g C + j < hi: the rest of the body at (r, n)
+        for n_c in [0, ceil((hi - lo) / NB)): n0 = lo + n_c NB; m = min(NB, hi - n0)
+          for n_g in [0, ceil(m / C)): for r_g in [0, ceil(TR / R)):
+            reduce k: acc_<i>_<j> += value(r = min(r_g R + i, TR - 1), n = n0 + min(n_g C + j, m - 1))
+            acc_col[r * NB + n - n0] = acc_<i>_<j>        (each i, j)
+          for r in [0, TR): for n_j in [0, m): n = n0 + n_j; acc = acc_col[r * NB + n_j]; the rest at (r, n)
     """
     from .mapping import matmul_rows
     rows = matmul_rows(s)
     red, *rest = rows.body
-    TR = rows.stop.value
+    TR, NB = rows.stop.value, MICRO_COLUMNS
     R = max(1, min(MICRO_ROWS, TR))
-    C = max(1, MICRO_ACCS // (R * len(red.accs)))
-    ng, rg = Sym(f"{s.var}_g", "i32"), Sym(f"{rows.var}_g", "i32")
-    bound = set(local_names(tuple(rest))) | {a.name for a in red.accs}
-    accs, tail = [], []
+    C = max(1, min(NB, MICRO_ACCS // (R * len(red.accs))))
+    i32 = lambda v: Const(v, "i32")  # noqa: E731
+    nc, ng, rg, nj = (Sym(f"{s.var}_{x}", "i32") for x in ("c", "g", "j", "in"))
+    rg = Sym(f"{rows.var}_g", "i32")
+    n0 = Bin("add", lo, Bin("mul", nc, i32(NB)))
+    m = Bin("min", i32(NB), Bin("sub", hi, n0))
+    col = {a.name: f"{a.name}_col" for a in red.accs}
+    accs, stores = [], []
     for i in range(R):
         for j in range(C):
-            n = Bin("add", lo, Bin("add", Bin("mul", ng, Const(C, "i32")), Const(j, "i32")))
-            r = Bin("add", Bin("mul", rg, Const(R, "i32")), Const(i, "i32"))
-            vals = {s.var: Bin("min", n, Bin("sub", hi, Const(1, "i32"))), rows.var: Bin("min", r, Const(TR - 1, "i32"))}
-            names = {x: f"{x}_{i}_{j}" for x in bound}
-            vals.update({a.name: Sym(names[a.name], a.dtype) for a in red.accs})
+            jj = Bin("min", Bin("add", Bin("mul", ng, i32(C)), i32(j)), Bin("sub", m, i32(1)))
+            r = Bin("min", Bin("add", Bin("mul", rg, i32(R)), i32(i)), i32(TR - 1))
+            vals = {s.var: Bin("add", n0, jj), rows.var: r}
+            names = {a.name: f"{a.name}_{i}_{j}" for a in red.accs}
 
-            def ex(e, vals=vals, names=names):
-                return fold(rewrite_expr(e, lambda x: vals.get(x.name, Sym(names[x.name], x.dtype) if x.name in names else None)
-                                         if isinstance(x, Sym) else None))
-            body = rewrite(tuple(rest), ex, lambda x, names=names: names.get(x, x))
+            def ex(e, vals=vals):
+                return fold(rewrite_expr(e, lambda x: vals.get(x.name) if isinstance(x, Sym) else None))
             accs += [replace(a, name=names[a.name], value=ex(a.value)) for a in red.accs]
-            ok = [Bin("lt", n, hi)] + ([Bin("lt", r, Const(TR, "i32"))] if TR % R else [])
-            cond = ok[0] if len(ok) == 1 else Bin("and", ok[0], ok[1])
-            tail.append(If(cond, body))
-    inner = Loop(rg.name, Const(0, "i32"), Const(-(-TR // R), "i32"), (replace(red, accs=tuple(accs)),) + tuple(tail))
-    groups = Bin("idiv", Bin("add", Bin("sub", hi, lo), Const(C - 1, "i32")), Const(C, "i32"))
-    return Loop(ng.name, Const(0, "i32"), groups, (inner,))
+            at = Bin("add", Bin("mul", r, i32(NB)), jj)
+            stores += [Store(col[a.name], at, Sym(names[a.name], a.dtype)) for a in red.accs]
+    accs, fill = dequantized(accs, red.var, f"{s.var}_w")
+    tiles = Loop(rg.name, i32(0), i32(-(-TR // R)), (replace(red, accs=tuple(accs)),) + tuple(stores))
+    groups = Bin("idiv", Bin("add", m, i32(C - 1)), i32(C))
+    epilogue = Loop(rows.var, i32(0), i32(TR), (Loop(nj.name, i32(0), m, (
+        Declare(s.var, "i32", Bin("add", n0, nj)),
+        *(Declare(a.name, a.dtype, Load(col[a.name], Bin("add", Bin("mul", Sym(rows.var, "i32"), i32(NB)), nj), a.dtype))
+          for a in red.accs),
+        *rest)),))
+    arrays = tuple(Array(col[a.name], a.dtype, TR * NB) for a in red.accs)
+    chunks = Bin("idiv", Bin("add", Bin("sub", hi, lo), i32(NB - 1)), i32(NB))
+    return Loop(nc.name, i32(0), chunks, arrays + (Loop(ng.name, i32(0), groups, fill + (tiles,)), epilogue))
+
+
+@dataclass(frozen=True)
+class DequantRow:
+    """(CPU only) ``arr[offset + k] = buf[row * K + k]`` for k in [0, K): one quantized weight row
+    as f32 (``_Renderer.dequant_row``), ``var`` its block loop's variable."""
+    arr: str
+    offset: int
+    buf: str
+    fmt: str
+    count: int
+    row: object
+    K: int
+    var: str
+
+
+def dequantized(accs, k, name):
+    """A micro-tile's accumulators with every quantized weight row they read (``QLoad`` at
+    ``row * K + k``) taken from an f32 array ``name`` instead, and the statements that fill it (an
+    Array and a ``DequantRow`` per row): each weight block is dequantized once per micro-tile column
+    and read by all the tile's rows, never a float copy of the whole weight."""
+    ksym, rows = Sym(k, "i32"), {}
+    for a in accs:
+        for x in walk_exprs(a.value):
+            i = getattr(x, "index", None)
+            if isinstance(x, QLoad) and isinstance(i, Bin) and i.op == "add" and i.b == ksym and isinstance(i.a, Bin) \
+                    and i.a.op == "mul" and isinstance(i.a.b, Const) and i.a.b.value % 32 == 0 and ksym not in set(walk_exprs(i.a)):
+                rows.setdefault((x.buf, x.fmt, x.count, i.a.a, i.a.b.value), len(rows))
+    if not rows:
+        return accs, ()
+    K = max(key[4] for key in rows)
+
+    def ex(e):
+        def f(x):
+            key = (x.buf, x.fmt, x.count, x.index.a.a, x.index.a.b.value) if isinstance(x, QLoad) and isinstance(x.index, Bin) \
+                and isinstance(x.index.a, Bin) and isinstance(x.index.a.b, Const) else None
+            return Load(name, Bin("add", Const(rows[key] * K, "i32"), ksym), "f32") if key in rows else None
+        return rewrite_expr(e, f)
+    fill = (Array(name, "f32", len(rows) * K),) + tuple(
+        DequantRow(name, slot * K, buf, fmt, count, row, n, f"{name}_blk{slot}")
+        for (buf, fmt, count, row, n), slot in rows.items())
+    return [replace(a, value=ex(a.value)) for a in accs], fill
+
+
+_Renderer.STMT_CPU[DequantRow] = _Renderer.dequant_row
 
 
 def render_into(module: ir.Module, kernel: Kernel, symbol: str | None = None, vnni: bool = False) -> ir.Function:

@@ -17,6 +17,11 @@ per token, achieved GB/s against the device-to-device copy bandwidth measured in
 launches per token; beside it, the peer measured in the same run: Hugging Face transformers with a
 static KV cache and ``torch.compile(mode="reduce-overhead", fullgraph=True)``, same shape and dtype.
 ``--capacity-check`` decodes 64 tokens with KV caches of 512 and 32768 positions.
+
+Prefill: ``python -m engine.bench --prefill N`` times the forward over an N-token prompt (median
+of ``--repeat`` runs) and prints tokens/s beside Hugging Face eager f32 on the CPU (the fixed text's
+tokens), or with ``--backend cuda [--model qwen2.5-1.5b]`` (random weights, random ids) beside the
+torch model's forward in the same dtype, measured in the same run.
 """
 from __future__ import annotations
 
@@ -259,6 +264,131 @@ def main_gpu(args):
     return 0
 
 
+# ------------------------------------------------------------------------------ prefill (--prefill N)
+def prefill_ids(n, vocab, tok=None):
+    """An N-token prompt: the fixed public-domain text's tokens (repeated as needed) with a
+    tokenizer, else random ids (seeded)."""
+    if tok is None:
+        return np.random.default_rng(0).integers(0, vocab, n).tolist()
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
+                        "pride_and_prejudice_ch1.txt")
+    ids = tok.encode(open(path, encoding="utf-8").read())
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def time_prefill(cfg, params, ids, backend, repeat):
+    """Seconds of each of ``repeat`` prefills of ``ids`` (compiled and run once first)."""
+    from .model import Model
+    m = Model(cfg, params, backend=backend, context=len(ids) + 8)
+    m.compile(len(ids))
+    m.prefill(ids)
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        m.prefill(ids)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def hf_prefill(model_path, ids, threads, repeat):
+    """Hugging Face eager float32 on the CPU: seconds of each forward over ``ids``; None without torch."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    from .weights import export_hf_dir
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as d:
+        if os.path.isdir(model_path):
+            d = model_path
+        else:
+            export_hf_dir(model_path, d)
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    out = []
+    with torch.inference_mode():
+        model(x)
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            model(x)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def torch_gpu_prefill(cfg, ids, dtype, repeat):
+    """The Hugging Face model of ``cfg``'s shape (random weights) in f16/f32 on the GPU: seconds of
+    each forward over ``ids`` (synchronized); None without torch and transformers."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    except ImportError:
+        return None
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+              num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+              rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+              max_position_embeddings=max(len(ids), 32))
+    hf = Qwen2Config(**kw) if cfg.qkv_bias else LlamaConfig(head_dim=cfg.head_dim, **kw)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float16 if dtype == "f16" else torch.float32).eval()
+    x = torch.tensor([ids], device="cuda")
+    out = []
+    with torch.inference_mode():
+        model(x)
+        torch.cuda.synchronize()
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            model(x)
+            torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main_prefill(args):
+    """``--prefill N``: the time to process an N-token prompt (one forward over it, KV cache written,
+    last logits read back) and tokens/s, median of ``--repeat`` runs, beside the peer of the same run:
+    Hugging Face eager f32 on the CPU; on ``--backend cuda`` the torch model's forward in the same dtype."""
+    n, repeat = args.prefill, args.repeat
+    if args.backend == "cuda":
+        from .executable import get_device
+        from stdlib.config import LlamaConfig
+        name = args.model or "qwen2.5-1.5b"
+        if name not in SHAPES:
+            raise SystemExit(f"error: --prefill on cuda takes a shape with random weights: {', '.join(SHAPES)}")
+        cfg = LlamaConfig(**SHAPES[name], max_seq_len=n + 8, name=name)
+        params = random_params(cfg, get_device("cuda"), args.dtype)
+        ids = prefill_ids(n, cfg.vocab_size)
+        peer_name, peer = f"torch eager cuda ({args.dtype})", lambda: torch_gpu_prefill(cfg, ids, args.dtype, repeat)
+        what = f"{name} ({args.dtype} random weights)"
+    else:
+        from .weights import default_dtype, default_model_path, load_model
+        path = args.model or default_model_path()
+        dtype = args.dtype or default_dtype(path, "cpu")
+        cfg, params, tok = load_model(path, "native" if dtype in QUANT_DTYPES else dtype, args.quant)
+        ids = prefill_ids(n, cfg.vocab_size, tok)
+        peer_name, peer = "Hugging Face eager cpu (f32)", lambda: None if args.no_hf else hf_prefill(
+            path, ids, os.cpu_count() or 1, repeat)
+        what = f"{cfg.name or path} ({args.quant or dtype} weights, {os.cpu_count()} CPU threads)"
+    ours = time_prefill(cfg, params, ids, args.backend, repeat)
+    print(f"prefill of a {n}-token prompt, {what}; median of {repeat} runs (p10 .. p90)", flush=True)
+
+    def line(label, ts):
+        q = np.percentile(ts, [10, 50, 90])
+        print(f"  {label:<40} {q[1]:8.4f} s  {n / q[1]:9.1f} tok/s   ({q[0]:.4f} .. {q[2]:.4f} s)", flush=True)
+        return q[1]
+    mine = line(f"vegafuse {args.backend}", ours)
+    theirs = peer()
+    if theirs is None:
+        print(f"  {peer_name}: skipped (torch/transformers not importable, or --no-hf)")
+        return 0
+    other = line(peer_name, theirs)
+    print(f"  vegafuse / peer: {other / mine:.2f}x the peer's tokens/s")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
@@ -282,12 +412,20 @@ def main(argv=None):
     p.add_argument("--reference-tokens", type=int, default=8, help="tokens for the slow interpreter (default 8)")
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
+    p.add_argument("--prefill", type=int, metavar="N", help="time the prefill of an N-token prompt instead of decode")
+    p.add_argument("--repeat", type=int, default=5, help="prefill runs to take the median of (default 5)")
     args = p.parse_args(argv)
     args.tokens = args.tokens or (128 if args.backend == "cuda" else 64)
     if args.dtype in QUANT_DTYPES:                 # --dtype q4_0: every weight matrix q4_0, as --quant q4_0
         if args.quant not in (None, args.dtype):
             p.error(f"--dtype {args.dtype} and --quant {args.quant} disagree: give one of them")
         args.quant = args.dtype
+    if args.prefill is not None:
+        if args.prefill < 1:
+            p.error("--prefill takes a prompt length of at least 1 token")
+        if args.backend == "cuda" and args.dtype in (None, "native"):
+            args.dtype = "f16"
+        return main_prefill(args)
     if args.backend == "cuda":
         random = args.random_weights or (args.model or "smollm2-135m") in SHAPES
         if random and args.dtype == "native":
