@@ -1,6 +1,6 @@
 """Read the generated GPU kernels of a model's decode step: resources, ISA counts, source.
 
-    python -m codegen.inspect [--model PATH] --target gfx906 [--context N]
+    python -m codegen.inspect [--model PATH] --target gfx906 [--context N] [--prefill N]
     python -m codegen.inspect --kernel NAME --source|--isa
 
 The table has, per kernel: registers, LDS (static + the launch's occupancy pad), scratch,
@@ -8,7 +8,9 @@ waves per SIMD, code size; counts of ``global_load_dwordx4``, ``flat_load_*``, `
 and ``ds_*`` instructions in the kernel's main loop (the innermost loop that loads 16-byte
 weight vectors, else the whole kernel), LDS instructions per byte its global loads read
 (``ds/B``), ``v_dot4_i32_i8`` (quantized weights), the widths of its global loads (``16x8``:
-eight 16-byte loads); and bytes moved and FLOPs per call.
+eight 16-byte loads); bytes moved and FLOPs per call; and whether the LDS reads of its lane loops
+are free of bank conflicts (``banks``: see ``lds_banks``).  ``--prefill N``: the kernels of an
+N-token prefill instead (contractions of N rows: the matmul family).
 """
 from __future__ import annotations
 
@@ -138,10 +140,11 @@ class Inspected:
         return counts(main_loop(self.isa()))
 
 
-def decode_plan(model=None, context=512, dtype="native"):
+def decode_plan(model=None, context=512, dtype="native", tokens=1):
     """The fusion plan of one decode step of ``model`` (a GGUF or HF directory; default SmolLM2)
     with weights loaded as ``dtype`` ("native": a GGUF's quantized tensors as they are; "f16"):
-    the pipeline's passes up to rendering (``engine.pipeline.lower_program``)."""
+    the pipeline's passes up to rendering (``engine.pipeline.lower_program``); ``tokens`` > 1: the
+    prefill of that many tokens instead (its contractions: the matmul family)."""
     import numpy as np
 
     import dsl
@@ -158,7 +161,9 @@ def decode_plan(model=None, context=512, dtype="native"):
 
     def step(params, tokens, pos, last, cache):
         return llama.forward(cfg, params, tokens, pos, last, cache)
-    low = dsl.jit(step, donate_argnums=(4,)).lower(params, np.zeros(1, np.int32), 0, 0, cache)
+    if tokens > context:
+        raise ValueError(f"--prefill {tokens} does not fit the context of {context} positions")
+    low = dsl.jit(step, donate_argnums=(4,)).lower(params, np.zeros(tokens, np.int32), 0, 0, cache)
     return lower_program(low)
 
 
@@ -168,12 +173,37 @@ def widths(it) -> str:
     return ",".join(f"{b}x{n}" for b, n in sorted(w.items(), reverse=True)) or "-"
 
 
+def lds_banks(it) -> str:
+    """Whether the LDS reads of the kernel's lane loops are free of bank conflicts, from its mapped
+    IR: each lane reads ``vector`` consecutive elements after its neighbour's (consecutive lanes,
+    consecutive addresses, at most 16 bytes each: conflict-free on gfx906's 32 banks of 4 bytes)
+    "ok"; a wider or irregular stride "check"; "-" without LDS reads there."""
+    from . import loopir as L
+    m = it.hip.kernel
+    lds = {s.name: s.dtype for s in L.walk_stmts(m.body) if isinstance(s, L.Array) and s.space == "lds"}
+    seen = False
+    for r in L.walk_stmts(m.body):
+        if not (isinstance(r, L.Reduce) and r.map == "lane"):
+            continue
+        for a in r.accs:
+            for x in L.walk_exprs(a.value):
+                if isinstance(x, L.Load) and x.buf in lds and lds[x.buf] in ITEMSIZE_LDS:
+                    seen = True
+                    step = r.vector * ITEMSIZE_LDS[lds[x.buf]]
+                    if step > 16 or step & (step - 1) or r.lanes:
+                        return "check"
+    return "ok" if seen else "-"
+
+
+ITEMSIZE_LDS = {"f16": 2, "f32": 4}
+
+
 def table(items, layers_once=True):
     """The report as text; kernels identical up to names (the same layer) are listed once."""
     w = max([40] + [len(it.kernel.name) for it in items])
     head = (f"{'kernel':<{w}} {'family':<11} {'VGPR':>4} {'SGPR':>4} {'LDS':>6} {'scr':>3} {'w/SIMD':>6} "
             f"{'code':>5} {'x4':>3} {'flat':>4} {'wait':>4} {'ds':>3} {'ds/B':>5} {'dot4':>4} {'loads':<10} "
-            f"{'KB/call':>8} {'MFLOP':>7}  copies")
+            f"{'KB/call':>8} {'MFLOP':>7} {'banks':>5}  copies")
     rows, seen = [head, "-" * len(head)], {}
     for it in items:
         key = it.code
@@ -186,7 +216,7 @@ def table(items, layers_once=True):
         rows.append([f"{k.name:<{w}} {k.family:<11} {r['vgprs']:>4} {r['sgprs']:>4} {lds:>6} "
                      f"{r['scratch_bytes']:>3} {r['waves_per_simd']:>6} {r['code_bytes']:>5} {c['dwordx4']:>3} "
                      f"{c['flat']:>4} {c['waitcnt']:>4} {c['ds']:>3} {c['lds_per_byte']:>5.3f} {c['dot4']:>4} "
-                     f"{widths(it):<10} {k.bytes / 1e3:>8.1f} {k.flops / 1e6:>7.2f}"])
+                     f"{widths(it):<10} {k.bytes / 1e3:>8.1f} {k.flops / 1e6:>7.2f} {lds_banks(it):>5}"])
     for row, n in seen.values():
         rows[row] = rows[row][0] + f"  x{n}"
     return "\n".join(rows)
@@ -199,6 +229,8 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=512, help="KV-cache positions (default 512)")
     p.add_argument("--dtype", default="native", choices=["native", "f16"],
                    help="weights: a GGUF's own quantized tensors (default) or f16")
+    p.add_argument("--prefill", type=int, default=1, metavar="N",
+                   help="the prefill of N tokens instead of the decode step (its matmul kernels)")
     p.add_argument("--kernel", help="one kernel by name (or a unique part of it)")
     p.add_argument("--source", action="store_true", help="print the kernel's HIP source")
     p.add_argument("--isa", action="store_true", help="print the kernel's disassembly")
@@ -219,7 +251,9 @@ def main(argv=None):
         if target.vendor != "amd":
             raise ValueError(f"--target {args.target}: inspect compiles through hiprtc for AMD targets "
                              "(gfx906); the NVIDIA flavour runs with --backend cuda")
-        kernels = decode_plan(args.model, args.context, args.dtype).kernels
+        if args.prefill < 1:
+            raise ValueError(f"--prefill must be at least 1, got {args.prefill}")
+        kernels = decode_plan(args.model, args.context, args.dtype, args.prefill).kernels
         if args.kernel:
             match = [k for k in kernels if k.name == args.kernel] or [k for k in kernels if args.kernel in k.name]
             if len(match) != 1:
@@ -229,7 +263,8 @@ def main(argv=None):
             print(it.isa() if args.isa else it.source)
             return 0
         items = [Inspected(k, target) for k in kernels]
-        print(f"{len(items)} kernels in the decode step, target {target.name} (wave{target.wave}); "
+        step = "the decode step" if args.prefill == 1 else f"the prefill of {args.prefill} tokens"
+        print(f"{len(items)} kernels in {step}, target {target.name} (wave{target.wave}); "
               f"main-loop instruction counts; identical layers listed once")
         print(table(items, not args.all))
         return 0

@@ -71,6 +71,9 @@ QUANT = ("q4_0", "q4_1", "q8_0")
 OPS += ["expert", "expert"]
 # a rotate-half epilogue over a contraction (RoPE: the paired_epilogue rule pairs rows j and j + h)
 OPS += ["rope", "rope"]
+# the matmul family: a fresh activation of several rows, RMS-normalized in the prologue, against f16,
+# f32 or quantized weights, scaled by the value at hand in the epilogue
+OPS += ["rows_matmul", "rows_matmul"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -255,6 +258,15 @@ class Writer:
             xq = self.new_input(rows + (k,), "f32", "q8")
             w = self.new_input((n, k), fmt)
             return self.emit(f"dsl.dot_t({xq}, {w}) * {round(1 / np.sqrt(k), 4)}")
+        if name == "rows_matmul":
+            T = [4, 5, 17, 40][int(p[0] * 4)]
+            fmt = (["f16", "f32"] + list(QUANT))[int(p[1] * (2 + len(QUANT)))]
+            k = 32 * (1 + int(p[2] * 3)) if fmt in QUANT else [7, 16, 48][int(p[2] * 3)]
+            n = [1, 3, 8, 40][int(p[3] * 4)]
+            x = self.new_input((T, k), "f32")
+            w = self.new_input((n, k), fmt)
+            pro = f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5))"
+            return self.emit(f"dsl.dot_t({pro}, {w}) * ({round(1 / np.sqrt(k), 4)} * dsl.tanh({an}.mean()))")
         if name in ("scan", "fori", "vmap"):
             return self.control(name, an, av, pk, p)
         if name == "dus":

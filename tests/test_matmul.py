@@ -138,7 +138,7 @@ def test_gfx906_matmul_isa(T, K, N):
         find_hiprtc()
     except HipUnavailable as e:
         pytest.skip(f"gfx906 tests skipped: {e}")
-    from codegen.inspect import counts, main_loop
+    from codegen.inspect import counts, lds_banks, main_loop
     args = (randn(T, K), randn(K), weight(N, K, "f16"), weight(N, K, "f16"), randn(T, N))
     (it,) = gfx906_matmuls(gate_up, *args)
     assert it.res["scratch_bytes"] == 0 and it.res["vgpr_spills"] == 0
@@ -147,4 +147,5 @@ def test_gfx906_matmul_isa(T, K, N):
     c = counts(main_loop(isa))
     assert c["dwordx4"] >= 1 and c["flat"] == 0 and c["global_other"] == 0, c
     assert "v_dot2_f32_f16" in isa
-    assert "a matmul" in it.kernel.launch.how if it.kernel.launch else True
+    assert "a matmul" in it.hip.kernel.launch.how
+    assert lds_banks(it) == "ok" and 0 < it.res["lds_bytes"] <= 34 * 1024
