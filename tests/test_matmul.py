@@ -149,3 +149,12 @@ def test_gfx906_matmul_isa(T, K, N):
     assert "v_dot2_f32_f16" in isa
     assert "a matmul" in it.hip.kernel.launch.how
     assert lds_banks(it) == "ok" and 0 < it.res["lds_bytes"] <= 34 * 1024
+
+
+def test_bench_prefill_prints_our_rate(capsys):
+    """``python -m engine.bench --prefill N`` on the CPU: a time and tokens/s for the prompt (the
+    Hugging Face peer skipped here)."""
+    from engine.bench import main
+    assert main(["--prefill", "12", "--repeat", "1", "--no-hf"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill of a 12-token prompt" in out and "tok/s" in out and "vegafuse cpu" in out
