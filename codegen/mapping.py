@@ -267,9 +267,11 @@ def _contract(body, t, lds_limit):
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
     if matmul:
-        how = (f"a matmul: {info['group']} activation rows of {K} elements at a time in LDS; "
-               f"{'a wave' if ks == 1 else f'{ks} waves'} per output column ({total} columns), each lane folding every "
-               f"weight load into the {info['group']} rows; lanes stride k "
+        G = info["group"]
+        rows = "one activation row" if G == 1 else f"{G} activation rows"
+        how = (f"a matmul: {rows} of {K} elements at a time in LDS; "
+               f"{'a wave' if ks == 1 else f'{ks} waves'} per output column ({total} columns)"
+               + (f", each lane folding every weight load into the {G} rows" if G > 1 else "") + "; lanes stride k "
                + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
     if info.get("columns"):                                # (K, N) weights: _column_loops
         cols = (f"a thread per output column of a (K, N) weight ({info['columns']} columns), each folding k "
@@ -431,7 +433,8 @@ def _matmul_rows(body, t, info, lds_limit):
             return replace(s, map="block", unroll=t.prologue_unroll, body=(L.Store(st.buf, st.index, value),))
         return s
     fill_body = tuple(fill_stmt(s) for s in rows(fill.body[:-1], ri, first) + (fill.body[-1],))
-    group = (L.Loop(ri.name, L.c(0), L.c(G), fill_body), L.Barrier())
+    group = ((L.Loop(ri.name, L.c(0), L.c(G), fill_body),) if G > 1 else L.substitute(fill_body, {ri.name: L.c(0)})) \
+        + (L.Barrier(),)
     new_segs = []
     for cmts, s in segs:
         red, *rest = matmul_rows(s).body
@@ -447,8 +450,10 @@ def _matmul_rows(body, t, info, lds_limit):
             stores += body_u if not TR % G or (groups - 1) * G + u < TR else [L.If(L.Bin("lt", row, L.c(TR)), body_u)]
         new_segs.append((cmts, replace(s, body=(replace(red, accs=tuple(accs)),) + tuple(stores))))
     info["act"], info["K"], info["act_dtype"], info["group"] = arr.name, K, dt, G
-    group += _wave_loop(new_segs, t, info) + (L.Barrier(),)
-    out = [replace(arr, size=G * K, dtype=dt, space="lds")] + out
+    loop = _wave_loop(new_segs, t, info)
+    part = tuple(x for x in loop if isinstance(x, L.Array))              # LDS of a k split: declared first
+    group += tuple(x for x in loop if not isinstance(x, L.Array)) + (L.Barrier(),)
+    out = [replace(arr, size=G * K, dtype=dt, space="lds"), *part] + out
     out += [L.Loop(g.name, L.c(0), L.c(groups), group)] if groups > 1 else L.substitute(group, {g.name: L.c(0)})
     return tuple(out + comments)
 

@@ -356,3 +356,13 @@ def test_matmul_qkv_with_bias_and_in_place_residual(T):
     check(qkv, *args, gemv_k=K)
     x, w, res = randn(T, K), matmul_weight(300, K, "f16"), randn(T, 300)
     check(lambda x, w, res: res + nn.linear(x, w), x, w, res, donate=(2,), gemv_k=K)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q4_0"])
+def test_matmul_long_rows_one_at_a_time_split_over_waves(dtype):
+    """K = 8960 (Qwen2.5-1.5B's down projection): one activation row in LDS at a time, the few
+    output columns split over waves (partial sums combined through LDS), several row tiles."""
+    T, K, N = 20, 8960, 64
+    x, w, res = randn(T, K, scale=0.5), matmul_weight(N, K, dtype), randn(T, N)
+    c = check(lambda x, w, res: res + nn.linear(x, w), x, w, res, gemv_k=K)
+    assert "a matmul" in c.kernels[0].hip.kernel.launch.how
