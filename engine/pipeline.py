@@ -107,14 +107,17 @@ def _compiler_sources() -> str:
 
 def plan_cache_key(traced, rules) -> dict:
     """The disk-cache key of a program's plan: its IR text, its source lines, the names and
-    donations of its inputs, the fusion rules and the compiler's source hash."""
+    donations of its inputs, the fusion rules, the switches that change plans
+    (``fusion.schedule.plan_switches``) and the compiler's source hash."""
     import hashlib
+
+    from fusion.schedule import plan_switches
     prog = traced.program
     donated = [i for i, v in enumerate(prog.inputs) if v in set(traced.donated)]
     return {"kind": "plan", "program": hashlib.sha256(prog.as_text().encode()).hexdigest(),
             "lines": hashlib.sha256("\n".join(_source_lines(prog)).encode()).hexdigest(),
             "inputs": list(traced.in_names), "donated": donated, "rules": sorted(rules),
-            "compiler": _compiler_sources()}
+            "switches": plan_switches(), "compiler": _compiler_sources()}
 
 
 def _source_lines(prog):

@@ -698,6 +698,12 @@ MATMUL_ROWS = 4             # a contraction of this many rows or more runs as a 
 TILE_BYTES = 256 << 10      # a row tile's activation (f32) stays within this (L2 on the CPU)
 
 
+def plan_switches() -> dict:
+    """The environment switches that change a plan (part of the plan cache's key):
+    ``VEGAFUSE_MATMUL=0`` keeps every contraction in the GEMV form."""
+    return {"matmul": os.environ.get("VEGAFUSE_MATMUL", "1") != "0"}
+
+
 def row_tile(T: int, K: int) -> int:
     """Rows per tile of a T-row matmul over K: every row when they fit ``TILE_BYTES`` of f32
     activation (and 64 rows), else the most that do, a multiple of 4."""
@@ -719,7 +725,7 @@ def row_tiles(rv, rows, K, act, row_stmts, stmts):
     Rows past T (a last partial tile) read row T - 1 and store nothing.  None when the GEMV form
     stays: fewer rows, a batched activation, a (K, N) weight (order "outer") or an epilogue that
     reads a row scalar."""
-    if len(rows) != 1 or rows[0] < MATMUL_ROWS or os.environ.get("VEGAFUSE_MATMUL", "1") == "0":
+    if len(rows) != 1 or rows[0] < MATMUL_ROWS or not plan_switches()["matmul"]:
         return None
     segs = [s for s in stmts if isinstance(s, L.Loop) and s.parallel]
     if any(r.order != "inner" for s in segs for r in s.body if isinstance(r, L.Reduce)):

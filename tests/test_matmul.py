@@ -108,8 +108,12 @@ def test_few_rows_stay_gemvs():
 
 
 def test_switch_off_keeps_the_row_loop(monkeypatch):
+    """``VEGAFUSE_MATMUL=0`` (the A/B switch) keeps the GEMV row loop, also for a program whose
+    matmul plan is in the plan cache already (the switch is part of its key)."""
+    args = (randn(8, 32), randn(32), weight(8, 32, "f16"), weight(8, 32, "f16"), randn(8, 8))
+    assert matmuls(run(gate_up, *args)[2])
     monkeypatch.setenv("VEGAFUSE_MATMUL", "0")
-    got, want, c = run(gate_up, randn(8, 32), randn(32), weight(8, 32, "f16"), weight(8, 32, "f16"), randn(8, 8))
+    got, want, c = run(gate_up, *args)
     close(got, want)
     assert not matmuls(c)
 
