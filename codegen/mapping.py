@@ -410,8 +410,8 @@ def _matmul_rows(body, t, info, lds_limit):
     G = matmul_group(t, TR, K, lds_limit)
     groups = -(-TR // G)
     dt = act_dtype(t, K)
-    r, g = fill.var, L.Sym(f"{fill.var}_grp", "i32")
-    ri = L.Sym(f"{fill.var}_in", "i32")
+    r, g = fill.var, L.Sym("group_0", "i32")             # locals end in a counter, dropped by loopir.tidy_names
+    ri = L.Sym("group_row_0", "i32")
 
     def rows(body, local, row):        # act[r * K + x] -> act[local * K + x]; then r -> the tile's row
         def ex(e):

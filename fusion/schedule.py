@@ -716,12 +716,12 @@ def row_tiles(rv, rows, K, act, row_stmts, stmts):
     tiles of TR rows (``row_tile``), each a prologue of its TR rows into ``act[TR * K]`` and then,
     per output column n (parallel), the TR rows' dot products and epilogue stores::
 
-        for rt in [0, ceil(T / TR)):
-          f32 act[TR * K]; for r in [0, TR): row = rt * TR + r; [row scalars]; act[r * K + k] = prologue
+        for row_tile in [0, ceil(T / TR)):
+          f32 act[TR * K]; for r in [0, TR): row = row_tile * TR + r; [row scalars]; act[r * K + k] = prologue
           for parallel n in [0, N): for r in [0, TR): acc = sum_k act[r * K + k] * w[n, k]; out[row, n] = epilogue
 
     Each weight row is read once per tile (T / TR times in all, not T), and a backend tiles the
-    (n, r) nest further (``codegen/llvm.py``'s micro-tiles, ``codegen/mapping.py``'s ``_matmul``).
+    (n, r) nest further (``codegen/llvm.py``'s ``micro_tiles``, ``codegen/mapping.py``'s ``_matmul_rows``).
     Rows past T (a last partial tile) read row T - 1 and store nothing.  None when the GEMV form
     stays: fewer rows, a batched activation, a (K, N) weight (order "outer") or an epilogue that
     reads a row scalar."""
@@ -737,7 +737,7 @@ def row_tiles(rv, rows, K, act, row_stmts, stmts):
     T, (i,) = rows[0], rv
     TR = row_tile(T, K)
     tiles = -(-T // TR)
-    rt, r = fresh("rt"), fresh("r")
+    rt, r = fresh("row_tile"), fresh("r")
     rsym = L.Sym(r, "i32")
     row = L.add(L.mul(L.Sym(rt, "i32"), L.c(TR)), rsym) if tiles > 1 else rsym
     at = L.Bin("min", row, L.c(T - 1)) if T % TR else row
