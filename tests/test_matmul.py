@@ -162,3 +162,26 @@ def test_bench_prefill_prints_our_rate(capsys):
     assert main(["--prefill", "12", "--repeat", "1", "--no-hf"]) == 0
     out = capsys.readouterr().out
     assert "prefill of a 12-token prompt" in out and "tok/s" in out and "vegafuse cpu" in out
+
+
+def test_mixed_weight_formats_and_f16_activations():
+    """Siblings of different formats (an f16 and a q8_0 weight, one n loop through SiLU * mul) over
+    an f16 activation with an f16 result: each rounded as the interpreter rounds it."""
+    T, K, N = 9, 64, 24
+    x, g = randn(T, K, dtype=np.float16), randn(K)
+    got, want, c = run(lambda x, g, a, b: gate_up(x, g, a, b, np.float16(0)), x, g, weight(N, K, "f16"), weight(N, K, "q8_0"))
+    close(got, want, 4e-3)
+    assert len(matmuls(c)) == 1
+
+
+def test_gathered_expert_rows():
+    """The weight of a T-row matmul gathered by a runtime id (an expert of a MoE), quantized."""
+    T, K, N, E = 6, 64, 10, 3
+    x, w, eid = randn(T, K), weight(E * N, K, "q4_1"), np.array([1], np.int32)
+
+    def f(x, w, eid):
+        rows = dsl.take(w, eid[0] * N + dsl.arange(N))
+        return nn.linear(x, rows)
+    got, want, c = run(f, x, w, eid)
+    close(got, want)
+    assert len(matmuls(c)) == 1
