@@ -447,6 +447,11 @@ def _matmul_rows(body, t, info, lds_limit):
             red_u = rows((red,), local, L.Bin("min", row, L.c(TR - 1)) if TR % G else row)[0]
             accs += [replace(a, name=names.get(a.name, a.name)) for a in red_u.accs]
             body_u = L.substitute(rows(tuple(rest), local, row), syms)
+            if G > 1:                                    # the epilogue's own locals, once per row
+                own = {x: _renamed(x, u) for x in L.local_names(body_u)}
+                body_u = L.rewrite(body_u, lambda e: L.rewrite_expr(e, lambda x: L.Sym(own[x.name], x.dtype)
+                                                                    if isinstance(x, L.Sym) and x.name in own else None),
+                                   lambda n: own.get(n, n))
             stores += body_u if not TR % G or (groups - 1) * G + u < TR else [L.If(L.Bin("lt", row, L.c(TR)), body_u)]
         new_segs.append((cmts, replace(s, body=(replace(red, accs=tuple(accs)),) + tuple(stores))))
     info["act"], info["K"], info["act_dtype"], info["group"] = arr.name, K, dt, G
