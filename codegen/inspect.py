@@ -156,7 +156,7 @@ def decode_plan(model=None, context=512, dtype="native", tokens=1):
     if context > cfg.max_seq_len:
         raise ValueError(f"--context {context} is beyond the model's {cfg.max_seq_len} positions")
     # only the caches' shapes matter for tracing: one array, broadcast, stands for every layer's
-    kv = np.broadcast_to(np.float32(0), (cfg.n_kv_heads, context, cfg.head_dim))
+    kv = np.broadcast_to(np.float16(0), (cfg.n_kv_heads, context, cfg.head_dim))   # the default f16 cache
     cache = [(kv, kv) for _ in range(cfg.n_layers)]
 
     def step(params, tokens, pos, last, cache):

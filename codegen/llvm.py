@@ -35,7 +35,7 @@ import numpy as np
 from llvmlite import ir
 
 from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel, Load, Loop,
-                     Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, can_interchange,
+                     Reduce, Select, Store, Sym, Un, attention_tiles, combine_attention, expand_attention, format_expr, format_kernel, can_interchange,
                      interchange, serial_reduce)
 from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
 from .loopir import spelling as op_spelling
@@ -359,6 +359,12 @@ class _Renderer:
         self.b.store(self.expr(s.value, env), slot)
 
     def array(self, s, env):
+        if s.space == "lds":                      # shared by the launch's threads: a global
+            slot = ir.GlobalVariable(self.module, ir.ArrayType(MEM_TYPES[s.dtype], s.size),
+                                     f"{self.b.function.name}.{s.name}")
+            slot.linkage, slot.initializer, slot.align = "internal", ir.Constant(slot.value_type, None), 64
+            env[s.name] = ("arr", self.entry.gep(slot, [ir.Constant(I32, 0)] * 2, inbounds=True), s.dtype)
+            return
         if s.dtype in Q8_BYTES:                   # bytes: one block per 32 values
             self.stack_bytes += s.size // 32 * Q8_BYTES[s.dtype]
             slot = self.entry.alloca(I8, size=s.size // 32 * Q8_BYTES[s.dtype], name=s.name)
@@ -568,7 +574,24 @@ class _Renderer:
         pass
 
     def attention(self, s, env):
-        self.stmts(expand_attention(s), env)
+        """Flash attention as loops (``loopir.expand_attention``), tiled for this host's threads;
+        when it cuts the context into parts (decode with few KV heads), the thread that finishes
+        its share last merges them (``combine_attention``)."""
+        qrows, keys, parts = attention_tiles(s, _host_threads())
+        self.stmts(expand_attention(s, qrows, keys, parts), env)
+        if parts > 1:
+            self.last_arrival(combine_attention(s, parts), env)
+
+    def last_arrival(self, body, env):
+        """Run ``body`` on whichever of the launch's ``nthreads`` calls arrives here last (an
+        atomic count in a global, reset by that call), after every call's stores before it."""
+        b = self.b
+        count = ir.GlobalVariable(self.module, I32, f"{self.b.function.name}.arrivals")
+        count.linkage, count.initializer = "internal", ir.Constant(I32, 0)
+        old = b.atomic_rmw("add", count, ir.Constant(I32, 1), "acq_rel")
+        with b.if_then(b.icmp_signed("==", old, b.sub(self.nthreads, ir.Constant(I32, 1)))):
+            b.store_atomic(ir.Constant(I32, 0), count, "monotonic", 4)
+            self.stmts(body, dict(env))
 
     def dequant_row(self, s, env):
         """``DequantRow``: the K values of weight row ``s.row`` as f32, one block of 32 at a time
@@ -659,6 +682,11 @@ class _Renderer:
         b.call(body_fn, args + [tid, nthreads])
         b.ret_void()
         return fn
+
+
+def _host_threads():
+    """Threads a launch may use here (the CPU device's default): the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _buffer_bytes(p):

@@ -51,6 +51,7 @@ All indices are flat element offsets (i32) into contiguous buffers.
 """
 from __future__ import annotations
 
+import math
 import re
 
 from dataclasses import dataclass, replace
@@ -726,43 +727,139 @@ def plain(body):
 
 
 # ----------------------------------------------------------------------------- attention on loops
-def expand_attention(a: Attention):
-    """The attention statement as plain loops (the CPU's rendering): per (head, query row), an
-    online softmax over positions 0..pos+t with the running max, sum and output row."""
-    p = f"att_{a.out}_"
-    h, t, s, dd = (Sym(p + x, "i32") for x in ("h", "t", "s", "d"))
-    f = lambda n: Sym(p + n, "f32")  # noqa: E731
-    group = a.hq // a.hkv
-    qrow = linear_index((h, t), (a.hq, a.t))
-    kvrow = linear_index((Bin("idiv", h, c(group)), s), (a.hkv, a.s))
+ATT_QROWS = 16              # query rows of a prefill tile (times the query heads of a KV head)
+ATT_KEYS = 64               # keys of a tile
 
-    def ld(buf, row, dt):
-        x = Load(buf, add(mul(row, c(a.d)), dd), dt)
-        return x if dt == "f32" else Cast(x, "f32")
-    stop = Bin("min", add(add(a.pos, t), c(1)), c(a.s))
-    o = p + "o"
-    step = (
-        Reduce(dd.name, c(0), c(a.d), (Acc(p + "dot", "add", Bin("mul", ld(a.q, qrow, a.dtypes[0]),
-                                                                     ld(a.k, kvrow, a.dtypes[1]))),)),
-        Declare(p + "sc", "f32", Bin("mul", f("dot"), Const(a.scale, "f32"))),
-        Declare(p + "mn", "f32", Bin("max", f("m"), f("sc"))),
-        Declare(p + "corr", "f32", Un("exp", Bin("sub", f("m"), f("mn")))),
-        Declare(p + "p", "f32", Un("exp", Bin("sub", f("sc"), f("mn")))),
-        Assign(p + "l", Bin("add", Bin("mul", f("l"), f("corr")), f("p"))),
-        Loop(dd.name, c(0), c(a.d), (Store(o, dd, Bin("add", Bin("mul", Load(o, dd, "f32"), f("corr")),
-                                                      Bin("mul", f("p"), ld(a.v, kvrow, a.dtypes[2])))),)),
-        Assign(p + "m", f("mn")),
+
+def attention_tiles(a: Attention, threads: int = 1):
+    """How the CPU cuts ``a`` into work items: (query rows per tile, keys per tile, context parts).
+    Tiles of ``ATT_QROWS`` query rows (all of them when fewer) against ``ATT_KEYS`` keys; one
+    query tile per KV head (decode) cuts the context into parts, enough for every one of
+    ``threads`` threads to take the same number of items (two parts for 3 KV heads on 2 threads)."""
+    qt = min(a.t, ATT_QROWS)
+    items = a.hkv * -(-a.t // qt)
+    return qt, ATT_KEYS, threads // math.gcd(items, threads) if items == a.hkv else 1
+
+
+def expand_attention(a: Attention, qrows: int = 0, keys: int = 0, parts: int = 1):
+    """``a`` as plain loops (the CPU's rendering): flash attention.  One parallel loop over work
+    items (KV head, tile of ``qrows`` query rows, part of the context); an item takes the query
+    heads that share its KV head (GQA) together, so each K/V row is read once per item, and walks
+    tiles of ``keys`` keys with an online softmax (running max ``m``, sum ``l`` and unnormalized
+    output rows ``o``).  Key tiles wholly after the item's last query row are not visited
+    (causal); query tiles go in zigzag order (first, last, second, ...), so the contiguous runs of
+    items that threads take carry equal work.  The scores of a tile loop over keys outside rows
+    (a key's K row, converted to f32 once, serves every row), each a dot product along d.
+    ``parts`` > 1 cuts the context of every item into that many runs of key tiles and leaves each
+    part's ``m``, ``l`` and ``o`` in the shared arrays ``{out}_part_m``, ``_part_l``, ``_part_o``,
+    declared first; ``combine_attention`` then merges them.  Defaults: ``attention_tiles(a)``."""
+    if not qrows:
+        qrows, keys, parts = 1, 1, 1
+    p = f"{a.out}_"
+    i32, f32 = (lambda n: Sym(p + n, "i32")), (lambda n: Sym(p + n, "f32"))  # noqa: E731
+    G, D, T, S, qt, kt = a.hq // a.hkv, a.d, a.t, a.s, qrows, keys
+    nq, R = -(-T // qt), G * qt                       # query tiles; rows of an item (head-major)
+    item, kvh, j, pos, t0, tn = (i32(n) for n in ("item", "kvh", "j", "pos", "t0", "tn"))
+    g, i, r, x, dd, k0, kn = (i32(n) for n in ("g", "i", "r", "key", "d", "k0", "kn"))
+    neg_inf, zero = Const(float("-inf"), "f32"), Const(0.0, "f32")
+
+    def ld(buf, index, dtype):    # a q, k or v element as f32
+        return Load(buf, index, dtype) if dtype == "f32" else Cast(Load(buf, index, dtype), "f32")
+
+    def at(arr, row, col=c(0), width=1):            # the item's local arrays, row-major
+        return Load(p + arr, add(mul(row, c(width)), col), "f32")
+
+    def put(arr, row, col, width, value):
+        return Store(p + arr, add(mul(row, c(width)), col), value)
+
+    def loop(var, stop, *body):
+        return Loop(var.name, c(0), stop, tuple(body))
+
+    def rows(*body):              # every row of the item: r = g * qt + i for the tile's rows i < tn
+        return loop(g, c(G), loop(i, tn, Declare(r.name, "i32", add(mul(g, c(qt)), i)), *body))
+
+    # the item: its KV head, then its query tile (zigzag) or its part of the context
+    head = [Declare(kvh.name, "i32", Bin("idiv", item, c(nq * parts))),
+            Declare(j.name, "i32", Bin("mod", item, c(nq * parts)))]
+    tile = c(0)
+    if nq > 1:
+        half = Bin("idiv", j, c(2))
+        tile = Select(Bin("eq", Bin("mod", j, c(2)), c(0)), half, Bin("sub", c(nq - 1), half))
+    head += [Declare(pos.name, "i32", a.pos),
+             Declare(t0.name, "i32", mul(tile, c(qt))),
+             Declare(tn.name, "i32", c(T) if nq == 1 else Bin("min", c(qt), Bin("sub", c(T), t0))),
+             Declare(p + "kend", "i32", add(add(pos, t0), tn)),       # the tile's rows see keys < kend
+             Declare(p + "tiles", "i32", Bin("idiv", add(i32("kend"), c(kt - 1)), c(kt)))]
+    lo, hi = c(0), i32("tiles")
+    if parts > 1:
+        lo, hi = (Bin("idiv", mul(i32("tiles"), add(j, c(n))), c(parts)) for n in (0, 1))
+    qrow = add(mul(add(mul(kvh, c(G)), g), c(T)), add(t0, i))          # row (head, t) of q and out
+    kv = add(mul(add(mul(kvh, c(S)), add(k0, x)), c(D)), dd)          # element d of the tile's key x
+
+    arrays = (Array(p + "q", "f32", R * D), Array(p + "o", "f32", R * D), Array(p + "m", "f32", R),
+              Array(p + "l", "f32", R), Array(p + "s", "f32", R * kt))
+    init = rows(Store(p + "m", r, neg_inf), Store(p + "l", r, zero),
+                loop(dd, c(D), put("q", r, dd, D, Bin("mul", ld(a.q, add(mul(qrow, c(D)), dd), a.dtypes[0]),
+                                                     Const(a.scale, "f32"))),
+                     put("o", r, dd, D, zero)))
+    scores = loop(x, kn, rows(
+        Reduce(dd.name, c(0), c(D), (Acc(p + "dot", "add", Bin("mul", at("q", r, dd, D), ld(a.k, kv, a.dtypes[1]))),)),
+        put("s", r, x, kt, f32("dot"))))
+    visible = Bin("le", add(k0, x), add(pos, add(t0, i)))            # causal: key k0 + x <= pos + t
+    mn, ms = f32("mn"), f32("msafe")
+    softmax = rows(
+        Declare(p + "mt", "f32", neg_inf),
+        loop(x, kn, put("s", r, x, kt, Select(visible, at("s", r, x, kt), neg_inf)),
+             Assign(p + "mt", Bin("max", f32("mt"), at("s", r, x, kt)))),
+        Declare(mn.name, "f32", Bin("max", at("m", r), f32("mt"))),
+        Declare(ms.name, "f32", Select(Bin("eq", mn, neg_inf), zero, mn)),     # no visible key yet: 0
+        Declare(p + "corr", "f32", Un("exp", Bin("sub", at("m", r), ms))),
+        Declare(p + "sum", "f32", zero),
+        loop(x, kn, put("s", r, x, kt, Un("exp", Bin("sub", at("s", r, x, kt), ms))),
+             Assign(p + "sum", Bin("add", f32("sum"), at("s", r, x, kt)))),
+        Store(p + "l", r, Bin("add", Bin("mul", at("l", r), f32("corr")), f32("sum"))),
+        Store(p + "m", r, mn),
+        loop(dd, c(D), put("o", r, dd, D, Bin("mul", at("o", r, dd, D), f32("corr")))),
+        loop(x, kn, Declare(p + "pk", "f32", at("s", r, x, kt)),
+             loop(dd, c(D), put("o", r, dd, D, Bin("add", at("o", r, dd, D),
+                                                   Bin("mul", f32("pk"), ld(a.v, kv, a.dtypes[2])))))))
+    tiles = Loop(p + "tile", lo, hi, (Declare(k0.name, "i32", mul(i32("tile"), c(kt))),
+                                      Declare(kn.name, "i32", Bin("min", c(kt), Bin("sub", i32("kend"), k0))),
+                                      scores, softmax))
+    if parts > 1:                 # this part's rows, unnormalized, for combine_attention
+        slot = add(mul(qrow, c(parts)), j)
+        done = rows(Store(p + "part_m", slot, at("m", r)), Store(p + "part_l", slot, at("l", r)),
+                    loop(dd, c(D), Store(p + "part_o", add(mul(slot, c(D)), dd), at("o", r, dd, D))))
+        shared = tuple(Array(f"{p}part_{n}", "f32", a.hq * T * parts * w, "lds") for n, w in (("m", 1), ("l", 1), ("o", D)))
+    else:
+        done = rows(loop(dd, c(D), Store(a.out, add(mul(qrow, c(D)), dd), Bin("div", at("o", r, dd, D), at("l", r)))))
+        shared = ()
+    body = tuple(head) + arrays + (init, tiles, done)
+    return shared + (Loop(item.name, c(0), c(a.hkv * nq * parts), body, parallel=True),)
+
+
+def combine_attention(a: Attention, parts: int):
+    """The output rows from the ``parts`` partial rows ``expand_attention`` left in ``{out}_part_m``,
+    ``_part_l``, ``_part_o``: with M the largest part's max, out = sum_p o_p e^(m_p - M) /
+    sum_p l_p e^(m_p - M) (an empty part has m = -inf and weighs 0)."""
+    p = f"{a.out}_"
+    row, x, dd = Sym(p + "row", "i32"), Sym(p + "part", "i32"), Sym(p + "d", "i32")
+    slot = add(mul(row, c(parts)), x)
+    m = Load(p + "part_m", slot, "f32")
+    w = Un("exp", Bin("sub", m, Sym(p + "mmax", "f32")))
+    body = (
+        Declare(p + "mmax", "f32", Const(float("-inf"), "f32")),
+        Loop(x.name, c(0), c(parts), (Assign(p + "mmax", Bin("max", Sym(p + "mmax", "f32"), m)),)),
+        Declare(p + "lsum", "f32", Const(0.0, "f32")),
+        Loop(x.name, c(0), c(parts), (Assign(p + "lsum", Bin("add", Sym(p + "lsum", "f32"),
+                                                              Bin("mul", Load(p + "part_l", slot, "f32"), w))),)),
+        Loop(dd.name, c(0), c(a.d), (
+            Declare(p + "acc", "f32", Const(0.0, "f32")),
+            Loop(x.name, c(0), c(parts), (Assign(p + "acc", Bin("add", Sym(p + "acc", "f32"), Bin(
+                "mul", Load(p + "part_o", add(mul(slot, c(a.d)), dd), "f32"), w))),)),
+            Store(a.out, add(mul(row, c(a.d)), dd), Bin("div", Sym(p + "acc", "f32"), Sym(p + "lsum", "f32"))))),
     )
-    per_query = (
-        Declare(p + "m", "f32", Const(float("-inf"), "f32")),
-        Declare(p + "l", "f32", Const(0.0, "f32")),
-        Array(o, "f32", a.d),
-        Loop(dd.name, c(0), c(a.d), (Store(o, dd, Const(0.0, "f32")),)),
-        Loop(s.name, c(0), stop, step),
-        Loop(dd.name, c(0), c(a.d), (Store(a.out, add(mul(qrow, c(a.d)), dd),
-                                           Bin("div", Load(o, dd, "f32"), f("l"))),)),
-    )
-    return (Loop(h.name, c(0), c(a.hq), (Loop(t.name, c(0), c(a.t), per_query),), parallel=True),)
+    return (Loop(row.name, c(0), c(a.hq * a.t), body),)
 
 
 # ----------------------------------------------------------------------------- printing

@@ -36,9 +36,9 @@ import numpy as np
 from dsl.quant import QUANT_DTYPES, random_qarray
 
 
-def bench_vegafuse(cfg, params, ids, n_tokens, backend):
+def bench_vegafuse(cfg, params, ids, n_tokens, backend, kv_dtype="f16"):
     from .model import Model
-    m = Model(cfg, params, backend=backend, context=len(ids) + n_tokens + 8)
+    m = Model(cfg, params, backend=backend, context=len(ids) + n_tokens + 8, kv_dtype=kv_dtype)
     m.compile(len(ids))
     logits = m.prefill(ids)
     nxt = int(np.argmax(logits))
@@ -125,12 +125,12 @@ def weight_bytes(cfg, params):
     return total
 
 
-def gpu_decode(cfg, params, n_tokens, context, prompt_tokens=32, seed=0, position=None):
+def gpu_decode(cfg, params, n_tokens, context, prompt_tokens=32, seed=0, position=None, kv_dtype="f16"):
     """(tokens/s, executable) of greedy device-side decode after a random prompt of ``prompt_tokens``;
     ``position``: decode from this cache position instead (the positions between the prompt and it
     hold zeros: the step's speed depends on how many positions attention reads, not their values)."""
     from .model import Model
-    m = Model(cfg, params, backend="cuda", context=context)
+    m = Model(cfg, params, backend="cuda", context=context, kv_dtype=kv_dtype)
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_tokens).tolist()
     first = int(np.argmax(np.asarray(m.prefill(prompt))))
     m.decode_greedy(first, 2)                      # compile, capture the graph
@@ -223,7 +223,7 @@ def main_gpu(args):
         params = random_params(cfg, dev, args.dtype)
         r = {}
         for cap in (512, 32768):
-            r[cap], _ = gpu_decode(cfg, params, 63, cap, prompt_tokens=1)
+            r[cap], _ = gpu_decode(cfg, params, 63, cap, prompt_tokens=1, kv_dtype=args.kv_dtype)
             print(f"  smollm2-135m, 64 tokens in a cache of {cap:>5} positions: {1e3 / r[cap]:.3f} ms/token")
         print(f"  capacity 32768 vs 512: {r[512] / r[32768]:.3f}x the time per token")
         return 0
@@ -241,9 +241,9 @@ def main_gpu(args):
     if args.position is not None and not 32 <= args.position <= args.context - args.tokens:
         raise SystemExit(f"error: --position {args.position} must lie in [32, context - tokens = "
                          f"{args.context - args.tokens}]; raise --context")
-    tps, ex = gpu_decode(cfg, params, args.tokens, args.context, position=args.position)
+    tps, ex = gpu_decode(cfg, params, args.tokens, args.context, position=args.position, kv_dtype=args.kv_dtype)
     wb = weight_bytes(cfg, params)
-    print(f"{name}: {cfg.n_layers} layers, dim {cfg.dim}, {args.dtype} weights, batch 1, "
+    print(f"{name}: {cfg.n_layers} layers, dim {cfg.dim}, {args.dtype} weights, {args.kv_dtype} KV cache, batch 1, "
           f"{args.tokens} tokens after a 32-token prompt"
           f"{f' from position {args.position}' if args.position is not None else ''}, context {args.context}; device copy bandwidth "
           f"{bw:.0f} GB/s (read + write)", flush=True)
@@ -404,6 +404,7 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=512, help="KV-cache positions (cuda, default 512)")
     p.add_argument("--position", type=int, default=None,
                    help="decode from this cache position (cuda; default: right after the 32-token prompt)")
+    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="KV-cache element type (default f16)")
     p.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer (cuda)")
     p.add_argument("--no-graphs", action="store_true", help="launch kernels one by one (cuda A/B)")
     p.add_argument("--capacity-check", action="store_true", help="cache 512 vs 32768 at context 64 (cuda)")
@@ -447,17 +448,17 @@ def main(argv=None):
     ids = tok.encode(args.prompt)
     threads = os.cpu_count() or 1
     print(f"model {cfg.name or path}: {cfg.n_layers} layers, dim {cfg.dim}; prompt {len(ids)} tokens; "
-          f"{os.cpu_count()} CPU threads; {format_resident(params)}", flush=True)
+          f"{os.cpu_count()} CPU threads; {format_resident(params)}; {args.kv_dtype} KV cache", flush=True)
     rows = []
-    tps, ours = bench_vegafuse(cfg, params, ids, args.tokens, "cpu")
+    tps, ours = bench_vegafuse(cfg, params, ids, args.tokens, "cpu", args.kv_dtype)
     rows.append((f"vegafuse cpu (fused, {kind} weights)", tps, args.tokens))
     print(f"  {rows[-1][0]:<40} {tps:8.1f} tokens/s", flush=True)
     _, params2, _ = load_model(path, other)
-    tps2, ours2 = bench_vegafuse(cfg, params2, ids, args.tokens, "cpu")
+    tps2, ours2 = bench_vegafuse(cfg, params2, ids, args.tokens, "cpu", args.kv_dtype)
     del params2
     print(f"  {f'vegafuse cpu (fused, {other} weights)':<40} {tps2:8.1f} tokens/s   (ids agree: {ours2 == ours})",
           flush=True)
-    tps_ref, ref = bench_vegafuse(cfg, params, ids, args.reference_tokens, "reference")
+    tps_ref, ref = bench_vegafuse(cfg, params, ids, args.reference_tokens, "reference", args.kv_dtype)
     rows.append(("vegafuse reference interpreter (numpy)", tps_ref, args.reference_tokens))
     print(f"  {rows[-1][0]:<40} {tps_ref:8.1f} tokens/s   (ids agree: {ref == ours[:len(ref)]})", flush=True)
     if not args.no_hf:

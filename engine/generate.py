@@ -71,6 +71,8 @@ def parse_args(argv=None):
                         "dequantize (default native for a GGUF on the cpu, else f16)")
     p.add_argument("--quant", default=None, choices=["q4_0", "q4_1", "q8_0"],
                    help="quantize every weight matrix and the embedding to this format at load")
+    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
+                   help="KV-cache element type (default f16: half the bytes attention reads)")
     return p.parse_args(argv)
 
 
@@ -111,7 +113,7 @@ def run(args):
     if args.context is not None and args.context > cfg.max_seq_len:
         raise ModelError(f"--context {args.context} exceeds the {cfg.max_seq_len} positions the model was "
                          f"trained for; use --context {cfg.max_seq_len} or less")
-    model = Model(cfg, params, backend=args.backend, context=args.context)
+    model = Model(cfg, params, backend=args.backend, context=args.context, kv_dtype=args.kv_dtype)
     if len(prompt_ids) >= model.context:
         raise ModelError(f"the prompt has {len(prompt_ids)} tokens but the context holds {model.context}; "
                          "shorten the prompt or raise --context")

@@ -1,6 +1,6 @@
 """A Llama-family model bound to a backend: static KV cache, prefill, decode step.
 
-    m = Model(cfg, params, backend="cpu", context=2048)
+    m = Model(cfg, params, backend="cpu", context=2048)   # kv_dtype="f16" (default) or "f32"
     logits = m.prefill(prompt_ids)     # f32 [V] for the last prompt token
     logits = m.decode(next_id)         # f32 [V]; the KV cache grows by one position
 
@@ -24,16 +24,28 @@ class ContextFull(ModelError):
     """The KV cache has no free position left."""
 
 
+KV_DTYPES = {"f16": np.float16, "f32": np.float32}
+
+
 class Model:
-    def __init__(self, cfg: LlamaConfig, params, backend="cpu", context=None, fusion=None):
+    """``cfg`` and ``params`` (``engine.weights.load_model``) on ``backend`` with a static KV cache
+    of ``context`` positions per layer, k and v each [Hkv, context, hd] of ``kv_dtype``: "f16"
+    (the default on every backend: half the bytes attention streams) or "f32".  The KV write
+    rounds k and v to the cache's dtype; attention computes in f32 either way.  Bad ``context``
+    or ``kv_dtype`` raise ``ModelError``."""
+
+    def __init__(self, cfg: LlamaConfig, params, backend="cpu", context=None, fusion=None, kv_dtype="f16"):
         self.cfg, self.params, self.backend = cfg, params, backend
         self.context = int(context or min(cfg.max_seq_len, 2048))
         if self.context < 1:
             raise ModelError(f"context must be at least 1, got {self.context}")
+        if kv_dtype not in KV_DTYPES:
+            raise ModelError(f"kv_dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}: pass f16 or f32")
+        self.kv_dtype = kv_dtype
         shape = (cfg.n_kv_heads, self.context, cfg.head_dim)
         self.device = get_device(backend)
         put = self.device.put if self.device is not None else (lambda a: a)
-        self.cache = [(put(np.zeros(shape, np.float32)), put(np.zeros(shape, np.float32)))
+        self.cache = [(put(np.zeros(shape, KV_DTYPES[kv_dtype])), put(np.zeros(shape, KV_DTYPES[kv_dtype])))
                       for _ in range(cfg.n_layers)]
         self.pos = 0
 
