@@ -69,6 +69,8 @@ OPS = (list(UNARY) + list(BINARY) * 2 +
 QUANT = ("q4_0", "q4_1", "q8_0")
 # layout: a GEMV through one expert's weights picked by a runtime id (the MoE gather), (N, K) or (K, N)
 OPS += ["expert", "expert"]
+# attention over a KV cache, f16 (mostly) or f32, written at a runtime position first (issue 10)
+OPS += ["attention"]
 # a rotate-half epilogue over a contraction (RoPE: the paired_epilogue rule pairs rows j and j + h)
 OPS += ["rope", "rope"]
 # the matmul family: a fresh activation of several rows, RMS-normalized in the prologue, against f16,
@@ -287,6 +289,8 @@ class Writer:
             return None
         if name == "expert":
             return self.expert(av, an, p)
+        if name == "attention":
+            return self.attention(av, an, p)
         if name == "rope":
             return self.rope(av, an, p)
         if name in ("gather", "at", "selfupdate"):
@@ -328,6 +332,22 @@ class Writer:
             return self.emit(f"dsl.dot_t({an}, dsl.take({w}, {e})) * {round(1 / np.sqrt(k), 4)}")
         w = self.new_input((n_exp, k, n), wd)
         return self.emit(f"({an} @ dsl.take({w}, {e})) * {round(1 / np.sqrt(k), 4)}")
+
+    def attention(self, av, an, p):
+        """k, v [Hkv, T, d] written at a runtime position (at times out of range: clamped) into
+        caches [Hkv, S, d] of f16 (mostly) or f32, then ``dsl.attention`` of q [Hkv * G, T, d], a new
+        input scaled by a value of the program (so the op chains)."""
+        hkv, group = 1 + int(p[0] * 3), [1, 2, 3, 7][int(p[1] * 4)]
+        T, d = [1, 1, 2, 5, 17][int(p[2] * 5)], [8, 16, 64][int(p[3] * 3)]
+        S, kv = T + 1 + int((p[0] * 7.3 % 1) * 60), "f16" if p[1] * 5.7 % 1 < 0.7 else "f32"
+        q = self.new_input((hkv * group, T, d), "f32")
+        k, v = self.new_input((hkv, T, d), "f32"), self.new_input((hkv, T, d), "f32")
+        kc, vc = self.new_input((hkv, S, d), kv), self.new_input((hkv, S, d), kv)
+        pos = self.new_input((), "i32", "int", S - T)
+        kc, _ = self.emit(f"dsl.dynamic_update_slice({kc}, {k}.astype('{kv}'), [0, {pos}, 0])")
+        vc, _ = self.emit(f"dsl.dynamic_update_slice({vc}, {v}.astype('{kv}'), [0, {pos}, 0])")
+        scale = f"(1.0 + 0.1 * dsl.tanh(dsl.mean({an}).astype('f32')))"
+        return self.emit(f"dsl.attention({q} * {scale}, {kc}, {vc}, {pos}, {round(1 / np.sqrt(d), 4)})")
 
     def indexing(self, name, a, pk, p):
         """x[ids] / x[:, i] / take(axis=) with traced ids (negative and out-of-range ones too),

@@ -82,14 +82,17 @@ def test_decode_step_ir_round_trips(smol):
     assert len(prog.eqns) == len(low.program.eqns) > 30 * cfg.n_layers
 
 
-def test_prefill_buckets_match_token_by_token_decode(smol):
-    """Padded prefill (bucket 8 for 5 tokens) gives the same logits as feeding tokens one by one."""
+@pytest.mark.parametrize("kv_dtype, tol", [("f32", 1e-3), ("f16", 1e-2)])
+def test_prefill_buckets_match_token_by_token_decode(smol, kv_dtype, tol):
+    """Padded prefill (bucket 8 for 5 tokens) gives the same logits as feeding tokens one by one.
+    With the f16 cache, prefill's and decode's k and v (equal within f32 rounding, 4e-5 in the
+    logits) can round to neighbouring halves: 3e-3 in the logits, on the numpy interpreter too."""
     cfg, params, tok = smol
     ids = tok.encode(PROMPT)
-    a = Model(cfg, params, context=32)
+    a = Model(cfg, params, context=32, kv_dtype=kv_dtype)
     la = a.prefill(ids)
-    b = Model(cfg, params, context=32)
+    b = Model(cfg, params, context=32, kv_dtype=kv_dtype)
     b.pos = 0
     for t in ids:
         lb = b.decode(t)
-    np.testing.assert_allclose(la, lb, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(la, lb, rtol=tol, atol=tol)
