@@ -366,3 +366,31 @@ def test_matmul_long_rows_one_at_a_time_split_over_waves(dtype):
     x, w, res = randn(T, K, scale=0.5), matmul_weight(N, K, dtype), randn(T, N)
     c = check(lambda x, w, res: res + nn.linear(x, w), x, w, res, gemv_k=K)
     assert "a matmul" in c.kernels[0].hip.kernel.launch.how
+
+
+@pytest.mark.parametrize("hq,hkv,t,pos,S,D", [(28, 4, 1, 4000, 4096, 128), (9, 3, 1, 2000, 2048, 64),
+                                               (12, 2, 16, 100, 512, 128), (7, 1, 5, 506, 511, 64)])
+def test_kv_write_into_an_f16_cache_and_attention(hq, hkv, t, pos, S, D):
+    """The default f16 KV cache on the GPU: the write rounds to f16 (k and v are f16 values here, as
+    the float64 interpreter does not round it) and attention reads f16 rows."""
+    q = randn(hq, t, D)
+    k, v = randn(hkv, t, D, dtype=np.float16).astype(np.float32), randn(hkv, t, D, dtype=np.float16).astype(np.float32)
+    kc, vc = randn(hkv, S, D, dtype=np.float16), randn(hkv, S, D, dtype=np.float16)
+
+    def f(q, k, v, kc, vc, pos):
+        out, kc, vc = nn.causal_attention(q, kc, vc, k, v, pos)
+        return out, kc, vc
+    c = check(f, q, k, v, kc, vc, pos, rtol=2e-3, atol=2e-3)
+    att = [x for x in c.plan.kernels if x.family == "attention"][0]
+    assert [p.dtype for p in att.params if p.shape == (hkv, S, D)] == ["f16", "f16"]
+
+
+def test_smollm2_greedy_ids_with_the_f32_cache():
+    from engine.model import Model
+    from engine.weights import default_model_path, load_model
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    cfg, params, _ = load_model(default_model_path())
+    m = Model(cfg, params, backend="cuda", context=64, kv_dtype="f32")
+    assert {c.dtype for pair in m.cache for c in pair} == {np.dtype(np.float32)}
+    m.prefill(PROMPT_IDS)
+    assert [REFERENCE_IDS[0]] + m.decode_greedy(REFERENCE_IDS[0], 19) == REFERENCE_IDS
