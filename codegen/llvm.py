@@ -15,6 +15,9 @@ nthreads)`` whose buffer pointers carry ``noalias`` where that is safe (see
 ``_noalias``).  Every thread runs the whole body; the outermost ``parallel``
 loop of each loop nest only runs its own contiguous chunk of iterations
 (``tid`` of ``nthreads``).  Nothing in the generated code creates threads.
+An ``Array`` in space "lds" is a module global that the launch's threads share (attention's
+context parts, merged by the call that arrives last: ``_Renderer.last_arrival``); a kernel's
+launches must therefore not overlap, as the CPU device guarantees.
 
 Lowering: mutable locals (``Declare``) and local ``Array``s are allocas in the
 entry block (mem2reg/SROA promote them); loops are header/body/latch with an
@@ -35,8 +38,9 @@ import numpy as np
 from llvmlite import ir
 
 from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Const, Declare, If, Kernel, Load, Loop,
-                     Reduce, Select, Store, Sym, Un, attention_tiles, combine_attention, expand_attention, format_expr, format_kernel, can_interchange,
+                     Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, can_interchange,
                      interchange, serial_reduce)
+from .loopir import attention_tiles, combine_attention
 from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
 from .loopir import spelling as op_spelling
 from .loopir import fold, local_names, rewrite, rewrite_expr, walk_exprs, walk_stmts
@@ -361,7 +365,7 @@ class _Renderer:
     def array(self, s, env):
         if s.space == "lds":                      # shared by the launch's threads: a global
             slot = ir.GlobalVariable(self.module, ir.ArrayType(MEM_TYPES[s.dtype], s.size),
-                                     f"{self.b.function.name}.{s.name}")
+                                     self.module.get_unique_name(f"{self.b.function.name}.{s.name}"))
             slot.linkage, slot.initializer, slot.align = "internal", ir.Constant(slot.value_type, None), 64
             env[s.name] = ("arr", self.entry.gep(slot, [ir.Constant(I32, 0)] * 2, inbounds=True), s.dtype)
             return
@@ -586,7 +590,7 @@ class _Renderer:
         """Run ``body`` on whichever of the launch's ``nthreads`` calls arrives here last (an
         atomic count in a global, reset by that call), after every call's stores before it."""
         b = self.b
-        count = ir.GlobalVariable(self.module, I32, f"{self.b.function.name}.arrivals")
+        count = ir.GlobalVariable(self.module, I32, self.module.get_unique_name(f"{b.function.name}.arrivals"))
         count.linkage, count.initializer = "internal", ir.Constant(I32, 0)
         old = b.atomic_rmw("add", count, ir.Constant(I32, 1), "acq_rel")
         with b.if_then(b.icmp_signed("==", old, b.sub(self.nthreads, ir.Constant(I32, 1)))):
