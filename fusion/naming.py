@@ -134,7 +134,8 @@ def _nearest_layer(graph, v, names):
         found, nxt = [], []
         for x in level:
             e = graph.producer.get(x)
-            while e is not None and e.prim.name == "dequantize":        # a quantized weight: its input
+            # a quantized weight, or a cast (the KV write to an f16 cache), stands for its input
+            while e is not None and e.prim.name in ("dequantize", "convert"):
                 x = e.inputs[0]
                 e = graph.producer.get(x)
             if e is None:
