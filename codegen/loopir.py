@@ -752,7 +752,9 @@ def expand_attention(a: Attention, qrows: int = 0, keys: int = 0, parts: int = 1
     (a key's K row, converted to f32 once, serves every row), each a dot product along d.
     ``parts`` > 1 cuts the context of every item into that many runs of key tiles and leaves each
     part's ``m``, ``l`` and ``o`` in the shared arrays ``{out}_part_m``, ``_part_l``, ``_part_o``,
-    declared first; ``combine_attention`` then merges them.  Defaults: ``attention_tiles(a)``."""
+    declared first; ``combine_attention`` then merges them.  Without ``qrows``: tiles of one row
+    and one key, the smallest local arrays (a loop-family kernel inlines attention this way, and
+    on a GPU each thread holds them); ``codegen/llvm.py`` asks ``attention_tiles``."""
     if not qrows:
         qrows, keys, parts = 1, 1, 1
     p = f"{a.out}_"
