@@ -276,10 +276,10 @@ def prefill_ids(n, vocab, tok=None):
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def time_prefill(cfg, params, ids, backend, repeat):
+def time_prefill(cfg, params, ids, backend, repeat, kv_dtype="f16"):
     """Seconds of each of ``repeat`` prefills of ``ids`` (compiled and run once first)."""
     from .model import Model
-    m = Model(cfg, params, backend=backend, context=len(ids) + 8)
+    m = Model(cfg, params, backend=backend, context=len(ids) + 8, kv_dtype=kv_dtype)
     m.compile(len(ids))
     np.asarray(m.prefill(ids))
     out = []
@@ -372,7 +372,7 @@ def main_prefill(args):
         peer_name, peer = "Hugging Face eager cpu (f32)", lambda: None if args.no_hf else hf_prefill(
             path, ids, os.cpu_count() or 1, repeat)
         what = f"{cfg.name or path} ({args.quant or dtype} weights, {os.cpu_count()} CPU threads)"
-    ours = time_prefill(cfg, params, ids, args.backend, repeat)
+    ours = time_prefill(cfg, params, ids, args.backend, repeat, args.kv_dtype)
     print(f"prefill of a {n}-token prompt, {what}; median of {repeat} runs (p10 .. p90)", flush=True)
 
     def line(label, ts):
