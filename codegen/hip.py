@@ -291,69 +291,321 @@ def stmts(body, pad="  "):
     return out
 
 
+LOG2E = 1.4426950408889634
+
+# the names the attention template declares inside its block: a buffer or position symbol of the
+# same name is read through a renamed local (``_attention``)
+ATT_LOCALS = ("D", "S", "T", "G", "R", "KT", "CH", "NS", "q_tile", "k_tile", "v_tile", "p_tile", "rescale",
+              "row_max", "row_sum", "last_flag", "kv_head", "tile", "first", "split", "p", "end", "lo", "hi",
+              "i", "r", "t", "u", "j", "c", "d", "r0", "k_next", "v_next", "m", "l", "o", "start", "s", "top",
+              "dot", "mx", "corr", "sum", "pr", "v0", "v1", "v2", "v3", "splits", "group", "slot", "at", "w",
+              "acc", "key")
+
+
+@dataclass(frozen=True)
+class _Att:
+    """The numbers of one attention template, from its ``AttentionTiles``."""
+    a: L.Attention
+
+    def __getattr__(self, name):
+        return getattr(self.a.tiles, name)
+
+    @property
+    def group(self):
+        return self.a.hq // self.a.hkv
+
+    @property
+    def rows(self):
+        return self.rows_q * self.group
+
+    @property
+    def nqt(self):
+        return -(-self.a.t // self.rows_q)
+
+    @property
+    def waves(self):
+        return self.threads // self.wave
+
+
+def _att_globals(a: L.Attention):
+    """File-scope buffers of a split attention: every split's partial rows and, per group of splits,
+    how many have arrived (zero when the module loads; the last split sets it back)."""
+    x = _Att(a)
+    if x.splits == 1:
+        return []
+    n = a.hkv * x.nqt
+    part = n * x.splits * x.rows
+    return [f"// {a.out}: the partial rows (output, max, sum) of each of the {x.splits} splits of the cache, and per",
+            f"// group of splits how many have arrived (zero when the module loads; the last split resets it)",
+            f"__device__ float {a.out}_o_part[{part * a.d}], {a.out}_m_part[{part}], {a.out}_l_part[{part}];",
+            f"__device__ unsigned int {a.out}_arrived[{n}];"]
+
+
+def _one_trip(lines):
+    """``lines`` with every loop of one trip (``for (int i = 0; i < 1; ++i)``) written as its body,
+    the counter 0: a block when the body spans lines (its locals keep their scope)."""
+    out, i = [], 0
+    while i < len(lines):
+        m = re.match(r"(\s*)for \(int (\w+) = 0; \2 < 1; \+\+\2\) (.*)$", lines[i])
+        if not m:
+            out.append(lines[i])
+            i += 1
+            continue
+        ind, var, rest = m.groups()
+        if out and out[-1].startswith("#pragma unroll"):
+            out.pop()
+
+        def zero(x):
+            x = re.sub(rf"\b{var}\b", "0", x)
+            x = re.sub(r" \+ \w+ \* 0\b| \+ 0 \* \w+", "", x)
+            return re.sub(r"\((vf_wave|vf_lane)\)", r"\1", x)
+        if re.match(r"\{(\s*//.*)?$", rest):              # a body over several lines, up to the brace
+            end = next(j for j in range(i + 1, len(lines)) if lines[j] == ind + "}")
+            out += [ind + rest] + _one_trip([zero(x) for x in lines[i + 1:end]]) + [ind + "}"]
+            i = end + 1
+        else:
+            out.append(ind + zero(rest))
+            i += 1
+    return out
+
+
 def _attention(a: L.Attention, pad):
-    """One workgroup per (query head, query row); waves split the context, two positions per step,
-    lanes hold head-dim elements; the waves' partial softmax states combine with log-sum-exp."""
+    """Flash attention over the KV cache (``codegen.mapping.attention_tiles`` chose the tiles): a
+    workgroup takes one KV head, a tile of query rows (the group's heads at ``rows_q`` positions)
+    and one split of the cache; K/V tiles move through registers (16-byte loads, the next tile's in
+    flight while this one is computed) into LDS; each row's scores are spread over ``key_lanes``
+    lanes (online softmax in base 2: the scale carries log2 e); each thread accumulates output
+    elements of its rows.  The splits' partial rows meet in global memory, where the last split of
+    each group to finish combines them (log-sum-exp)."""
+    x = _Att(a)
     qd, kd, vd = a.dtypes
-    ld = lambda buf, idx, dt: f"vf_h2f({buf}[{idx}])" if dt == "f16" else f"{buf}[{idx}]"  # noqa: E731
-    src = f"""constexpr int D = {a.d}, S = {a.s}, T = {a.t}, DPL = (D + VF_WAVE - 1) / VF_WAVE;
-__shared__ float vf_m[VF_ATT_WAVES], vf_l[VF_ATT_WAVES], vf_o[VF_ATT_WAVES][D];
-const int h = blockIdx.x / T, t = blockIdx.x % T, kvh = h / {a.hq // a.hkv};
-const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;
-const int n = min({expr(a.pos)} + t + 1, S);        // positions 0..pos+t only
-const size_t qrow = ((size_t)h * T + t) * D;
-float q[DPL], o[DPL];
-#pragma unroll
-for (int j = 0; j < DPL; ++j) {{
-  const int d = vf_lane + j * VF_WAVE;
-  q[j] = d < D ? {ld(a.q, 'qrow + d', qd)} * {float(a.scale)!r}f : 0.0f;
-  o[j] = 0.0f;
-}}
-float mx = -VF_INF, l = 0.0f;
-// two positions per step, their K and V rows loaded before either is used (loads in flight)
-for (int s = vf_wave; s < n; s += 2 * VF_ATT_WAVES) {{
-  const int s2 = s + VF_ATT_WAVES;
-  const bool two = s2 < n;
-  const size_t row = ((size_t)kvh * S + s) * D, row2 = ((size_t)kvh * S + (two ? s2 : s)) * D;
-  float k1[DPL], v1[DPL], k2[DPL], v2[DPL];
-#pragma unroll
-  for (int j = 0; j < DPL; ++j) {{
-    const int d = vf_lane + j * VF_WAVE < D ? vf_lane + j * VF_WAVE : 0;
-    k1[j] = {ld(a.k, 'row + d', kd)}; v1[j] = {ld(a.v, 'row + d', vd)};
-    k2[j] = {ld(a.k, 'row2 + d', kd)}; v2[j] = {ld(a.v, 'row2 + d', vd)};
-  }}
-  float part = 0.0f, part2 = 0.0f;
-#pragma unroll
-  for (int j = 0; j < DPL; ++j) {{
-    if (vf_lane + j * VF_WAVE < D) {{ part += q[j] * k1[j]; part2 += q[j] * k2[j]; }}
-  }}
-  const float sc = vf_wave_sum(part);
-  const float sc2 = two ? vf_wave_sum(part2) : -VF_INF;
-  const float mn = fmaxf(fmaxf(mx, sc), sc2), corr = expf(mx - mn), p = expf(sc - mn);
-  const float p2 = two ? expf(sc2 - mn) : 0.0f;
-  l = l * corr + p + p2;
-#pragma unroll
-  for (int j = 0; j < DPL; ++j) o[j] = o[j] * corr + p * v1[j] + p2 * v2[j];
-  mx = mn;
-}}
-// log-sum-exp combine of the waves' partial results
-if (vf_lane == 0) {{ vf_m[vf_wave] = mx; vf_l[vf_wave] = l; }}
-#pragma unroll
-for (int j = 0; j < DPL; ++j) {{
-  const int d = vf_lane + j * VF_WAVE;
-  if (d < D) vf_o[vf_wave][d] = o[j];
-}}
-__syncthreads();
-float M = -VF_INF;
-for (int w = 0; w < VF_ATT_WAVES; ++w) M = fmaxf(M, vf_m[w]);
-float L = 0.0f;
-for (int w = 0; w < VF_ATT_WAVES; ++w) L += vf_m[w] == -VF_INF ? 0.0f : vf_l[w] * expf(vf_m[w] - M);
-for (int d = threadIdx.x; d < D; d += VF_ATT_BLOCK) {{
-  float acc = 0.0f;
-  for (int w = 0; w < VF_ATT_WAVES; ++w) acc += vf_m[w] == -VF_INF ? 0.0f : vf_o[w][d] * expf(vf_m[w] - M);
-  {a.out}[qrow + d] = acc / L;
-}}"""
-    return [(pad + line) if line and not line.startswith("#") else line for line in src.split("\n")]
+    G, R, KT, KL, NT, NS, D = x.group, x.rows, x.keys, x.key_lanes, x.threads, x.splits, a.d
+    RW, KPL = x.wave // KL, KT // KL                   # rows a wave scores at once, keys per lane
+    RI = -(-R // (x.waves * RW))                       # score rows per lane
+    shared_d = NT % D == 0                             # each thread keeps one column d of several rows
+    RP = NT // D if shared_d else 0
+    OI = -(-R // RP) if shared_d else -(-R * D // NT)  # output elements per thread
+    h2f = lambda dt, e: f"vf_h2f({e})" if dt == "f16" else e  # noqa: E731
+    out = []
+    A = out.append
+    T1, tiled = a.t == 1, x.nqt > 1
+
+    # expressions of a row r: its query position t and head
+    def t_of(r):
+        if T1:
+            return "0"
+        within = r if G == 1 else f"{r} / G"
+        return f"first + {within}" if tiled else within
+
+    def head(r):
+        if G == 1:
+            return "kv_head"
+        return f"kv_head * G + {r}" if T1 else f"kv_head * G + {r} % G"
+
+    def row_index(r):               # the (head, t) row of q and out, in elements
+        return f"(size_t)({head(r)}) * D" if T1 else f"((size_t)({head(r)}) * T + {t_of(r)}) * D"
+
+    partial_t = a.t % x.rows_q != 0                    # the last tile has rows past T
+
+    def units(dt):
+        es = L.ITEMSIZE[dt]
+        e = 16 // es if x.vector else 1
+        return e, D // e, "vf_vec16" if x.vector else CTYPE[dt]
+
+    def zero(dt):
+        return "vf_zero16()" if x.vector else ("vf_f2h(0.0f)" if dt == "f16" else "0.0f")
+
+    def fetch(start, what):
+        lines = [f"// {what}"]
+        for buf, dt, regs in (("@k@", kd, "k_next"), ("@v@", vd, "v_next")):
+            e, per_row, _ = units(dt)
+            total = KT * per_row
+            n = -(-total // NT)
+            guard = "i < KT * %d && " % per_row if total % NT else ""
+            col = f"i % {per_row} * {e}" if e > 1 else f"i % {per_row}"
+            load = f"*(const vf_vec16*)({buf} + (size_t)(kv_head * S + key) * D + {col})" if x.vector else \
+                f"{buf}[(size_t)(kv_head * S + key) * D + {col}]"
+            lines += ["#pragma unroll", f"for (int u = 0; u < {n}; ++u) {{",
+                      f"  const int i = threadIdx.x + u * {NT}, key = {start} + i / {per_row};",
+                      f"  {regs}[u] = {zero(dt)};",
+                      f"  if ({guard}key < hi) {regs}[u] = {load};", "}"]
+        return lines
+
+    def stash():
+        lines = []
+        for tile, dt, regs in (("k_tile", kd, "k_next"), ("v_tile", vd, "v_next")):
+            e, per_row, unit = units(dt)
+            total = KT * per_row
+            n = -(-total // NT)
+            col = f"i % {per_row} * {e}" if e > 1 else f"i % {per_row}"
+            dst = f"*(vf_vec16*)&{tile}[i / {per_row}][{col}]" if x.vector else f"{tile}[i / {per_row}][{col}]"
+            lines += ["#pragma unroll", f"for (int u = 0; u < {n}; ++u) {{",
+                      f"  const int i = threadIdx.x + u * {NT};",
+                      (f"  if (i < KT * {per_row}) " if total % NT else "  ") + f"{dst} = {regs}[u];", "}"]
+        return lines
+
+    # the rows and columns a thread accumulates (PV): r0 + RP * i and d, or pairs threadIdx.x + NT * i
+    clamp_rows = shared_d and R % RP != 0
+    if shared_d:
+        out_row = "min(r0 + %d * i, R - 1)" % RP if clamp_rows else f"r0 + {RP} * i"
+        out_col = "d"
+        row_ok = "r0 + %d * i < R" % RP if clamp_rows else ""
+    else:
+        pair = "min((int)threadIdx.x + %d * i, R * D - 1)" % NT if R * D % NT else f"threadIdx.x + {NT} * i"
+        out_row, out_col = f"{pair} / D", f"{pair} % D"
+        row_ok = f"threadIdx.x + {NT} * i < R * D" if R * D % NT else ""
+
+    def store_rows(value):
+        """Lines storing ``value`` (an expression of i, r, d) for every row the thread holds."""
+        ok = [c for c in (row_ok, f"{t_of('r')} < T" if partial_t else "") if c]
+        body = [f"  const int r = {out_row}, d = {out_col};" if not shared_d else f"  const int r = {out_row};"]
+        st = f"@out@[{row_index('r')} + d] = {value};"
+        body.append(f"  if ({' && '.join(ok)}) {st}" if ok else f"  {st}")
+        return ["#pragma unroll", f"for (int i = 0; i < {OI}; ++i) {{"] + body + ["}"]
+
+    # score rows: lane groups of KL lanes, RW per wave
+    srow = "vf_wave + %d * i" % x.waves if RW == 1 else f"(vf_wave + {x.waves} * i) * {RW} + vf_lane / {KL}"
+    clamp_srows = R % (x.waves * RW) != 0
+    kcol = "vf_lane" if KL == x.wave else f"vf_lane % {KL}"
+    jexpr = kcol if KPL == 1 else f"{kcol} + {KL} * u"
+
+    rows_text = f"{G} query heads" if T1 else f"{x.rows_q} query positions x {G} heads"
+    A(f"// {a.hq} query heads over {a.hkv} KV heads, {a.t} query row{'s' if a.t > 1 else ''}, {a.s} cache positions, "
+      f"head dim {D}.  A workgroup: one KV head,")
+    A(f"// {rows_text} ({R} rows), " + (f"one of {NS} splits of {x.chunk} positions; " if NS > 1 else "every position; ")
+      + f"tiles of {KT} positions in LDS")
+    A("{")
+    consts = [f"D = {D}", f"S = {a.s}"] + ([f"T = {a.t}"] if not T1 else []) + ([f"G = {G}"] if G > 1 else []) \
+        + [f"R = {R}", f"KT = {KT}"] + ([f"CH = {x.chunk}", f"NS = {NS}"] if NS > 1 else [])
+    body = [f"constexpr int {', '.join(consts)};",
+            "__shared__ float q_tile[R][D] __attribute__((aligned(16)));              // the rows' queries, scaled",
+            f"__shared__ {CTYPE[kd]} k_tile[KT][D + {16 // L.ITEMSIZE[kd]}] __attribute__((aligned(16)));"
+            "    // rows 16 bytes apart in the banks",
+            f"__shared__ {CTYPE[vd]} v_tile[KT][D] __attribute__((aligned(16)));",
+            "__shared__ float p_tile[R][KT] __attribute__((aligned(16)));             // the tile's probabilities",
+            "__shared__ float rescale[R], row_max[R], row_sum[R];"]
+    if NS > 1:
+        body.append("__shared__ int last_flag;")
+    body.append("const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;")
+    per = x.nqt * NS
+    body.append(f"const int kv_head = blockIdx.x / {per};" if per > 1 else "const int kv_head = blockIdx.x;")
+    if tiled:
+        body.append(f"const int tile = {x.nqt - 1} - blockIdx.x / {NS} % {x.nqt}, first = tile * {x.rows_q};"
+                    "   // the longest tiles start first" if NS > 1 else
+                    f"const int tile = {x.nqt - 1} - blockIdx.x % {x.nqt}, first = tile * {x.rows_q};"
+                    "   // the longest tiles start first")
+    body.append("const int p = @pos@;")
+    last = "1" if T1 else (f"min(first + {x.rows_q}, T)" if tiled else "T")
+    body.append(f"const int end = p + {last};    // the tile reads positions 0..pos+t of its last row t")
+    if NS > 1:
+        body += [f"const int split = blockIdx.x % NS, lo = split * CH, hi = min(lo + CH, end);",
+                 "if (lo >= hi) return;        // a split past the position: nothing to read"]
+    else:
+        body.append("const int lo = 0, hi = end;")
+    qv = h2f(qd, f"@q@[{row_index('r')} + i % D]")
+    qval = f"{qv} * {a.scale * LOG2E!r}f"
+    body += ["// the rows' queries times the scale and log2(e): the softmax runs in base 2",
+             f"for (int i = threadIdx.x; i < R * D; i += {NT}) {{",
+             "  const int r = i / D;",
+             (f"  q_tile[r][i % D] = {t_of('r')} < T ? {qval} : 0.0f;" if partial_t else f"  q_tile[r][i % D] = {qval};"),
+             "}"]
+    nk, nv = (-(-KT * units(dt)[1] // NT) for dt in (kd, vd))
+    body.append(f"{units(kd)[2]} k_next[{nk}];")
+    body.append(f"{units(vd)[2]} v_next[{nv}];")
+    body += fetch("lo", "the first tile's K and V rows into registers (zeros past hi)")
+    body += [f"float m[{RI}], l[{RI}], o[{OI}];",
+             "#pragma unroll", f"for (int i = 0; i < {RI}; ++i) {{ m[i] = -VF_INF; l[i] = 0.0f; }}",
+             "#pragma unroll", f"for (int i = 0; i < {OI}; ++i) o[i] = 0.0f;"]
+    if shared_d:
+        body.append(f"const int r0 = threadIdx.x / D, d = threadIdx.x % D;   // this thread's output column and first row")
+    loop = stash() + ["__syncthreads();"]
+    loop += fetch("start + KT", "the next tile's rows: in flight while this one is computed")
+    # scores and online softmax
+    valid = "start + j < hi" if T1 else f"start + j < hi && start + j <= p + {t_of('rr' if clamp_srows else 'r')}"
+    dot_step = "16 / sizeof(" + CTYPE[kd] + ")"
+    e_k = units(kd)[0]
+    dot = (f"for (int d = 0; d < D; d += {e_k}) dot = vf_dot_qk(dot, &q_tile[{'rr' if clamp_srows else 'r'}][d], &k_tile[j][d]);"
+           if x.vector else
+           f"for (int d = 0; d < D; ++d) dot += q_tile[{'rr' if clamp_srows else 'r'}][d] * {h2f(kd, 'k_tile[j][d]')};")
+    del dot_step
+    rr = "rr" if clamp_srows else "r"
+    score = [f"// scores: a row on {KL} lanes, each taking {'one key' if KPL == 1 else f'{KPL} keys'} of the tile; online softmax",
+             "#pragma unroll", f"for (int i = 0; i < {RI}; ++i) {{", f"  const int r = {srow};"]
+    if clamp_srows:
+        score.append("  const int rr = min(r, R - 1);      // rows past R compute along (the lanes reduce together)")
+    score += [f"  float s[{KPL}], top = -VF_INF;", "#pragma unroll", f"  for (int u = 0; u < {KPL}; ++u) {{",
+              f"    const int j = {jexpr};", "    float dot = 0.0f;", "#pragma unroll 4", f"    {dot}",
+              f"    s[u] = {valid} ? dot : -VF_INF;", "    top = fmaxf(top, s[u]);", "  }",
+              f"  const float mx = fmaxf(m[i], vf_group_max(top, {KL}));",
+              "  const float corr = mx == -VF_INF ? 1.0f : exp2f(m[i] - mx);   // -inf: no position yet",
+              "  float sum = 0.0f;", "#pragma unroll", f"  for (int u = 0; u < {KPL}; ++u) {{",
+              "    const float pr = s[u] == -VF_INF ? 0.0f : exp2f(s[u] - mx);", "    sum += pr;",
+              f"    {'if (r < R) ' if clamp_srows else ''}p_tile[r][{jexpr}] = pr;", "  }",
+              f"  l[i] = l[i] * corr + vf_group_sum(sum, {KL});", "  m[i] = mx;",
+              f"  if ({kcol} == 0{' && r < R' if clamp_srows else ''}) rescale[r] = corr;", "}", "__syncthreads();"]
+    loop += score
+    vval = lambda j, col: h2f(vd, f"v_tile[{j}][{col}]")  # noqa: E731
+    pv = ["// outputs: each thread's rows times the tile's values", "#pragma unroll",
+          f"for (int i = 0; i < {OI}; ++i) o[i] *= rescale[{out_row}];",
+          "for (int j = 0; j < KT; j += 4) {"]
+    if shared_d:
+        pv += [f"  const float v0 = {vval('j', 'd')}, v1 = {vval('j + 1', 'd')}, v2 = {vval('j + 2', 'd')}, "
+               f"v3 = {vval('j + 3', 'd')};", "#pragma unroll", f"  for (int i = 0; i < {OI}; ++i) {{",
+               f"    const vf_float4 pr = *(const vf_float4*)&p_tile[{out_row}][j];",
+               "    o[i] += pr.x * v0 + pr.y * v1 + pr.z * v2 + pr.w * v3;", "  }", "}"]
+    else:
+        pv += ["#pragma unroll", f"  for (int i = 0; i < {OI}; ++i) {{",
+               f"    const int r = {out_row}, d = {out_col};",
+               "    const vf_float4 pr = *(const vf_float4*)&p_tile[r][j];",
+               f"    o[i] += pr.x * {vval('j', 'd')} + pr.y * {vval('j + 1', 'd')} + pr.z * {vval('j + 2', 'd')} "
+               f"+ pr.w * {vval('j + 3', 'd')};", "  }", "}"]
+    loop += pv + ["__syncthreads();"]
+    body += ["for (int start = lo; start < hi; start += KT) {"] + ["  " + ln if not ln.startswith("#") else ln
+                                                                   for ln in loop] + ["}"]
+    body += ["// each row's max and sum", "#pragma unroll", f"for (int i = 0; i < {RI}; ++i) {{", f"  const int r = {srow};",
+             f"  if ({kcol} == 0{' && r < R' if clamp_srows else ''}) {{ row_max[r] = m[i]; row_sum[r] = l[i]; }}",
+             "}", "__syncthreads();"]
+    direct = store_rows("o[i] / row_sum[r]")
+    if NS == 1:
+        body += direct
+    else:
+        grp = f"kv_head * {x.nqt} + tile" if tiled else "kv_head"
+        o_part, m_part, l_part, arrived = (f"{a.out}_{n}" for n in ("o_part", "m_part", "l_part", "arrived"))
+        ok = [c for c in (row_ok, f"{t_of('r')} < T" if partial_t else "") if c]
+        cond = f"if ({' && '.join(ok)}) " if ok else ""
+        dd = "" if shared_d else f", d = {out_col}"
+        merge = ["float mx = -VF_INF, sum = 0.0f, acc = 0.0f;",
+                 f"for (int c = 0; c < splits; ++c) mx = fmaxf(mx, vf_load_arrived(&{m_part}[(group * NS + c) * R + r]));",
+                 "for (int c = 0; c < splits; ++c) {",
+                 "  const int at = (group * NS + c) * R + r;",
+                 f"  const float w = exp2f(vf_load_arrived(&{m_part}[at]) - mx);",
+                 f"  sum += w * vf_load_arrived(&{l_part}[at]);",
+                 f"  acc += w * vf_load_arrived(&{o_part}[(size_t)at * D + d]);", "}",
+                 f"@out@[{row_index('r')} + d] = acc / sum;"]
+        if ok:
+            merge = [f"if ({' && '.join(ok)}) {{"] + ["  " + ln for ln in merge] + ["}"]
+        combine = ["#pragma unroll", f"for (int i = 0; i < {OI}; ++i) {{", f"  const int r = {out_row}{dd};"]
+        combine += ["  " + ln for ln in merge] + ["}"]
+        body += ["const int splits = (end + CH - 1) / CH;     // the splits that hold positions",
+                 "if (splits == 1) {"] + ["  " + ln if not ln.startswith("#") else ln for ln in direct] + [
+                 "} else {",
+                 "  // this split's partial rows to global memory; the last split of the group to arrive combines them",
+                 f"  const int group = {grp}, slot = group * NS + split;"]
+        part = ["#pragma unroll", f"for (int i = 0; i < {OI}; ++i) {{", f"  const int r = {out_row}{dd};",
+                f"  {cond}{o_part}[((size_t)slot * R + r) * D + d] = o[i];", "}",
+                f"for (int r = threadIdx.x; r < R; r += {NT}) {{ {m_part}[slot * R + r] = row_max[r]; "
+                f"{l_part}[slot * R + r] = row_sum[r]; }}",
+                f"if (vf_last_to_arrive(&{arrived}[group], splits, &last_flag)) {{"]
+        part += ["  " + ln if not ln.startswith("#") else ln for ln in combine] + ["}"]
+        body += ["  " + ln if not ln.startswith("#") else ln for ln in part] + ["}"]
+    out += ["  " + ln if not ln.startswith("#") else ln for ln in body] + ["}"]
+    text = "\n".join(_one_trip(out))
+    outside = {a.q, a.k, a.v, a.out} | {e.name for e in L.walk_exprs(a.pos) if isinstance(e, L.Sym)}
+    for name in set(ATT_LOCALS) & outside:                   # a local would hide it: rename the local
+        text = re.sub(rf"\b{name}\b", name + "_", text)
+    text = (text.replace("@q@", a.q).replace("@k@", a.k).replace("@v@", a.v).replace("@out@", a.out)
+            .replace("@pos@", bare(a.pos)))
+    return [(pad + line) if line and not line.startswith("#") else line for line in text.split("\n")]
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -401,8 +653,9 @@ def render_kernel(k: L.Kernel) -> str:
     """The source of a mapped kernel (``codegen.mapping.map_kernel``), without the prelude."""
     launch = k.launch
     lines = [f"// {k.name}: {k.family} kernel, {k.bytes} bytes moved, {k.flops} flops per call",
-             f"// mapping: {launch.how}",
-             f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
+             f"// mapping: {launch.how}"]
+    lines += [x for s in k.body if isinstance(s, L.Attention) for x in _att_globals(s)]
+    lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
     arrays = [s for s in k.body if isinstance(s, L.Array)]
     lines += stmts(arrays)
     if _uses_waves(k.body):
@@ -421,7 +674,8 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     t = get_target(target) if isinstance(target, str) else target
     m = L.tidy_names(map_kernel(k, t), reserved=("vf_lane", "vf_wave"))
     quant = any(p.dtype in L.QUANT_DTYPES for p in k.params)
-    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act, quant)
+    att = any(isinstance(s, L.Attention) for s in m.body)
+    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act, quant, att)
     src = head + "\n" + render_kernel(m)
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

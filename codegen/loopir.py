@@ -358,6 +358,24 @@ class Attention:
     d: int
     pos: Expr
     scale: float
+    tiles: "AttentionTiles" = None  # the GPU mapping's choices (codegen/mapping.py), None before it
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """How the GPU runs an ``Attention`` (chosen by ``codegen/mapping.py``): a workgroup takes one
+    KV head, ``rows_q`` query positions (times the heads of the group: the tile's rows) and the
+    ``chunk`` positions of one of ``splits`` slices of the cache, in tiles of ``keys`` positions
+    staged in LDS; ``key_lanes`` lanes share a row's scores.  ``vector``: K/V rows move 16 bytes
+    at a time.  The kernel text follows from these fields alone."""
+    rows_q: int
+    keys: int
+    chunk: int
+    splits: int
+    key_lanes: int
+    vector: bool
+    threads: int                  # of the workgroup
+    wave: int                     # lanes per wave of the target the text is written for
 
 
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8]

@@ -10,8 +10,9 @@ Families:
   the weight row is contiguous in k and aligned (checked here); lane 0 runs the epilogue.  When
   the rows leave most of the chip idle, ``split`` waves share a row and combine through LDS.
   A segment of order "outer" (a (K, N) weight) gives each thread an output column instead.
-* attention: one workgroup per (query head, query row); the template splits the context over
-  its waves.
+* attention (``attention_tiles``): a workgroup per (KV head, tile of query rows, split of the
+  cache); the query heads of a KV group share each K/V tile, staged in LDS; the splits combine
+  by log-sum-exp in the last workgroup of each group to finish.
 * elementwise, scatter, reduce: a parallel loop holding reductions gives each iteration a
   workgroup (reductions block-wide, inner parallel loops over its threads, stores of row values
   by thread 0); other parallel loops are flat grid-stride loops over every thread; a kernel that
@@ -19,6 +20,7 @@ Families:
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import replace
@@ -39,10 +41,7 @@ def map_kernel(k: L.Kernel, t: Target, lds_limit: int = 0) -> L.Kernel:
     if k.launch is not None:
         return k
     if t.maps_like:                        # another target's kernel text, launched within this one's limits
-        m = map_kernel(k, get_target(t.maps_like), t.max_static_lds)
-        if m.launch.bounds == "VF_ATT_BLOCK":
-            m = replace(m, launch=_attention(m.body, t)[1])
-        return m
+        return map_kernel(k, get_target(t.maps_like), t.max_static_lds)
     body = L.drop_unit_loops(k.body, keep_parallel=k.family == "contract")
     if k.family == "contract":
         body, launch = _contract(body, t, min(t.max_static_lds, lds_limit or t.max_static_lds))
@@ -146,11 +145,59 @@ def _one_workgroup(body, t):
 
 
 # ------------------------------------------------------------------------------ attention
+ATT_ROWS = 16              # rows (query positions x the heads of a KV group) a prefill tile aims for
+ATT_LDS = 32 * 1024        # LDS of an attention workgroup at most: two fit a gfx906 CU
+
+
+def attention_lds(a: L.Attention, rows: int, keys: int) -> int:
+    """LDS bytes of the attention template: the tile's query rows (f32), a tile of ``keys`` K rows
+    (padded by 16 bytes) and V rows in the caches' dtypes, the probabilities, three per-row values
+    and the arrival flag."""
+    k, v = (ITEMSIZE[x] for x in a.dtypes[1:])
+    return 4 * rows * a.d + keys * (a.d * k + 16) + keys * a.d * v + 4 * rows * keys + 12 * rows + 4
+
+
+def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
+    """The tiles of an attention on ``t`` (see ``L.AttentionTiles``).  Decode (T = 1) takes the
+    heads of one KV group as its rows; prefill adds query positions up to ``ATT_ROWS`` rows.  Keys
+    per LDS tile: the most of 64, 32, 16, 8 that fit ``ATT_LDS``.  The cache is split over
+    workgroups (flash-decoding) into chunks of at least the positions that spread the grid over the
+    chip once, and of at least sqrt(S x rows x 4 / (K + V bytes per element)): there a split's K/V
+    reads equal the combine's reads of every split's partial rows.  The grid is fixed (CUDA graph
+    replay); a split past the position exits at once.  Raises ValueError when one tile of 8 keys
+    does not fit."""
+    group = a.hq // a.hkv
+    rows_q = 1 if a.t == 1 else max(1, min(a.t, ATT_ROWS // group))
+    rows = rows_q * group
+    keys = next((n for n in (64, 32, 16, 8) if attention_lds(a, rows, n) <= ATT_LDS), 0)
+    if not keys:
+        raise ValueError(f"attention with head dim {a.d} and {group} query heads per KV head needs more than "
+                         f"{ATT_LDS} bytes of LDS for 8 keys; use fewer query heads per KV head or a smaller head dim")
+    kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
+    groups = a.hkv * -(-a.t // rows_q)
+    chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
+    chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
+    vector = all(a.d * ITEMSIZE[x] % t.load_bytes == 0 for x in a.dtypes[1:])
+    return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), min(keys, t.wave), vector,
+                            t.attention_block, t.wave)
+
+
 def _attention(body, t):
+    """Record the tiles in the Attention statement (kept when another target mapped it: its text
+    runs as written) and derive the launch from them."""
     (a,) = [s for s in body if isinstance(s, L.Attention)]
-    lds = 4 * (t.attention_block // t.wave) * (2 + a.d)              # the template's partial states
-    how = "a workgroup per (head, query row); its waves split the context; log-sum-exp combine"
-    return body, L.Launch(a.hq * a.t, t.attention_block, "VF_ATT_BLOCK", how, lds)
+    if a.tiles is None:
+        body = tuple(replace(s, tiles=attention_tiles(s, t)) if s is a else s for s in body)
+        a = replace(a, tiles=attention_tiles(a, t))
+    m = a.tiles
+    group = a.hq // a.hkv
+    nqt = -(-a.t // m.rows_q)
+    rows = f"{m.rows_q} query positions x {group} heads" if m.rows_q > 1 else f"{group} query heads"
+    how = (f"a workgroup per (KV head, {rows}, {m.chunk}-position split of the cache: {m.splits}); "
+           f"tiles of {m.keys} keys in LDS ({'16-byte' if m.vector else 'element'} loads), online softmax"
+           + ("; the last split to finish combines them (log-sum-exp)" if m.splits > 1 else ""))
+    grid = a.hkv * nqt * m.splits
+    return body, L.Launch(grid, m.threads, "VF_ATT_BLOCK", how, attention_lds(a, m.rows_q * group, m.keys))
 
 
 # ------------------------------------------------------------------------------ contract

@@ -59,7 +59,7 @@ class Target:
                                  # workgroups per CU (codegen.mapping._blocks_per_cu)
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
-    attention_block: int = 1024  # threads of an attention workgroup: its waves split the context
+    attention_block: int = 256   # threads of an attention workgroup (codegen.mapping.attention_tiles)
     pdl: bool = False            # programmatic dependent launch (Hopper): a kernel starts while the previous
                                  # one drains, then waits for its inputs.  Measured on
                                  # an H200 with the trigger at kernel start: 536.6 against 628.5 tok/s
@@ -93,10 +93,10 @@ TARGETS = {
                     int8_balance=True, int8_prologue_budget=40960),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,
-# so a workgroup holds at most 15 waves (attention: 8 of 64 lanes); the wave exchange's LDS comes out of
-# the kernel's static budget (1 int per thread of the largest workgroup)
+# so a workgroup holds at most 15 waves; the wave exchange's LDS comes out of the kernel's static budget
+# (1 int per thread of the largest workgroup)
 TARGETS["sm_90_wave64"] = replace(TARGETS["sm_90"], name="sm_90_wave64", wave=64, emulated_wave=True,
-                                  attention_block=512, max_static_lds=48 * 1024 - 4 * 512, maps_like="gfx906")
+                                  max_static_lds=48 * 1024 - 4 * 512, maps_like="gfx906")
 
 
 def get_target(name: str, **overrides) -> Target:
