@@ -483,7 +483,7 @@ def _attention(a: L.Attention, pad):
             "    // rows 16 bytes apart in the banks",
             f"__shared__ {CTYPE[vd]} v_tile[KT][D] __attribute__((aligned(16)));",
             "__shared__ float p_tile[R][KT] __attribute__((aligned(16)));             // the tile's probabilities",
-            "__shared__ float rescale[R], row_max[R], row_sum[R];"]
+            "__shared__ float rescale[R], row_sum[R];" if NS == 1 else "__shared__ float rescale[R], row_sum[R], row_max[R];"]
     if NS > 1:
         body.append("__shared__ int last_flag;")
     body.append("const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;")
@@ -562,8 +562,9 @@ def _attention(a: L.Attention, pad):
     loop += pv + ["__syncthreads();"]
     body += ["for (int start = lo; start < hi; start += KT) {"] + ["  " + ln if not ln.startswith("#") else ln
                                                                    for ln in loop] + ["}"]
-    body += ["// each row's max and sum", "#pragma unroll", f"for (int i = 0; i < {RI}; ++i) {{", f"  const int r = {srow};",
-             f"  if ({kcol} == 0{' && r < R' if clamp_srows else ''}) {{ row_max[r] = m[i]; row_sum[r] = l[i]; }}",
+    keep = "row_sum[r] = l[i];" if NS == 1 else "row_sum[r] = l[i]; row_max[r] = m[i];"
+    body += ["// each row's sum" + (" and max" if NS > 1 else ""), "#pragma unroll", f"for (int i = 0; i < {RI}; ++i) {{",
+             f"  const int r = {srow};", f"  if ({kcol} == 0{' && r < R' if clamp_srows else ''}) {{ {keep} }}",
              "}", "__syncthreads();"]
     direct = store_rows("o[i] / row_sum[r]")
     if NS == 1:

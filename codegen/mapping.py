@@ -149,12 +149,13 @@ ATT_ROWS = 16              # rows (query positions x the heads of a KV group) a 
 ATT_LDS = 32 * 1024        # LDS of an attention workgroup at most: two fit a gfx906 CU
 
 
-def attention_lds(a: L.Attention, rows: int, keys: int) -> int:
+def attention_lds(a: L.Attention, rows: int, keys: int, split: bool = True) -> int:
     """LDS bytes of the attention template: the tile's query rows (f32), a tile of ``keys`` K rows
-    (padded by 16 bytes) and V rows in the caches' dtypes, the probabilities, three per-row values
-    and the arrival flag."""
+    (padded by 16 bytes) and V rows in the caches' dtypes, the probabilities, each row's rescale and
+    sum and, when the cache is ``split``, its max and the arrival flag."""
     k, v = (ITEMSIZE[x] for x in a.dtypes[1:])
-    return 4 * rows * a.d + keys * (a.d * k + 16) + keys * a.d * v + 4 * rows * keys + 12 * rows + 4
+    per_row = 12 if split else 8
+    return 4 * rows * a.d + keys * (a.d * k + 16) + keys * a.d * v + 4 * rows * keys + per_row * rows + 4 * split
 
 
 def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
@@ -197,7 +198,7 @@ def _attention(body, t):
            f"tiles of {m.keys} keys in LDS ({'16-byte' if m.vector else 'element'} loads), online softmax"
            + ("; the last split to finish combines them (log-sum-exp)" if m.splits > 1 else ""))
     grid = a.hkv * nqt * m.splits
-    return body, L.Launch(grid, m.threads, "VF_ATT_BLOCK", how, attention_lds(a, m.rows_q * group, m.keys))
+    return body, L.Launch(grid, m.threads, "VF_ATT_BLOCK", how, attention_lds(a, m.rows_q * group, m.keys, m.splits > 1))
 
 
 # ------------------------------------------------------------------------------ contract
