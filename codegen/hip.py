@@ -469,7 +469,8 @@ def _attention(a: L.Attention, pad):
     kcol = "vf_lane" if KL == x.wave else f"vf_lane % {KL}"
     jexpr = kcol if KPL == 1 else f"{kcol} + {KL} * u"
 
-    rows_text = f"{G} query heads" if T1 else f"{x.rows_q} query positions x {G} heads"
+    heads = f"{G} query head{'s' if G > 1 else ''}"
+    rows_text = heads if x.rows_q == 1 else f"{x.rows_q} query positions x {heads}"
     A(f"// {a.hq} query heads over {a.hkv} KV heads, {a.t} query row{'s' if a.t > 1 else ''}, {a.s} cache positions, "
       f"head dim {D}.  A workgroup: one KV head,")
     A(f"// {rows_text} ({R} rows), " + (f"one of {NS} splits of {x.chunk} positions; " if NS > 1 else "every position; ")
@@ -576,7 +577,9 @@ def _attention(a: L.Attention, pad):
         cond = f"if ({' && '.join(ok)}) " if ok else ""
         dd = "" if shared_d else f", d = {out_col}"
         merge = ["float mx = -VF_INF, sum = 0.0f, acc = 0.0f;",
+                 "#pragma unroll 8",
                  f"for (int c = 0; c < splits; ++c) mx = fmaxf(mx, vf_load_arrived(&{m_part}[(group * NS + c) * R + r]));",
+                 "#pragma unroll 8        // loads of several splits in flight",
                  "for (int c = 0; c < splits; ++c) {",
                  "  const int at = (group * NS + c) * R + r;",
                  f"  const float w = exp2f(vf_load_arrived(&{m_part}[at]) - mx);",

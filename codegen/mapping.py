@@ -146,7 +146,6 @@ def _one_workgroup(body, t):
 
 # ------------------------------------------------------------------------------ attention
 ATT_ROWS = 16              # rows (query positions x the heads of a KV group) a prefill tile aims for
-ATT_LDS = 32 * 1024        # LDS of an attention workgroup at most: two fit a gfx906 CU
 
 
 def attention_lds(a: L.Attention, rows: int, keys: int, split: bool = True) -> int:
@@ -161,22 +160,24 @@ def attention_lds(a: L.Attention, rows: int, keys: int, split: bool = True) -> i
 def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
     """The tiles of an attention on ``t`` (see ``L.AttentionTiles``).  Decode (T = 1) takes the
     heads of one KV group as its rows; prefill adds query positions up to ``ATT_ROWS`` rows.  Keys
-    per LDS tile: the most of 64, 32, 16, 8 that fit ``ATT_LDS``.  The cache is split over
+    per LDS tile: the most of 64, 32, 16, 8 that fit ``t.attention_lds``.  The cache is split over
     workgroups (flash-decoding) into chunks of at least the positions that spread the grid over the
     chip once, and of at least sqrt(S x rows x 4 / (K + V bytes per element)): there a split's K/V
-    reads equal the combine's reads of every split's partial rows.  The grid is fixed (CUDA graph
+    reads equal the combine's reads of every split's partial rows (``VEGAFUSE_ATT_CHUNK`` sets
+    the positions per split, rounded up to whole tiles: A/B).  The grid is fixed (CUDA graph
     replay); a split past the position exits at once.  Raises ValueError when one tile of 8 keys
     does not fit."""
     group = a.hq // a.hkv
     rows_q = 1 if a.t == 1 else max(1, min(a.t, ATT_ROWS // group))
     rows = rows_q * group
-    keys = next((n for n in (64, 32, 16, 8) if attention_lds(a, rows, n) <= ATT_LDS), 0)
+    keys = next((n for n in (64, 32, 16, 8) if attention_lds(a, rows, n) <= t.attention_lds), 0)
     if not keys:
         raise ValueError(f"attention with head dim {a.d} and {group} query heads per KV head needs more than "
-                         f"{ATT_LDS} bytes of LDS for 8 keys; use fewer query heads per KV head or a smaller head dim")
+                         f"{t.attention_lds} bytes of LDS for 8 keys; use fewer query heads per KV head or a smaller head dim")
     kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
     groups = a.hkv * -(-a.t // rows_q)
     chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
+    chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk          # positions per split (A/B)
     chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
     vector = all(a.d * ITEMSIZE[x] % t.load_bytes == 0 for x in a.dtypes[1:])
     return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), min(keys, t.wave), vector,
@@ -188,12 +189,13 @@ def _attention(body, t):
     runs as written) and derive the launch from them."""
     (a,) = [s for s in body if isinstance(s, L.Attention)]
     if a.tiles is None:
-        body = tuple(replace(s, tiles=attention_tiles(s, t)) if s is a else s for s in body)
-        a = replace(a, tiles=attention_tiles(a, t))
+        tiled = replace(a, tiles=attention_tiles(a, t))
+        body, a = tuple(tiled if s is a else s for s in body), tiled
     m = a.tiles
     group = a.hq // a.hkv
     nqt = -(-a.t // m.rows_q)
-    rows = f"{m.rows_q} query positions x {group} heads" if m.rows_q > 1 else f"{group} query heads"
+    heads = f"{group} query head{'s' if group > 1 else ''}"
+    rows = f"{m.rows_q} query positions x {heads}" if m.rows_q > 1 else heads
     how = (f"a workgroup per (KV head, {rows}, {m.chunk}-position split of the cache: {m.splits}); "
            f"tiles of {m.keys} keys in LDS ({'16-byte' if m.vector else 'element'} loads), online softmax"
            + ("; the last split to finish combines them (log-sum-exp)" if m.splits > 1 else ""))

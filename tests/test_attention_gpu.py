@@ -1,15 +1,23 @@
 """The GPU attention template (``codegen/hip.py`` ``_attention``, tiles from
 ``codegen.mapping.attention_tiles``): every variant compiles for gfx906 through hiprtc and passes
 the ISA gates (no scratch, 16-byte K/V loads, at most 9 waves per SIMD, the LDS it declares); the
-kernel text is one for gfx906 and the emulated wave 64.  ``tests/test_cuda.py`` runs it on an
-NVIDIA GPU against the float64 interpreter."""
+kernel text is one for gfx906 and the emulated wave 64; the text at wave 32 and 64, run on the CPU
+by an emulation of the GPU's threads (``tests/gpu_emulation.h``), matches the float64 interpreter.
+``tests/test_cuda.py`` runs it on an NVIDIA GPU."""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+
 import numpy as np
 import pytest
 
 import dsl
 from codegen import loopir as L
-from codegen.hip import render_hip
-from codegen.mapping import ATT_LDS, attention_tiles, map_kernel
+from codegen import prelude
+from codegen.hip import CTYPE, render_hip
+from codegen.mapping import attention_lds, attention_tiles, map_kernel
 from codegen.targets import get_target
 from fusion import build_plan
 
@@ -47,7 +55,8 @@ def test_tiles_fit_and_cover_the_cache(v):
     for target in ("gfx906", "sm_90"):
         a, m = tiles_of(k, target)
         group = a.hq // a.hkv
-        assert m.rows_q * group * 4 * a.d < ATT_LDS and m.keys in (8, 16, 32, 64) and m.chunk % m.keys == 0
+        assert attention_lds(a, m.rows_q * group, m.keys) <= get_target(target).attention_lds
+        assert m.keys in (8, 16, 32, 64) and m.chunk % m.keys == 0
         assert (m.splits - 1) * m.chunk < a.s <= m.splits * m.chunk
         launch = map_kernel(k, get_target(target)).launch
         assert launch.grid == a.hkv * -(-a.t // m.rows_q) * m.splits and launch.block == m.threads
@@ -99,10 +108,58 @@ def test_every_variant_compiles_for_gfx906_and_passes_the_isa_gates(v):
     assert widths.get(16, 0) >= 4 and 2 not in widths and 1 not in widths, widths
     assert 1 <= r["waves_per_simd"] <= 9, r
     lds = map_kernel(k, get_target("gfx906")).launch.lds
-    assert lds <= r["lds_bytes"] <= lds + 64 and r["lds_bytes"] <= ATT_LDS + 64, (r["lds_bytes"], lds)
+    assert lds <= r["lds_bytes"] <= lds + 64 <= get_target("gfx906").attention_lds + 64, (r["lds_bytes"], lds)
 
 
 def test_lds_budget_error_is_one_clear_line():
     a = L.Attention("q", "k", "v", "o", ("f32", "f32", "f32"), 512, 1, 1, 64, 256, L.c(0), 0.1)
     with pytest.raises(ValueError, match="needs more than .* bytes of LDS for 8 keys; use fewer query heads"):
         attention_tiles(a, get_target("gfx906"))
+
+
+GXX = shutil.which("g++")
+EMULATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_emulation.h")
+
+
+def emulate(k, target, arrays, tmp):
+    """Run the kernel text of ``k`` rendered for ``target`` on the CPU (``gpu_emulation.h``: a thread
+    per GPU thread, the prelude's target helpers in plain C++, its attention helpers as they are);
+    ``arrays``: numpy arrays in the order of the parameters."""
+    h = render_hip(k, target)
+    args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
+    src = (f"#define VF_WAVE {h.target.wave}\n#define VF_ATT_BLOCK {h.block[0]}\n" + open(EMULATION).read()
+           + prelude._ATTENTION + h.body.replace('extern "C" __global__ void', "static void")
+           + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
+    name = os.path.join(tmp, hashlib.sha1(src.encode()).hexdigest()[:16])
+    if not os.path.exists(name + ".so"):
+        with open(name + ".cpp", "w") as f:
+            f.write(src)
+        r = subprocess.run([GXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", name + ".cpp", "-o", name + ".so"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[:2000]
+    lib = ctypes.CDLL(name + ".so")
+    lib.emulate((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), h.grid[0])
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("v", [(7, 1, 1, 512, 64, "f4"), (6, 2, 1, 300, 128, "f2"), (10, 2, 5, 300, 80, "f2")],
+                         ids=lambda v: "x".join(map(str, v)))
+def test_the_kernel_text_computes_attention(v, target, tmp_path_factory):
+    """The template at wave 32 (sm_90's text) and 64 (gfx906's), run twice at positions that span
+    several splits (the combine; the arrival counter set back for the next launch) and once at the
+    last position, against the float64 interpreter on fresh random inputs."""
+    hq, hkv, t, s, d, kv = v
+    rng = np.random.default_rng()
+    k = attention_kernel(*v)
+    _, m = tiles_of(k, target)
+    tmp = str(tmp_path_factory.getbasetemp())
+    f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
+    for pos in (min(2 * m.chunk + 3, s - t), m.chunk + 1 if t == 1 else 1, s - t):
+        q = rng.standard_normal((hq, t, d)).astype("f4")
+        kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
+        out = np.full((hq, t, d), np.nan, np.float32)
+        named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
+        emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
+        want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
