@@ -505,7 +505,7 @@ def _attention(a: L.Attention, pad):
         body.append("const int lo = 0, hi = end;")
     qv = h2f(qd, f"@q@[{row_index('r')} + i % D]")
     qval = f"{qv} * {a.scale * LOG2E!r}f"
-    body += ["// the rows' queries times the scale and log2(e): the softmax runs in base 2",
+    stage = ["// the rows' queries times the scale and log2(e): the softmax runs in base 2",
              f"for (int i = threadIdx.x; i < R * D; i += {NT}) {{",
              "  const int r = i / D;",
              (f"  q_tile[r][i % D] = {t_of('r')} < T ? {qval} : 0.0f;" if partial_t else f"  q_tile[r][i % D] = {qval};"),
@@ -513,7 +513,8 @@ def _attention(a: L.Attention, pad):
     nk, nv = (-(-KT * units(dt)[1] // NT) for dt in (kd, vd))
     body.append(f"{units(kd)[2]} k_next[{nk}];")
     body.append(f"{units(vd)[2]} v_next[{nv}];")
-    body += fetch("lo", "the first tile's K and V rows into registers (zeros past hi)")
+    body += fetch("lo", "the first tile's K and V rows into registers (zeros past hi), in flight with the queries'")
+    body += stage
     body += [f"float m[{RI}], l[{RI}], o[{OI}];",
              "#pragma unroll", f"for (int i = 0; i < {RI}; ++i) {{ m[i] = -VF_INF; l[i] = 0.0f; }}",
              "#pragma unroll", f"for (int i = 0; i < {OI}; ++i) o[i] = 0.0f;"]
@@ -576,15 +577,18 @@ def _attention(a: L.Attention, pad):
         ok = [c for c in (row_ok, f"{t_of('r')} < T" if partial_t else "") if c]
         cond = f"if ({' && '.join(ok)}) " if ok else ""
         dd = "" if shared_d else f", d = {out_col}"
-        merge = ["float mx = -VF_INF, sum = 0.0f, acc = 0.0f;",
+        merge = ["// the splits' states merged in turn (online softmax: every load is issued ahead of its use)",
+                 "float mx = -VF_INF, sum = 0.0f, acc = 0.0f;",
                  "#pragma unroll 8",
-                 f"for (int c = 0; c < splits; ++c) mx = fmaxf(mx, vf_load_arrived(&{m_part}[(group * NS + c) * R + r]));",
-                 "#pragma unroll 8        // loads of several splits in flight",
                  "for (int c = 0; c < splits; ++c) {",
                  "  const int at = (group * NS + c) * R + r;",
-                 f"  const float w = exp2f(vf_load_arrived(&{m_part}[at]) - mx);",
-                 f"  sum += w * vf_load_arrived(&{l_part}[at]);",
-                 f"  acc += w * vf_load_arrived(&{o_part}[(size_t)at * D + d]);", "}",
+                 f"  const float mc = vf_load_arrived(&{m_part}[at]), lc = vf_load_arrived(&{l_part}[at]);",
+                 f"  const float oc = vf_load_arrived(&{o_part}[(size_t)at * D + d]);",
+                 "  if (mc > mx) {",
+                 "    const float f = exp2f(mx - mc);",
+                 "    sum *= f;", "    acc *= f;", "    mx = mc;", "  }",
+                 "  const float w = mc == -VF_INF ? 0.0f : exp2f(mc - mx);   // -inf: the row has no position in this split",
+                 "  sum += w * lc;", "  acc += w * oc;", "}",
                  f"@out@[{row_index('r')} + d] = acc / sum;"]
         if ok:
             merge = [f"if ({' && '.join(ok)}) {{"] + ["  " + ln for ln in merge] + ["}"]
