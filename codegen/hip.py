@@ -584,11 +584,9 @@ def _attention(a: L.Attention, pad):
                  "  const int at = (group * NS + c) * R + r;",
                  f"  const float mc = vf_load_arrived(&{m_part}[at]), lc = vf_load_arrived(&{l_part}[at]);",
                  f"  const float oc = vf_load_arrived(&{o_part}[(size_t)at * D + d]);",
-                 "  if (mc > mx) {",
-                 "    const float f = exp2f(mx - mc);",
-                 "    sum *= f;", "    acc *= f;", "    mx = mc;", "  }",
-                 "  const float w = mc == -VF_INF ? 0.0f : exp2f(mc - mx);   // -inf: the row has no position in this split",
-                 "  sum += w * lc;", "  acc += w * oc;", "}",
+                 "  const float mn = fmaxf(mx, mc);          // -inf: no position of the row so far",
+                 "  const float f = mx == -VF_INF ? 0.0f : exp2f(mx - mn), w = mc == -VF_INF ? 0.0f : exp2f(mc - mn);",
+                 "  sum = sum * f + w * lc;", "  acc = acc * f + w * oc;", "  mx = mn;", "}",
                  f"@out@[{row_index('r')} + d] = acc / sum;"]
         if ok:
             merge = [f"if ({' && '.join(ok)}) {{"] + ["  " + ln for ln in merge] + ["}"]
