@@ -88,7 +88,7 @@ def test_a_buffer_named_like_a_local_of_the_template_is_still_read():
 
 try:
     from codegen.inspect import Inspected, instructions, load_widths
-    from engine.devices.rocm import HipUnavailable, find_hiprtc
+    from engine.devices.rocm import find_hiprtc
     find_hiprtc()
     HIP = ""
 except Exception as e:                                 # pragma: no cover - depends on the host
