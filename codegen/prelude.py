@@ -417,7 +417,7 @@ _NV_NO_PDL = r"""#define VF_GRID_LAUNCH_DEPENDENTS()
 """
 
 
-_ATTENTION = r"""// attention (codegen/hip.py): the max / sum over each group of n consecutive lanes (n a power of two, at
+_ATTENTION = r"""// attention (codegen/attention.py): the max / sum over each group of n consecutive lanes (n a power of two, at
 // most the wave), held by every lane of the group; every lane of the wave calls it
 __device__ __forceinline__ float vf_group_max(float v, int n) {
   for (int m = n / 2; m > 0; m >>= 1) v = fmaxf(v, vf_shfl_xor(v, m));
