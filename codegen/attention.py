@@ -278,14 +278,198 @@ class Template:
                 + _indent(self.each_output(merge)) + ["}"])
 
 
+class Decode:
+    """The decode template (T = 1, ``a.tiles.heads`` set): a lane group of ``key_lanes`` lanes owns a
+    key at a time, each lane 16 bytes of its K and V rows loaded straight into registers (``unroll``
+    keys in flight per group, the next step's loads issued before this step is computed); every lane
+    keeps its slice of the workgroup's query rows and output rows in registers with an online
+    softmax per group, so the loop has no barrier.  At the end the groups of a wave merge through
+    shuffles, the waves through LDS, and the splits as in the tiled template (the last to arrive)."""
+
+    def __init__(self, a: L.Attention):
+        m = self.m = a.tiles
+        self.a, self.qd, self.kd = a, a.dtypes[0], a.dtypes[1]
+        self.G, self.D, self.R, self.NS, self.LK, self.U = a.hq // a.hkv, a.d, m.heads, m.splits, m.key_lanes, m.unroll
+        self.E = 16 // L.ITEMSIZE[self.kd]                        # elements per 16-byte load
+        self.UNITS = self.D // self.E                               # loads per row
+        self.UPL = -(-self.UNITS // self.LK)                        # loads per lane and row
+        self.X = self.UPL * self.E                                  # elements of a row a lane keeps
+        self.KPW, self.W, self.NRT = m.wave // self.LK, m.threads // m.wave, self.G // self.R
+        self.ragged = self.UNITS != self.UPL * self.LK              # lanes past the row's loads
+
+    def col(self, x):
+        """The row element that a lane's value ``x`` (of X) holds."""
+        return f"(c + {self.LK} * ({x} / {self.E})) * {self.E} + {x} % {self.E}" if self.UPL > 1 else f"c * {self.E} + {x}"
+
+    def header(self):
+        a, m = self.a, self.m
+        split = f"one of {self.NS} splits of {m.chunk} positions" if self.NS > 1 else "every position"
+        return [f"// {a.hq} query heads over {a.hkv} KV heads, 1 query row, {a.s} cache positions, head dim {self.D}.  A "
+                f"workgroup: one KV head, {self.R} query head{'s' if self.R > 1 else ''},",
+                f"// {split}; {self.LK} lanes per key (16 bytes each), {self.U} keys in flight per lane group, "
+                f"{m.keys} per step of the workgroup"]
+
+    def setup(self):
+        a, NS, R = self.a, self.NS, self.R
+        consts = [f"D = {self.D}", f"S = {a.s}", f"R = {R}", f"KT = {self.m.keys}"] + ([f"G = {self.G}"] if self.G > 1 else []) \
+            + ([f"CH = {self.m.chunk}", f"NS = {NS}"] if NS > 1 else [])
+        out = [f"constexpr int {', '.join(consts)};",
+               f"__shared__ float wave_m[{self.W}][R], wave_l[{self.W}][R], wave_o[{self.W}][R][D];   // each wave's state"]
+        if NS > 1:
+            out += ["__shared__ float split_m[NS][R], split_l[NS][R];   // the combine: each split's max and sum, then weight",
+                    "__shared__ int last_flag;"]
+        out.append("const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;")
+        per = self.NRT * NS
+        kv = f"blockIdx.x / {per}" if per > 1 else "blockIdx.x"
+        first = "kv_head * G" if self.G > 1 else "kv_head"
+        if self.NRT > 1:
+            first += f" + blockIdx.x / {NS} % {self.NRT} * R" if NS > 1 else f" + blockIdx.x % {self.NRT} * R"
+        out += [f"const int kv_head = {kv}, head0 = {first};     // the workgroup's first query head",
+                "const int p = @pos@;", "const int end = p + 1;"]
+        if NS > 1:
+            out += ["const int split = blockIdx.x % NS, lo = split * CH, hi = min(lo + CH, end);",
+                    "if (lo >= hi) return;        // a split past the position: nothing to read"]
+        else:
+            out += ["const int lo = 0, hi = end;"]
+        out += [f"const int g = vf_lane / {self.LK}, c = vf_lane % {self.LK};   // the lane's key of a wave's "
+                f"{self.KPW}, its first 16 bytes of the row",
+                f"const int key0 = vf_wave * {self.U * self.KPW} + g;          // its first key of a step",
+                f"const vf_vec16* k_row = (const vf_vec16*)(@k@ + (size_t)kv_head * S * D) + c;",
+                f"const vf_vec16* v_row = (const vf_vec16*)(@v@ + (size_t)kv_head * S * D) + c;"]
+        return out
+
+    def fetch(self, start, what):
+        """The K and V loads of the step at ``start`` into k_next, v_next (zeros past hi)."""
+        ok = "key < hi" + (f" && c + {self.LK} * i < {self.UNITS}" if self.ragged else "")
+        at = f"(size_t)key * {self.UNITS} + {self.LK} * i"
+        inner = _loop(self.UPL, "i", ["k_next[u][i] = v_next[u][i] = vf_zero16();",
+                                      f"if ({ok}) {{ k_next[u][i] = k_row[{at}]; v_next[u][i] = v_row[{at}]; }}"])
+        return [f"// {what}"] + _loop(self.U, "u", [f"const int key = {start} + key0 + {self.KPW} * u;"] + inner)
+
+    def queries(self):
+        qv = self.h2f(self.qd, f"@q@[(size_t)(head0 + r) * D + col]") + f" * {self.a.scale * LOG2E!r}f"
+        value = f"col < D ? {qv} : 0.0f" if self.ragged else qv
+        return ["// the lane's slice of each query row times the scale and log2(e): the softmax runs in base 2",
+                f"float qr[R][{self.X}], m[R], l[R], o[R][{self.X}];"] + \
+            _loop(self.R, "r", _loop(self.X, "x", [f"const int col = {self.col('x')};", f"qr[r][x] = {value};"])
+                  + ["m[r] = -VF_INF;", "l[r] = 0.0f;"] + _loop(self.X, "x", ["o[r][x] = 0.0f;"]))
+
+    def h2f(self, dt, e):
+        return f"vf_h2f({e})" if dt == "f16" else e
+
+    def unpack(self, src, dst):
+        return _loop(self.UPL, "i", [f"vf_unpack_{self.kd}({src}[u][i], &{dst}[{self.E} * i]);"])
+
+    def step(self):
+        """One step: this step's K/V, the next step's loads, scores, online softmax, values."""
+        out = [f"vf_vec16 k_cur[{self.U}][{self.UPL}], v_cur[{self.U}][{self.UPL}];"]
+        out += _loop(self.U, "u", _loop(self.UPL, "i", ["k_cur[u][i] = k_next[u][i];", "v_cur[u][i] = v_next[u][i];"]))
+        out += self.fetch("start + KT", "the next step's loads: in flight while this one is computed")
+        score = [f"float kf[{self.X}];"] + self.unpack("k_cur", "kf") + \
+            [f"const bool valid = start + key0 + {self.KPW} * u < hi;"] + \
+            _loop(self.R, "r", ["float dot = 0.0f;"] + _loop(self.X, "x", ["dot += qr[r][x] * kf[x];"])
+                  + [f"s[u][r] = vf_group_sum(dot, {self.LK});", "if (!valid) s[u][r] = -VF_INF;"])
+        out += [f"// scores: each key's dot products over its {self.LK} lanes", f"float s[{self.U}][R], pr[{self.U}][R];"]
+        out += _loop(self.U, "u", score)
+        row = ["float top = s[0][r];"] + _loop(self.U, "u", ["top = fmaxf(top, s[u][r]);"]) + [
+            "const float mx = fmaxf(m[r], top);",
+            "const float corr = mx == -VF_INF ? 1.0f : exp2f(m[r] - mx);   // -inf: no position yet",
+            "l[r] *= corr;", "m[r] = mx;"] + _loop(self.X, "x", ["o[r][x] *= corr;"]) + \
+            _loop(self.U, "u", ["pr[u][r] = s[u][r] == -VF_INF ? 0.0f : exp2f(s[u][r] - mx);", "l[r] += pr[u][r];"])
+        out += ["// online softmax of each row over the group's keys"] + _loop(self.R, "r", row)
+        value = [f"float vf[{self.X}];"] + self.unpack("v_cur", "vf") + \
+            _loop(self.R, "r", _loop(self.X, "x", ["o[r][x] += pr[u][r] * vf[x];"]))
+        out += ["// outputs: the probabilities times the values"] + _loop(self.U, "u", value)
+        return out
+
+    def main(self):
+        out = [f"vf_vec16 k_next[{self.U}][{self.UPL}], v_next[{self.U}][{self.UPL}];"]
+        out += self.fetch("lo", "the first step's K and V, in flight with the queries' loads")
+        out += self.queries()
+        return out + ["for (int start = lo; start < hi; start += KT) {"] + _indent(self.step()) + ["}"] + self.merge()
+
+    def merge(self):
+        """The lane groups of each wave merged through shuffles, the waves' states to LDS."""
+        row = ["const float mo = vf_shfl_xor(m[r], x), la = vf_shfl_xor(l[r], x), mn = fmaxf(m[r], mo);",
+               "const float fa = m[r] == -VF_INF ? 0.0f : exp2f(m[r] - mn), fb = mo == -VF_INF ? 0.0f : exp2f(mo - mn);",
+               "l[r] = l[r] * fa + la * fb;", "m[r] = mn;"] + \
+            _loop(self.X, "y", ["o[r][y] = o[r][y] * fa + vf_shfl_xor(o[r][y], x) * fb;"])
+        out = []
+        if self.KPW > 1:
+            out += ["// the lane groups of the wave merged (log-sum-exp)", "#pragma unroll",
+                    f"for (int x = {self.LK}; x < VF_WAVE; x *= 2) {{"] + _indent(_loop(self.R, "r", row)) + ["}"]
+        store = _loop(self.X, "x", [f"const int col = {self.col('x')};",
+                                    f"{'if (col < D) ' if self.ragged else ''}wave_o[vf_wave][r][col] = o[r][x];"])
+        out += ["// each wave's state to LDS", f"if (vf_lane < {self.LK}) {{"]
+        out += _indent(_loop(self.R, "r", ["wave_m[vf_wave][r] = m[r];", "wave_l[vf_wave][r] = l[r];"] + store)) + ["}", "__syncthreads();"]
+        return out
+
+    def finish(self):
+        """The waves' states merged per output element: divided, or this split's partial rows."""
+        body = ["const int r = i / D;", "float mx = wave_m[0][r];"] + _loop(self.W - 1, "w", ["mx = fmaxf(mx, wave_m[w + 1][r]);"]) + [
+            "float sum = 0.0f, acc = 0.0f;"] + _loop(self.W, "w", [
+                "const float f = wave_m[w][r] == -VF_INF ? 0.0f : exp2f(wave_m[w][r] - mx);",
+                "sum += f * wave_l[w][r];", "acc += f * wave_o[w][r][i % D];"])
+        direct = "@out@[(size_t)head0 * D + i] = acc / sum;"
+        loop = f"for (int i = threadIdx.x; i < R * D; i += {self.m.threads}) {{"
+        out = ["// the waves' states merged: a thread per output element"]
+        if self.NS == 1:
+            return out + [loop] + _indent(body + [direct]) + ["}"]
+        o_part, m_part, l_part, arrived = (f"{self.a.out}_{n}" for n in ("o_part", "m_part", "l_part", "arrived"))
+        body += ["if (splits == 1) {", "  " + direct, "} else {",
+                 f"  {o_part}[(size_t)blockIdx.x * R * D + i] = acc;",
+                 f"  if (i % D == 0) {{ {m_part}[blockIdx.x * R + r] = mx; {l_part}[blockIdx.x * R + r] = sum; }}", "}"]
+        out = ["const int splits = (end + CH - 1) / CH;     // the splits that hold positions"] + out + [loop] + _indent(body) + ["}"]
+        return out + [f"if (splits > 1 && vf_last_to_arrive(&{arrived}[blockIdx.x / NS], splits, &last_flag)) {{"] \
+            + _indent(self.combine(o_part, m_part, l_part)) + ["}"]
+
+    def combine(self, o_part, m_part, l_part):
+        NT = self.m.threads
+        weight = ["float mx = -VF_INF, sum = 0.0f;",
+                  "for (int c = 0; c < splits; ++c) mx = fmaxf(mx, split_m[c][r]);",
+                  "for (int c = 0; c < splits; ++c) sum += exp2f(split_m[c][r] - mx) * split_l[c][r];",
+                  "for (int c = 0; c < splits; ++c) split_m[c][r] = exp2f(split_m[c][r] - mx) / sum;"]
+        acc = ["const int r = i / (D / 4);", "float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;", "#pragma unroll 8",
+               "for (int c = 0; c < splits; ++c) {",
+               f"  const vf_float4 oc = vf_load_arrived4(&{o_part}[((size_t)(blockIdx.x / NS * NS + c) * R * D) + 4 * i]);",
+               "  const float w = split_m[c][r];",
+               "  a0 += w * oc.x; a1 += w * oc.y; a2 += w * oc.z; a3 += w * oc.w;", "}",
+               "float* dst = @out@ + (size_t)head0 * D + 4 * i;", "dst[0] = a0; dst[1] = a1; dst[2] = a2; dst[3] = a3;"]
+        return ["// the last split of the group to arrive: each split's weight per row, then the weighted sum of their rows",
+                f"for (int i = threadIdx.x; i < splits * R; i += {NT}) {{",
+                f"  split_m[i / R][i % R] = vf_load_arrived(&{m_part}[blockIdx.x / NS * NS * R + i]);",
+                f"  split_l[i / R][i % R] = vf_load_arrived(&{l_part}[blockIdx.x / NS * NS * R + i]);", "}", "__syncthreads();",
+                f"for (int r = threadIdx.x; r < R; r += {NT}) {{"] + _indent(weight) + ["}", "__syncthreads();",
+                f"for (int i = threadIdx.x; i < R * D / 4; i += {NT}) {{"] + _indent(acc) + ["}"]
+
+    def globals(self):
+        if self.NS == 1:
+            return []
+        a = self.a
+        n = a.hkv * self.NRT
+        part = n * self.NS * self.R
+        return [f"// {a.out}: the partial rows (output, max, sum) of each of the {self.NS} splits of the cache, and per",
+                "// group of splits how many have arrived (zero when the module loads; the last split resets it)",
+                f"__device__ float {a.out}_o_part[{part * a.d}], {a.out}_m_part[{part}], {a.out}_l_part[{part}];",
+                f"__device__ unsigned int {a.out}_arrived[{n}];"]
+
+
+DECODE_LOCALS = ("wave_m", "wave_l", "wave_o", "split_m", "split_l", "head0", "g", "key0", "k_row", "v_row", "qr", "x", "y",
+                 "col", "k_cur", "v_cur", "kf", "vf", "valid", "la", "mo", "fa", "fb", "a0", "a1", "a2", "a3", "oc", "dst")
+
+
+def _template(a: L.Attention):
+    return Decode(a) if a.tiles.heads else Template(a)
+
+
 def render(a: L.Attention, bare) -> list:
     """The lines of the attention ``a`` (mapped: ``a.tiles`` set); ``bare`` spells the position
     expression in C."""
-    t = Template(a)
+    t = _template(a)
     lines = t.header() + ["{"] + _indent(t.setup() + t.main() + t.finish()) + ["}"]
     text = "\n".join(lines)
     outside = {a.q, a.k, a.v, a.out} | {e.name for e in L.walk_exprs(a.pos) if isinstance(e, L.Sym)}
-    for name in set(LOCALS) & outside:                       # a local would hide it: rename the local
+    for name in set(LOCALS + DECODE_LOCALS) & outside:                       # a local would hide it: rename the local
         text = re.sub(rf"\b{name}\b", name + "_", text)
     text = (text.replace("@q@", a.q).replace("@k@", a.k).replace("@v@", a.v).replace("@out@", a.out)
             .replace("@pos@", bare(a.pos)))
@@ -295,7 +479,9 @@ def render(a: L.Attention, bare) -> list:
 def globals_of(a: L.Attention) -> list:
     """File-scope buffers of a split attention: every split's partial rows and, per group of splits,
     how many have arrived (zero when the module loads; the last split sets it back)."""
-    t = Template(a)
+    t = _template(a)
+    if isinstance(t, Decode):
+        return t.globals()
     if t.NS == 1:
         return []
     n = a.hkv * t.nqt

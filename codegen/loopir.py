@@ -376,6 +376,9 @@ class AttentionTiles:
     vector: bool
     threads: int                  # of the workgroup
     wave: int                     # lanes per wave of the target the text is written for
+    heads: int = 0                # decode (T = 1): the query heads a workgroup takes, read in registers, each
+                                  # group of key_lanes lanes owning keys (no LDS tiles); 0: the tiled template
+    unroll: int = 1               # decode: the keys a lane group has in flight per step
 
 
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8]

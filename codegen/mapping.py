@@ -167,6 +167,9 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
     the positions per split, rounded up to whole tiles: A/B).  The grid is fixed (CUDA graph
     replay); a split past the position exits at once.  Raises ValueError when one tile of 8 keys
     does not fit."""
+    decode = decode_tiles(a, t)
+    if decode:
+        return decode
     group = a.hq // a.hkv
     rows_q = 1 if a.t == 1 else max(1, min(a.t, ATT_ROWS // group))
     rows = rows_q * group
@@ -184,6 +187,45 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
                             t.attention_block, t.wave)
 
 
+DECODE_FLOATS = 64         # query values a decode lane keeps in registers (as many output accumulators)
+
+
+def decode_lds(a: L.Attention, m: L.AttentionTiles) -> int:
+    """LDS bytes of the decode template: each wave's state (max, sum and outputs of its rows) and,
+    when the cache is split, the combine's max and sum of every split's rows and the arrival flag."""
+    waves = m.threads // m.wave
+    split = m.splits > 1
+    return 4 * waves * m.heads * (a.d + 2) + split * (8 * m.splits * m.heads + 4)
+
+
+def decode_tiles(a: L.Attention, t: Target):
+    """The decode (T = 1) mapping, or None where it does not apply (K and V of different dtypes, or
+    rows not a whole number of 16-byte loads).  A lane group of ``key_lanes`` lanes owns a key: each
+    lane loads 16 bytes of its K and V rows straight from global memory, ``unroll`` keys in flight per
+    group, and keeps its slice of every query row and output row in registers (online softmax per
+    group, no barrier per step); the workgroup's ``heads`` query heads are the most of the KV group
+    whose queries fit ``DECODE_FLOATS`` values per lane.  Splits: the chunk where a split's K/V bytes
+    equal the combine's reads of every split's partial rows, in whole steps of the workgroup
+    (``VEGAFUSE_ATT_CHUNK`` sets it: A/B)."""
+    kd, vd = a.dtypes[1:]
+    if a.t != 1 or kd != vd or a.d * ITEMSIZE[kd] % t.load_bytes:
+        return None
+    group, per = a.hq // a.hkv, t.load_bytes // ITEMSIZE[kd]
+    units = a.d // per                                     # 16-byte loads per row
+    lanes = min(t.wave, 1 << (units - 1).bit_length())
+    upl = -(-units // lanes)
+    unroll, threads = 4, t.attention_waves * t.wave
+    step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
+    for heads in (group // n for n in range(1, group + 1) if group % n == 0):
+        chunk = math.sqrt(a.s * heads * 2 / ITEMSIZE[kd])
+        chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk
+        chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
+        m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)
+        if heads * upl * per <= DECODE_FLOATS and decode_lds(a, m) <= t.attention_lds:
+            return m
+    return None
+
+
 def _attention(body, t):
     """Record the tiles in the Attention statement (kept when another target mapped it: its text
     runs as written) and derive the launch from them."""
@@ -193,6 +235,12 @@ def _attention(body, t):
         body, a = tuple(tiled if s is a else s for s in body), tiled
     m = a.tiles
     group = a.hq // a.hkv
+    if m.heads:
+        how = (f"a workgroup per (KV head, {m.heads} of its {group} query heads, {m.chunk}-position split of the "
+               f"cache: {m.splits}); {m.key_lanes} lanes per key, {m.unroll} keys in flight per lane group, K/V in "
+               "16-byte loads straight to registers, online softmax per group, the waves merged in LDS"
+               + ("; the last split to finish combines them (log-sum-exp)" if m.splits > 1 else ""))
+        return body, L.Launch(a.hkv * group // m.heads * m.splits, m.threads, "VF_ATT_BLOCK", how, decode_lds(a, m))
     nqt = -(-a.t // m.rows_q)
     heads = f"{group} query head{'s' if group > 1 else ''}"
     rows = f"{m.rows_q} query positions x {heads}" if m.rows_q > 1 else heads

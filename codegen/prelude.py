@@ -460,6 +460,16 @@ __device__ __forceinline__ float vf_dot_qk(float acc, const float* q, const floa
 }
 // a value other workgroups wrote before vf_last_to_arrive (its fence invalidated this CU's cache)
 __device__ __forceinline__ float vf_load_arrived(const float* p) { return *p; }
+__device__ __forceinline__ vf_float4 vf_load_arrived4(const float* p) { return *(const vf_float4*)p; }
+// the 8 f16 (or 4 f32) values of a 16-byte load as floats
+__device__ __forceinline__ void vf_unpack_f16(vf_vec16 v, float* f) {
+  const vf_half8 h = __builtin_bit_cast(vf_half8, v);
+  for (int i = 0; i < 8; ++i) f[i] = (float)h[i];
+}
+__device__ __forceinline__ void vf_unpack_f32(vf_vec16 v, float* f) {
+  const vf_float4 x = __builtin_bit_cast(vf_float4, v);
+  f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
+}
 """
 
 _NV_ATTENTION = r"""typedef uint4 vf_vec16;                                                 // 16 bytes: one vector load
@@ -482,6 +492,15 @@ __device__ __forceinline__ float vf_dot_qk(float acc, const float* q, const floa
 }
 // a value other workgroups wrote before vf_last_to_arrive: read from L2, past this SM's L1
 __device__ __forceinline__ float vf_load_arrived(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ vf_float4 vf_load_arrived4(const float* p) { return __ldcg((const float4*)p); }
+// the 8 f16 (or 4 f32) values of a 16-byte load as floats
+__device__ __forceinline__ void vf_unpack_f16(vf_vec16 v, float* f) {
+  const __half2* h = (const __half2*)&v;
+  for (int i = 0; i < 4; ++i) { const float2 x = __half22float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
+}
+__device__ __forceinline__ void vf_unpack_f32(vf_vec16 v, float* f) {
+  f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y); f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+}
 """
 
 

@@ -61,6 +61,7 @@ class Target:
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
     attention_block: int = 256   # threads of an attention workgroup (codegen.mapping.attention_tiles)
     attention_lds: int = 32 * 1024  # LDS an attention workgroup may take (its tiles' size): two fit a gfx906 CU
+    attention_waves: int = 4     # waves of a decode attention workgroup (codegen.mapping.decode_tiles)
     pdl: bool = False            # programmatic dependent launch (Hopper): a kernel starts while the previous
                                  # one drains, then waits for its inputs.  Measured on
                                  # an H200 with the trigger at kernel start: 536.6 against 628.5 tok/s

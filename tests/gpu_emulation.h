@@ -5,6 +5,7 @@
 #include <atomic>
 #include <barrier>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -34,6 +35,13 @@ static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 static inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
 static inline float vf_load_arrived(const float* p) { return *p; }
+static inline vf_float4 vf_load_arrived4(const float* p) { vf_float4 r; std::memcpy(&r, p, 16); return r; }
+static inline void vf_unpack_f16(vf_vec16 v, float* f) {
+  vf_half h[8];
+  std::memcpy(h, &v, 16);
+  for (int i = 0; i < 8; ++i) f[i] = (float)h[i];
+}
+static inline void vf_unpack_f32(vf_vec16 v, float* f) { std::memcpy(f, &v, 16); }
 static inline float vf_shfl_xor(float v, int m) {          // every lane of the wave takes part
   std::barrier<>& wave = *vf_emu_waves[threadIdx.x / VF_WAVE];
   vf_emu_lanes[threadIdx.x] = v;

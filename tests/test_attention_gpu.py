@@ -54,12 +54,15 @@ def test_tiles_fit_and_cover_the_cache(v):
     k = attention_kernel(*v)
     for target in ("gfx906", "sm_90"):
         a, m = tiles_of(k, target)
-        group = a.hq // a.hkv
-        assert attention_lds(a, m.rows_q * group, m.keys) <= get_target(target).attention_lds
-        assert m.keys in (8, 16, 32, 64) and m.chunk % m.keys == 0
-        assert (m.splits - 1) * m.chunk < a.s <= m.splits * m.chunk
         launch = map_kernel(k, get_target(target)).launch
-        assert launch.grid == a.hkv * -(-a.t // m.rows_q) * m.splits and launch.block == m.threads
+        assert launch.lds <= get_target(target).attention_lds
+        assert m.chunk % m.keys == 0 and (m.splits - 1) * m.chunk < a.s <= m.splits * m.chunk
+        if m.heads:                                   # decode: a workgroup per (KV head, heads, split)
+            assert a.t == 1 and (a.hq // a.hkv) % m.heads == 0
+            assert launch.grid == a.hq // m.heads * m.splits and launch.block == m.threads
+        else:
+            assert attention_lds(a, m.rows_q * a.hq // a.hkv, m.keys, m.splits > 1) == launch.lds and m.keys in (8, 16, 32, 64)
+            assert launch.grid == a.hkv * -(-a.t // m.rows_q) * m.splits and launch.block == m.threads
         if a.t == 1 and a.s >= 4096:
             assert m.splits > 1, (target, m)
     assert render_hip(k, "gfx906").body == render_hip(k, "sm_90_wave64").body
@@ -112,7 +115,7 @@ def test_every_variant_compiles_for_gfx906_and_passes_the_isa_gates(v):
 
 
 def test_lds_budget_error_is_one_clear_line():
-    a = L.Attention("q", "k", "v", "o", ("f32", "f32", "f32"), 512, 1, 1, 64, 256, L.c(0), 0.1)
+    a = L.Attention("q", "k", "v", "o", ("f32", "f32", "f32"), 512, 1, 2, 64, 256, L.c(0), 0.1)
     with pytest.raises(ValueError, match="needs more than .* bytes of LDS for 8 keys; use fewer query heads"):
         attention_tiles(a, get_target("gfx906"))
 
