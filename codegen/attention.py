@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 from . import loopir as L
+from .mapping import merge_blocks
 
 LOG2E = 1.4426950408889634
 CTYPE = {"f32": "float", "f16": "vf_half"}
@@ -296,6 +297,8 @@ class Decode:
         self.X = self.UPL * self.E                                  # elements of a row a lane keeps
         self.KPW, self.W, self.NRT = m.wave // self.LK, m.threads // m.wave, self.G // self.R
         self.ragged = self.UNITS != self.UPL * self.LK              # lanes past the row's loads
+        self.B = merge_blocks(self.NS)                              # splits merged together
+        self.NB = -(-self.NS // self.B)
 
     def col(self, x):
         """The row element that a lane's value ``x`` (of X) holds."""
@@ -312,11 +315,12 @@ class Decode:
     def setup(self):
         a, NS, R = self.a, self.NS, self.R
         consts = [f"D = {self.D}", f"S = {a.s}", f"R = {R}", f"KT = {self.m.keys}"] + ([f"G = {self.G}"] if self.G > 1 else []) \
-            + ([f"CH = {self.m.chunk}", f"NS = {NS}"] if NS > 1 else [])
+            + ([f"CH = {self.m.chunk}", f"NS = {NS}"] if NS > 1 else []) + ([f"B = {self.B}"] if self.NB > 1 else [])
         out = [f"constexpr int {', '.join(consts)};",
                f"__shared__ float wave_m[{self.W}][R], wave_l[{self.W}][R], wave_o[{self.W}][R][D];   // each wave's state"]
         if NS > 1:
-            out += ["__shared__ float split_m[NS][R], split_l[NS][R];   // the combine: each split's max and sum, then weight",
+            out += [f"__shared__ float split_m[{max(self.B, self.NB)}][R], split_l[{max(self.B, self.NB)}][R];   "
+                    "// the combine: each slot's max and sum, then its weight",
                     "__shared__ int last_flag;"]
         out.append("const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;")
         per = self.NRT * NS
@@ -386,9 +390,9 @@ class Decode:
         out = [f"vf_vec16 k_next[{self.U}][{self.UPL}], v_next[{self.U}][{self.UPL}];"]
         out += self.fetch("lo", "the first step's K and V, in flight with the queries' loads")
         out += self.queries()
-        return out + ["for (int start = lo; start < hi; start += KT) {"] + _indent(self.step()) + ["}"] + self.merge()
+        return out + ["for (int start = lo; start < hi; start += KT) {"] + _indent(self.step()) + ["}"] + self.merge_waves()
 
-    def merge(self):
+    def merge_waves(self):
         """The lane groups of each wave merged through shuffles, the waves' states to LDS."""
         row = ["const float mo = vf_shfl_xor(m[r], x), la = vf_shfl_xor(l[r], x), mn = fmaxf(m[r], mo);",
                "const float fa = m[r] == -VF_INF ? 0.0f : exp2f(m[r] - mn), fb = mo == -VF_INF ? 0.0f : exp2f(mo - mn);",
@@ -405,7 +409,9 @@ class Decode:
         return out
 
     def finish(self):
-        """The waves' states merged per output element: divided, or this split's partial rows."""
+        """The waves' states merged per output element: divided, or this split's partial rows; then
+        the combine (``merge_blocks``: the last split of each block of splits to arrive merges the
+        block, the last block merges the blocks)."""
         body = ["const int r = i / D;", "float mx = wave_m[0][r];"] + _loop(self.W - 1, "w", ["mx = fmaxf(mx, wave_m[w + 1][r]);"]) + [
             "float sum = 0.0f, acc = 0.0f;"] + _loop(self.W, "w", [
                 "const float f = wave_m[w][r] == -VF_INF ? 0.0f : exp2f(wave_m[w][r] - mx);",
@@ -415,47 +421,71 @@ class Decode:
         out = ["// the waves' states merged: a thread per output element"]
         if self.NS == 1:
             return out + [loop] + _indent(body + [direct]) + ["}"]
-        o_part, m_part, l_part, arrived = (f"{self.a.out}_{n}" for n in ("o_part", "m_part", "l_part", "arrived"))
+        part = self.names("part")
         body += ["if (splits == 1) {", "  " + direct, "} else {",
-                 f"  {o_part}[(size_t)blockIdx.x * R * D + i] = acc;",
-                 f"  if (i % D == 0) {{ {m_part}[blockIdx.x * R + r] = mx; {l_part}[blockIdx.x * R + r] = sum; }}", "}"]
+                 f"  {part[0]}[(size_t)blockIdx.x * R * D + i] = acc;",
+                 f"  if (i % D == 0) {{ {part[1]}[blockIdx.x * R + r] = mx; {part[2]}[blockIdx.x * R + r] = sum; }}", "}"]
         out = ["const int splits = (end + CH - 1) / CH;     // the splits that hold positions"] + out + [loop] + _indent(body) + ["}"]
-        return out + [f"if (splits > 1 && vf_last_to_arrive(&{arrived}[blockIdx.x / NS], splits, &last_flag)) {{"] \
-            + _indent(self.combine(o_part, m_part, l_part)) + ["}"]
+        arrived = f"{self.a.out}_arrived"
+        if self.NB == 1:
+            return out + [f"if (splits > 1 && vf_last_to_arrive(&{arrived}[blockIdx.x / NS], splits, &last_flag)) {{"] \
+                + _indent(self.merge(part, "blockIdx.x / NS * NS", "splits", None)) + ["}"]
+        blk = self.names("blk")
+        level2 = self.merge(blk, f"group * {self.NB}", "blocks", None)
+        level1 = ["const int base = group * NS + block * B, count = min(B, splits - block * B);"] + \
+            self.merge(part, "base", "count", "blocks == 1", blk, f"group * {self.NB} + block") + \
+            [f"if (blocks > 1 && vf_last_to_arrive(&{arrived}[group], blocks, &last_flag)) {{"] + _indent(level2) + ["}"]
+        return out + [f"const int group = blockIdx.x / NS, block = split / B, blocks = (splits + B - 1) / B;   // blocks of B splits",
+                      f"if (splits > 1 && vf_last_to_arrive(&{arrived}[{self.a.hkv * self.NRT} + group * {self.NB} + block], "
+                      "min(B, splits - block * B), &last_flag)) {"] + _indent(level1) + ["}"]
 
-    def combine(self, o_part, m_part, l_part):
+    def names(self, what):
+        return tuple(f"{self.a.out}_{n}_{what}" for n in ("o", "m", "l"))
+
+    def merge(self, src, base, count, final, dst=None, slot=None):
+        """The last to arrive merges the partial rows ``src`` (o, m, l) of ``count`` slots from ``base``:
+        each slot's weight per row into LDS, then the weighted sum of their rows, into the output when
+        ``final`` (a C condition; None: always) or else into slot ``slot`` of ``dst``."""
         NT = self.m.threads
+        scale = "1.0f / sum" if final is None else f"{final} ? 1.0f / sum : 1.0f"
         weight = ["float mx = -VF_INF, sum = 0.0f;",
-                  "for (int c = 0; c < splits; ++c) mx = fmaxf(mx, split_m[c][r]);",
-                  "for (int c = 0; c < splits; ++c) sum += exp2f(split_m[c][r] - mx) * split_l[c][r];",
-                  "for (int c = 0; c < splits; ++c) split_m[c][r] = exp2f(split_m[c][r] - mx) / sum;"]
+                  f"for (int c = 0; c < {count}; ++c) mx = fmaxf(mx, split_m[c][r]);",
+                  f"for (int c = 0; c < {count}; ++c) sum += exp2f(split_m[c][r] - mx) * split_l[c][r];",
+                  f"const float scale = {scale};",
+                  f"for (int c = 0; c < {count}; ++c) split_m[c][r] = exp2f(split_m[c][r] - mx) * scale;"]
+        if final is not None:
+            weight.append(f"if (!({final})) {{ {dst[1]}[({slot}) * R + r] = mx; {dst[2]}[({slot}) * R + r] = sum; }}")
+        to = "@out@ + (size_t)head0 * D" if final is None else f"{final} ? @out@ + (size_t)head0 * D : {dst[0]} + (size_t)({slot}) * R * D"
         acc = ["const int r = i / (D / 4);", "float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;", "#pragma unroll 8",
-               "for (int c = 0; c < splits; ++c) {",
-               f"  const vf_float4 oc = vf_load_arrived4(&{o_part}[((size_t)(blockIdx.x / NS * NS + c) * R * D) + 4 * i]);",
+               f"for (int c = 0; c < {count}; ++c) {{",
+               f"  const vf_float4 oc = vf_load_arrived4(&{src[0]}[(size_t)({base} + c) * R * D + 4 * i]);",
                "  const float w = split_m[c][r];",
                "  a0 += w * oc.x; a1 += w * oc.y; a2 += w * oc.z; a3 += w * oc.w;", "}",
-               "float* dst = @out@ + (size_t)head0 * D + 4 * i;", "dst[0] = a0; dst[1] = a1; dst[2] = a2; dst[3] = a3;"]
-        return ["// the last split of the group to arrive: each split's weight per row, then the weighted sum of their rows",
-                f"for (int i = threadIdx.x; i < splits * R; i += {NT}) {{",
-                f"  split_m[i / R][i % R] = vf_load_arrived(&{m_part}[blockIdx.x / NS * NS * R + i]);",
-                f"  split_l[i / R][i % R] = vf_load_arrived(&{l_part}[blockIdx.x / NS * NS * R + i]);", "}", "__syncthreads();",
+               "dst[4 * i] = a0; dst[4 * i + 1] = a1; dst[4 * i + 2] = a2; dst[4 * i + 3] = a3;"]
+        return ["// each slot's weight per row, then the weighted sum of their rows",
+                f"for (int i = threadIdx.x; i < {count} * R; i += {NT}) {{",
+                f"  split_m[i / R][i % R] = vf_load_arrived(&{src[1]}[({base}) * R + i]);",
+                f"  split_l[i / R][i % R] = vf_load_arrived(&{src[2]}[({base}) * R + i]);", "}", "__syncthreads();",
                 f"for (int r = threadIdx.x; r < R; r += {NT}) {{"] + _indent(weight) + ["}", "__syncthreads();",
-                f"for (int i = threadIdx.x; i < R * D / 4; i += {NT}) {{"] + _indent(acc) + ["}"]
+                f"float* dst = {to};", f"for (int i = threadIdx.x; i < R * D / 4; i += {NT}) {{"] + _indent(acc) + ["}"]
 
     def globals(self):
         if self.NS == 1:
             return []
-        a = self.a
-        n = a.hkv * self.NRT
-        part = n * self.NS * self.R
-        return [f"// {a.out}: the partial rows (output, max, sum) of each of the {self.NS} splits of the cache, and per",
-                "// group of splits how many have arrived (zero when the module loads; the last split resets it)",
-                f"__device__ float {a.out}_o_part[{part * a.d}], {a.out}_m_part[{part}], {a.out}_l_part[{part}];",
-                f"__device__ unsigned int {a.out}_arrived[{n}];"]
+        a, groups = self.a, self.a.hkv * self.NRT
+        part, blk = groups * self.NS * self.R, groups * self.NB * self.R
+        out = [f"// {a.out}: the partial rows (output, max, sum) of each of the {self.NS} splits of the cache"
+               + (f" and of each block of {self.B}," if self.NB > 1 else ","),
+               "// and how many have arrived per group (zero when the module loads; the last to arrive resets it)",
+               f"__device__ float {', '.join(f'{n}[{size}]' for n, size in zip(self.names('part'), (part * a.d, part, part)))};"]
+        if self.NB > 1:
+            out.append(f"__device__ float {', '.join(f'{n}[{size}]' for n, size in zip(self.names('blk'), (blk * a.d, blk, blk)))};")
+        return out + [f"__device__ unsigned int {a.out}_arrived[{groups * (self.NB + 1) if self.NB > 1 else groups}];"]
 
 
 DECODE_LOCALS = ("wave_m", "wave_l", "wave_o", "split_m", "split_l", "head0", "g", "key0", "k_row", "v_row", "qr", "x", "y",
-                 "col", "k_cur", "v_cur", "kf", "vf", "valid", "la", "mo", "fa", "fb", "a0", "a1", "a2", "a3", "oc", "dst")
+                 "col", "k_cur", "v_cur", "kf", "vf", "valid", "la", "mo", "fa", "fb", "a0", "a1", "a2", "a3", "oc", "dst", "B",
+                 "base", "count", "block", "blocks", "scale")
 
 
 def _template(a: L.Attention):

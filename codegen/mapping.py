@@ -190,12 +190,20 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
 DECODE_FLOATS = 64         # query values a decode lane keeps in registers (as many output accumulators)
 
 
+def merge_blocks(splits: int) -> int:
+    """The splits of a decode attention merged together: all of them up to 16; beyond, blocks of
+    about sqrt(splits), the last of each block to finish merging it and the last block merging the
+    blocks, so that no merge reads more than a few partial rows per output."""
+    return splits if splits <= 16 else math.isqrt(splits - 1) + 1
+
+
 def decode_lds(a: L.Attention, m: L.AttentionTiles) -> int:
     """LDS bytes of the decode template: each wave's state (max, sum and outputs of its rows) and,
-    when the cache is split, the combine's max and sum of every split's rows and the arrival flag."""
+    when the cache is split, a merge's max and sum of each slot's rows and the arrival flag."""
     waves = m.threads // m.wave
-    split = m.splits > 1
-    return 4 * waves * m.heads * (a.d + 2) + split * (8 * m.splits * m.heads + 4)
+    b = merge_blocks(m.splits)
+    slots = max(b, -(-m.splits // b))
+    return 4 * waves * m.heads * (a.d + 2) + (m.splits > 1) * (8 * slots * m.heads + 4)
 
 
 def decode_tiles(a: L.Attention, t: Target):
@@ -217,7 +225,7 @@ def decode_tiles(a: L.Attention, t: Target):
     unroll, threads = 4, t.attention_waves * t.wave
     step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
     for heads in (group // n for n in range(1, group + 1) if group % n == 0):
-        chunk = math.sqrt(a.s * heads * 2 / ITEMSIZE[kd])
+        chunk = a.s * a.hkv * (group // heads) / t.compute_units       # a workgroup per CU at the full cache
         chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
         m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)

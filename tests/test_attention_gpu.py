@@ -146,10 +146,9 @@ def emulate(k, target, arrays, tmp):
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
 @pytest.mark.parametrize("target", ["sm_90", "gfx906"])
-@pytest.mark.parametrize("v", [(7, 1, 1, 512, 64, "f4"), (6, 2, 1, 300, 128, "f2"), (10, 2, 5, 300, 80, "f2")],
-                         ids=lambda v: "x".join(map(str, v)))
+@pytest.mark.parametrize("v", [(10, 2, 5, 300, 80, "f2"), (4, 2, 3, 200, 64, "f4")], ids=lambda v: "x".join(map(str, v)))
 def test_the_kernel_text_computes_attention(v, target, tmp_path_factory):
-    """The template at wave 32 (sm_90's text) and 64 (gfx906's), run twice at positions that span
+    """The tiled template (prefill) at wave 32 (sm_90's text) and 64 (gfx906's), run twice at positions that span
     several splits (the combine; the arrival counter set back for the next launch) and once at the
     last position, against the float64 interpreter on fresh random inputs."""
     hq, hkv, t, s, d, kv = v
@@ -162,6 +161,37 @@ def test_the_kernel_text_computes_attention(v, target, tmp_path_factory):
         q = rng.standard_normal((hq, t, d)).astype("f4")
         kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
         out = np.full((hq, t, d), np.nan, np.float32)
+        named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
+        emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
+        want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("v", [
+    (7, 1, 1024, 64, "f4"),     # GQA 7, head dim 64, f32 cache: 32 splits merged in blocks, then the blocks
+    (12, 2, 300, 128, "f2"),    # Qwen2.5-1.5B's group of 6, f16 cache
+    (4, 2, 200, 128, "f4"),     # GQA 2
+    (3, 3, 100, 64, "f2"),      # GQA 1
+    (10, 2, 300, 80, "f2"),     # head dim 80: lanes past the row's ten 16-byte loads
+    (24, 2, 100, 128, "f2"),    # 12 heads per KV head: two workgroups of 6 heads each
+], ids=lambda v: "x".join(map(str, v)))
+def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
+    """The decode template (lane groups owning keys, no LDS tiles) at wave 32 and 64 at positions 0,
+    1, both sides of the first split boundary, past the second and S - 1, each on fresh random inputs,
+    against the float64 interpreter (one compiled kernel for all: the arrival counters set back)."""
+    hq, hkv, s, d, kv = v
+    rng = np.random.default_rng()
+    k = attention_kernel(hq, hkv, 1, s, d, kv)
+    _, m = tiles_of(k, target)
+    assert m.heads and (hq // hkv) % m.heads == 0, m
+    tmp = str(tmp_path_factory.getbasetemp())
+    f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
+    for pos in sorted({0, 1, m.chunk - 1, m.chunk, m.chunk + 1, 2 * m.chunk + 5, s - 1} & set(range(s))):
+        q = rng.standard_normal((hq, 1, d)).astype("f4")
+        kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
+        out = np.full((hq, 1, d), np.nan, np.float32)
         named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
         emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
         want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
