@@ -373,16 +373,16 @@ class Decode:
             [f"const bool valid = start + key0 + {self.KPW} * u < hi;"] + \
             _loop(self.R, "r", ["float dot = 0.0f;"] + _loop(self.X, "x", ["dot += qr[r][x] * kf[x];"])
                   + [f"s[u][r] = vf_group_sum(dot, {self.LK});", "if (!valid) s[u][r] = -VF_INF;"])
-        out += [f"// scores: each key's dot products over its {self.LK} lanes", f"float s[{self.U}][R], pr[{self.U}][R];"]
+        out += [f"// scores: each key's dot products over its {self.LK} lanes", f"float s[{self.U}][R];   // the scores, then the probabilities"]
         out += _loop(self.U, "u", score)
         row = ["float top = s[0][r];"] + _loop(self.U, "u", ["top = fmaxf(top, s[u][r]);"]) + [
             "const float mx = fmaxf(m[r], top);",
             "const float corr = mx == -VF_INF ? 1.0f : exp2f(m[r] - mx);   // -inf: no position yet",
             "l[r] *= corr;", "m[r] = mx;"] + _loop(self.X, "x", ["o[r][x] *= corr;"]) + \
-            _loop(self.U, "u", ["pr[u][r] = s[u][r] == -VF_INF ? 0.0f : exp2f(s[u][r] - mx);", "l[r] += pr[u][r];"])
+            _loop(self.U, "u", ["s[u][r] = s[u][r] == -VF_INF ? 0.0f : exp2f(s[u][r] - mx);", "l[r] += s[u][r];"])
         out += ["// online softmax of each row over the group's keys"] + _loop(self.R, "r", row)
         value = [f"float vf[{self.X}];"] + self.unpack("v_cur", "vf") + \
-            _loop(self.R, "r", _loop(self.X, "x", ["o[r][x] += pr[u][r] * vf[x];"]))
+            _loop(self.R, "r", _loop(self.X, "x", ["o[r][x] += s[u][r] * vf[x];"]))
         out += ["// outputs: the probabilities times the values"] + _loop(self.U, "u", value)
         return out
 

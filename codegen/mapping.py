@@ -247,7 +247,9 @@ def _attention(body, t):
         how = (f"a workgroup per (KV head, {m.heads} of its {group} query heads, {m.chunk}-position split of the "
                f"cache: {m.splits}); {m.key_lanes} lanes per key, {m.unroll} keys in flight per lane group, K/V in "
                "16-byte loads straight to registers, online softmax per group, the waves merged in LDS"
-               + ("; the last split to finish combines them (log-sum-exp)" if m.splits > 1 else ""))
+               + ("; the last split to finish combines them (log-sum-exp"
+                  + (f", in blocks of {merge_blocks(m.splits)})" if merge_blocks(m.splits) < m.splits else ")")
+                  if m.splits > 1 else ""))
         return body, L.Launch(a.hkv * group // m.heads * m.splits, m.threads, "VF_ATT_BLOCK", how, decode_lds(a, m))
     nqt = -(-a.t // m.rows_q)
     heads = f"{group} query head{'s' if group > 1 else ''}"

@@ -367,6 +367,8 @@ def _decode_positions(S):
     (8, 4, 64, np.float32),          # GQA 2
     (4, 4, 128, np.float16),         # no sharing (GQA 1)
     (9, 3, 64, np.float32),          # SmolLM2: 3 per KV head, head dim 64
+    (24, 2, 128, np.float16),        # 12 per KV head: two workgroups of 6 heads per KV head
+    (10, 2, 80, np.float16),         # head dim 80: lanes past the row's ten 16-byte loads
 ])
 def test_decode_attention_split_over_workgroups(hq, hkv, D, kv_dtype):
     """Flash-decoding: T = 1 over a 4096-position cache split over workgroups, the query heads of a
