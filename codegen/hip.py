@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from . import attention
 from . import loopir as L
 from .mapping import map_kernel
 from .prelude import act_dtype, prelude  # noqa: F401  (prelude is re-exported)
@@ -292,68 +293,8 @@ def stmts(body, pad="  "):
 
 
 def _attention(a: L.Attention, pad):
-    """One workgroup per (query head, query row); waves split the context, two positions per step,
-    lanes hold head-dim elements; the waves' partial softmax states combine with log-sum-exp."""
-    qd, kd, vd = a.dtypes
-    ld = lambda buf, idx, dt: f"vf_h2f({buf}[{idx}])" if dt == "f16" else f"{buf}[{idx}]"  # noqa: E731
-    src = f"""constexpr int D = {a.d}, S = {a.s}, T = {a.t}, DPL = (D + VF_WAVE - 1) / VF_WAVE;
-__shared__ float vf_m[VF_ATT_WAVES], vf_l[VF_ATT_WAVES], vf_o[VF_ATT_WAVES][D];
-const int h = blockIdx.x / T, t = blockIdx.x % T, kvh = h / {a.hq // a.hkv};
-const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;
-const int n = min({expr(a.pos)} + t + 1, S);        // positions 0..pos+t only
-const size_t qrow = ((size_t)h * T + t) * D;
-float q[DPL], o[DPL];
-#pragma unroll
-for (int j = 0; j < DPL; ++j) {{
-  const int d = vf_lane + j * VF_WAVE;
-  q[j] = d < D ? {ld(a.q, 'qrow + d', qd)} * {float(a.scale)!r}f : 0.0f;
-  o[j] = 0.0f;
-}}
-float mx = -VF_INF, l = 0.0f;
-// two positions per step, their K and V rows loaded before either is used (loads in flight)
-for (int s = vf_wave; s < n; s += 2 * VF_ATT_WAVES) {{
-  const int s2 = s + VF_ATT_WAVES;
-  const bool two = s2 < n;
-  const size_t row = ((size_t)kvh * S + s) * D, row2 = ((size_t)kvh * S + (two ? s2 : s)) * D;
-  float k1[DPL], v1[DPL], k2[DPL], v2[DPL];
-#pragma unroll
-  for (int j = 0; j < DPL; ++j) {{
-    const int d = vf_lane + j * VF_WAVE < D ? vf_lane + j * VF_WAVE : 0;
-    k1[j] = {ld(a.k, 'row + d', kd)}; v1[j] = {ld(a.v, 'row + d', vd)};
-    k2[j] = {ld(a.k, 'row2 + d', kd)}; v2[j] = {ld(a.v, 'row2 + d', vd)};
-  }}
-  float part = 0.0f, part2 = 0.0f;
-#pragma unroll
-  for (int j = 0; j < DPL; ++j) {{
-    if (vf_lane + j * VF_WAVE < D) {{ part += q[j] * k1[j]; part2 += q[j] * k2[j]; }}
-  }}
-  const float sc = vf_wave_sum(part);
-  const float sc2 = two ? vf_wave_sum(part2) : -VF_INF;
-  const float mn = fmaxf(fmaxf(mx, sc), sc2), corr = expf(mx - mn), p = expf(sc - mn);
-  const float p2 = two ? expf(sc2 - mn) : 0.0f;
-  l = l * corr + p + p2;
-#pragma unroll
-  for (int j = 0; j < DPL; ++j) o[j] = o[j] * corr + p * v1[j] + p2 * v2[j];
-  mx = mn;
-}}
-// log-sum-exp combine of the waves' partial results
-if (vf_lane == 0) {{ vf_m[vf_wave] = mx; vf_l[vf_wave] = l; }}
-#pragma unroll
-for (int j = 0; j < DPL; ++j) {{
-  const int d = vf_lane + j * VF_WAVE;
-  if (d < D) vf_o[vf_wave][d] = o[j];
-}}
-__syncthreads();
-float M = -VF_INF;
-for (int w = 0; w < VF_ATT_WAVES; ++w) M = fmaxf(M, vf_m[w]);
-float L = 0.0f;
-for (int w = 0; w < VF_ATT_WAVES; ++w) L += vf_m[w] == -VF_INF ? 0.0f : vf_l[w] * expf(vf_m[w] - M);
-for (int d = threadIdx.x; d < D; d += VF_ATT_BLOCK) {{
-  float acc = 0.0f;
-  for (int w = 0; w < VF_ATT_WAVES; ++w) acc += vf_m[w] == -VF_INF ? 0.0f : vf_o[w][d] * expf(vf_m[w] - M);
-  {a.out}[qrow + d] = acc / L;
-}}"""
-    return [(pad + line) if line and not line.startswith("#") else line for line in src.split("\n")]
+    """The attention template (``codegen/attention.py``)."""
+    return [(pad + line) if line and not line.startswith("#") else line for line in attention.render(a, bare)]
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -401,8 +342,9 @@ def render_kernel(k: L.Kernel) -> str:
     """The source of a mapped kernel (``codegen.mapping.map_kernel``), without the prelude."""
     launch = k.launch
     lines = [f"// {k.name}: {k.family} kernel, {k.bytes} bytes moved, {k.flops} flops per call",
-             f"// mapping: {launch.how}",
-             f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
+             f"// mapping: {launch.how}"]
+    lines += [x for s in k.body if isinstance(s, L.Attention) for x in attention.globals_of(s)]
+    lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
     arrays = [s for s in k.body if isinstance(s, L.Array)]
     lines += stmts(arrays)
     if _uses_waves(k.body):
@@ -421,7 +363,8 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     t = get_target(target) if isinstance(target, str) else target
     m = L.tidy_names(map_kernel(k, t), reserved=("vf_lane", "vf_wave"))
     quant = any(p.dtype in L.QUANT_DTYPES for p in k.params)
-    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act, quant)
+    att = any(isinstance(s, L.Attention) for s in m.body)
+    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act, quant, att)
     src = head + "\n" + render_kernel(m)
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

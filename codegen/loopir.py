@@ -359,6 +359,27 @@ class Attention:
     d: int
     pos: Expr
     scale: float
+    tiles: "AttentionTiles" = None  # the GPU mapping's choices (codegen/mapping.py), None before it
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """How the GPU runs an ``Attention`` (chosen by ``codegen/mapping.py``): a workgroup takes one
+    KV head, ``rows_q`` query positions (times the heads of the group: the tile's rows) and the
+    ``chunk`` positions of one of ``splits`` slices of the cache, in tiles of ``keys`` positions
+    staged in LDS; ``key_lanes`` lanes share a row's scores.  ``vector``: K/V rows move 16 bytes
+    at a time.  The kernel text follows from these fields alone."""
+    rows_q: int
+    keys: int
+    chunk: int
+    splits: int
+    key_lanes: int
+    vector: bool
+    threads: int                  # of the workgroup
+    wave: int                     # lanes per wave of the target the text is written for
+    heads: int = 0                # decode (T = 1): the query heads a workgroup takes, read in registers, each
+                                  # group of key_lanes lanes owning keys (no LDS tiles); 0: the tiled template
+    unroll: int = 1               # decode: the keys a lane group has in flight per step
 
 
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8]

@@ -10,8 +10,9 @@ Families:
   the weight row is contiguous in k and aligned (checked here); lane 0 runs the epilogue.  When
   the rows leave most of the chip idle, ``split`` waves share a row and combine through LDS.
   A segment of order "outer" (a (K, N) weight) gives each thread an output column instead.
-* attention: one workgroup per (query head, query row); the template splits the context over
-  its waves.
+* attention (``attention_tiles``): a workgroup per (KV head, tile of query rows, split of the
+  cache); the query heads of a KV group share each K/V tile, staged in LDS; the splits combine
+  by log-sum-exp in the last workgroup of each group to finish.
 * elementwise, scatter, reduce: a parallel loop holding reductions gives each iteration a
   workgroup (reductions block-wide, inner parallel loops over its threads, stores of row values
   by thread 0); other parallel loops are flat grid-stride loops over every thread; a kernel that
@@ -19,6 +20,7 @@ Families:
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import replace
@@ -39,10 +41,7 @@ def map_kernel(k: L.Kernel, t: Target, lds_limit: int = 0) -> L.Kernel:
     if k.launch is not None:
         return k
     if t.maps_like:                        # another target's kernel text, launched within this one's limits
-        m = map_kernel(k, get_target(t.maps_like), t.max_static_lds)
-        if m.launch.bounds == "VF_ATT_BLOCK":
-            m = replace(m, launch=_attention(m.body, t)[1])
-        return m
+        return map_kernel(k, get_target(t.maps_like), t.max_static_lds)
     body = L.drop_unit_loops(k.body, keep_parallel=k.family == "contract")
     if k.family == "contract":
         body, launch = _contract(body, t, min(t.max_static_lds, lds_limit or t.max_static_lds))
@@ -146,11 +145,120 @@ def _one_workgroup(body, t):
 
 
 # ------------------------------------------------------------------------------ attention
+ATT_ROWS = 16              # rows (query positions x the heads of a KV group) a prefill tile aims for
+
+
+def attention_lds(a: L.Attention, rows: int, keys: int, split: bool = True) -> int:
+    """LDS bytes of the attention template: the tile's query rows (f32), a tile of ``keys`` K rows
+    (padded by 16 bytes) and V rows in the caches' dtypes, the probabilities, each row's rescale and
+    sum and, when the cache is ``split``, its max and the arrival flag."""
+    k, v = (ITEMSIZE[x] for x in a.dtypes[1:])
+    per_row = 12 if split else 8
+    return 4 * rows * a.d + keys * (a.d * k + 16) + keys * a.d * v + 4 * rows * keys + per_row * rows + 4 * split
+
+
+def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
+    """The tiles of an attention on ``t`` (see ``L.AttentionTiles``).  Decode (T = 1) takes the
+    heads of one KV group as its rows; prefill adds query positions up to ``ATT_ROWS`` rows.  Keys
+    per LDS tile: the most of 64, 32, 16, 8 that fit ``t.attention_lds``.  The cache is split over
+    workgroups (flash-decoding) into chunks of at least the positions that spread the grid over the
+    chip once, and of at least sqrt(S x rows x 4 / (K + V bytes per element)): there a split's K/V
+    reads equal the combine's reads of every split's partial rows (``VEGAFUSE_ATT_CHUNK`` sets
+    the positions per split, rounded up to whole tiles: A/B).  The grid is fixed (CUDA graph
+    replay); a split past the position exits at once.  Raises ValueError when one tile of 8 keys
+    does not fit."""
+    decode = decode_tiles(a, t)
+    if decode:
+        return decode
+    group = a.hq // a.hkv
+    rows_q = 1 if a.t == 1 else max(1, min(a.t, ATT_ROWS // group))
+    rows = rows_q * group
+    keys = next((n for n in (64, 32, 16, 8) if attention_lds(a, rows, n) <= t.attention_lds), 0)
+    if not keys:
+        raise ValueError(f"attention with head dim {a.d} and {group} query heads per KV head needs more than "
+                         f"{t.attention_lds} bytes of LDS for 8 keys; use fewer query heads per KV head or a smaller head dim")
+    kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
+    groups = a.hkv * -(-a.t // rows_q)
+    chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
+    chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk          # positions per split (A/B)
+    chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
+    vector = all(a.d * ITEMSIZE[x] % t.load_bytes == 0 for x in a.dtypes[1:])
+    return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), min(keys, t.wave), vector,
+                            t.attention_block, t.wave)
+
+
+DECODE_FLOATS = 64         # query values a decode lane keeps in registers (as many output accumulators)
+
+
+def merge_blocks(splits: int) -> int:
+    """The splits of a decode attention merged together: all of them up to 16; beyond, blocks of
+    about sqrt(splits), the last of each block to finish merging it and the last block merging the
+    blocks, so that no merge reads more than a few partial rows per output."""
+    return splits if splits <= 16 else math.isqrt(splits - 1) + 1
+
+
+def decode_lds(a: L.Attention, m: L.AttentionTiles) -> int:
+    """LDS bytes of the decode template: each wave's state (max, sum and outputs of its rows) and,
+    when the cache is split, a merge's max and sum of each slot's rows and the arrival flag."""
+    waves = m.threads // m.wave
+    b = merge_blocks(m.splits)
+    slots = max(b, -(-m.splits // b))
+    return 4 * waves * m.heads * (a.d + 2) + (m.splits > 1) * (8 * slots * m.heads + 4)
+
+
+def decode_tiles(a: L.Attention, t: Target):
+    """The decode (T = 1) mapping, or None where it does not apply (K and V of different dtypes, or
+    rows not a whole number of 16-byte loads).  A lane group of ``key_lanes`` lanes owns a key: each
+    lane loads 16 bytes of its K and V rows straight from global memory, ``unroll`` keys in flight per
+    group, and keeps its slice of every query row and output row in registers (online softmax per
+    group, no barrier per step); the workgroup's ``heads`` query heads are the most of the KV group
+    whose queries fit ``DECODE_FLOATS`` values per lane.  Splits: the chunk where a split's K/V bytes
+    equal the combine's reads of every split's partial rows, in whole steps of the workgroup
+    (``VEGAFUSE_ATT_CHUNK`` sets it: A/B)."""
+    kd, vd = a.dtypes[1:]
+    if a.t != 1 or kd != vd or a.d * ITEMSIZE[kd] % t.load_bytes:
+        return None
+    group, per = a.hq // a.hkv, t.load_bytes // ITEMSIZE[kd]
+    units = a.d // per                                     # 16-byte loads per row
+    lanes = min(t.wave, 1 << (units - 1).bit_length())
+    upl = -(-units // lanes)
+    unroll, threads = 4, t.attention_waves * t.wave
+    step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
+    for heads in (group // n for n in range(1, group + 1) if group % n == 0):
+        chunk = a.s * a.hkv * (group // heads) / t.compute_units       # a workgroup per CU at the full cache
+        chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk
+        chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
+        m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)
+        if heads * upl * per <= DECODE_FLOATS and decode_lds(a, m) <= t.attention_lds:
+            return m
+    return None
+
+
 def _attention(body, t):
+    """Record the tiles in the Attention statement (kept when another target mapped it: its text
+    runs as written) and derive the launch from them."""
     (a,) = [s for s in body if isinstance(s, L.Attention)]
-    lds = 4 * (t.attention_block // t.wave) * (2 + a.d)              # the template's partial states
-    how = "a workgroup per (head, query row); its waves split the context; log-sum-exp combine"
-    return body, L.Launch(a.hq * a.t, t.attention_block, "VF_ATT_BLOCK", how, lds)
+    if a.tiles is None:
+        tiled = replace(a, tiles=attention_tiles(a, t))
+        body, a = tuple(tiled if s is a else s for s in body), tiled
+    m = a.tiles
+    group = a.hq // a.hkv
+    if m.heads:
+        how = (f"a workgroup per (KV head, {m.heads} of its {group} query heads, {m.chunk}-position split of the "
+               f"cache: {m.splits}); {m.key_lanes} lanes per key, {m.unroll} keys in flight per lane group, K/V in "
+               "16-byte loads straight to registers, online softmax per group, the waves merged in LDS"
+               + ("; the last split to finish combines them (log-sum-exp"
+                  + (f", in blocks of {merge_blocks(m.splits)})" if merge_blocks(m.splits) < m.splits else ")")
+                  if m.splits > 1 else ""))
+        return body, L.Launch(a.hkv * group // m.heads * m.splits, m.threads, "VF_ATT_BLOCK", how, decode_lds(a, m))
+    nqt = -(-a.t // m.rows_q)
+    heads = f"{group} query head{'s' if group > 1 else ''}"
+    rows = f"{m.rows_q} query positions x {heads}" if m.rows_q > 1 else heads
+    how = (f"a workgroup per (KV head, {rows}, {m.chunk}-position split of the cache: {m.splits}); "
+           f"tiles of {m.keys} keys in LDS ({'16-byte' if m.vector else 'element'} loads), online softmax"
+           + ("; the last split to finish combines them (log-sum-exp)" if m.splits > 1 else ""))
+    grid = a.hkv * nqt * m.splits
+    return body, L.Launch(grid, m.threads, "VF_ATT_BLOCK", how, attention_lds(a, m.rows_q * group, m.keys, m.splits > 1))
 
 
 # ------------------------------------------------------------------------------ contract

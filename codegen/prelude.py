@@ -417,6 +417,93 @@ _NV_NO_PDL = r"""#define VF_GRID_LAUNCH_DEPENDENTS()
 """
 
 
+_ATTENTION = r"""// attention (codegen/attention.py): the max / sum over each group of n consecutive lanes (n a power of two, at
+// most the wave), held by every lane of the group; every lane of the wave calls it
+__device__ __forceinline__ float vf_group_max(float v, int n) {
+  for (int m = n / 2; m > 0; m >>= 1) v = fmaxf(v, vf_shfl_xor(v, m));
+  return v;
+}
+__device__ __forceinline__ float vf_group_sum(float v, int n) {
+  for (int m = n / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
+  return v;
+}
+// the last of n workgroups to arrive at *count (zero before the first) gets true and sets it back to zero
+// for the next launch; the global writes of every workgroup before its arrival are seen by the last one
+// after it (each thread fences its own writes, thread 0 counts, the last workgroup fences again)
+__device__ __forceinline__ bool vf_last_to_arrive(unsigned int* count, int n, int* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(count, 1u) == (unsigned int)(n - 1);
+    if (last) atomicExch(count, 0u);
+    *flag = last;
+  }
+  __syncthreads();
+  const bool last = *flag;
+  if (last) __threadfence();
+  return last;
+}
+"""
+
+_AMD_ATTENTION = r"""typedef unsigned int vf_vec16 __attribute__((ext_vector_type(4)));    // 16 bytes: global_load_dwordx4
+__device__ __forceinline__ vf_vec16 vf_zero16() { return (vf_vec16)(0u); }
+// acc + 8 query values (f32, LDS) times 8 f16 keys (one 16-byte LDS read), or 4 values times 4 f32 keys
+__device__ __forceinline__ float vf_dot_qk(float acc, const float* q, const vf_half* k) {
+  const vf_half8 kv = *(const vf_half8*)k;
+  const vf_float4 q0 = *(const vf_float4*)q, q1 = *(const vf_float4*)(q + 4);
+  acc += q0.x * (float)kv.s0 + q0.y * (float)kv.s1 + q0.z * (float)kv.s2 + q0.w * (float)kv.s3;
+  return acc + q1.x * (float)kv.s4 + q1.y * (float)kv.s5 + q1.z * (float)kv.s6 + q1.w * (float)kv.s7;
+}
+__device__ __forceinline__ float vf_dot_qk(float acc, const float* q, const float* k) {
+  const vf_float4 kv = *(const vf_float4*)k, qv = *(const vf_float4*)q;
+  return acc + qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+}
+// a value other workgroups wrote before vf_last_to_arrive (its fence invalidated this CU's cache)
+__device__ __forceinline__ float vf_load_arrived(const float* p) { return *p; }
+__device__ __forceinline__ vf_float4 vf_load_arrived4(const float* p) { return *(const vf_float4*)p; }
+// the 8 f16 (or 4 f32) values of a 16-byte load as floats
+__device__ __forceinline__ void vf_unpack_f16(vf_vec16 v, float* f) {
+  const vf_half8 h = __builtin_bit_cast(vf_half8, v);
+  for (int i = 0; i < 8; ++i) f[i] = (float)h[i];
+}
+__device__ __forceinline__ void vf_unpack_f32(vf_vec16 v, float* f) {
+  const vf_float4 x = __builtin_bit_cast(vf_float4, v);
+  f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
+}
+"""
+
+_NV_ATTENTION = r"""typedef uint4 vf_vec16;                                                 // 16 bytes: one vector load
+typedef float4 vf_float4;
+__device__ __forceinline__ vf_vec16 vf_zero16() { vf_vec16 z; z.x = z.y = z.z = z.w = 0u; return z; }
+// acc + 8 query values (f32, LDS) times 8 f16 keys (one 16-byte LDS read), or 4 values times 4 f32 keys
+__device__ __forceinline__ float vf_dot_qk(float acc, const float* q, const vf_half* k) {
+  const uint4 raw = *(const uint4*)k;
+  const __half2* h = (const __half2*)&raw;
+  const float4 q0 = *(const float4*)q, q1 = *(const float4*)(q + 4);
+  float2 f;
+  f = __half22float2(h[0]); acc = fmaf(q0.x, f.x, acc); acc = fmaf(q0.y, f.y, acc);
+  f = __half22float2(h[1]); acc = fmaf(q0.z, f.x, acc); acc = fmaf(q0.w, f.y, acc);
+  f = __half22float2(h[2]); acc = fmaf(q1.x, f.x, acc); acc = fmaf(q1.y, f.y, acc);
+  f = __half22float2(h[3]); acc = fmaf(q1.z, f.x, acc); return fmaf(q1.w, f.y, acc);
+}
+__device__ __forceinline__ float vf_dot_qk(float acc, const float* q, const float* k) {
+  const float4 kv = *(const float4*)k, qv = *(const float4*)q;
+  return fmaf(qv.w, kv.w, fmaf(qv.z, kv.z, fmaf(qv.y, kv.y, fmaf(qv.x, kv.x, acc))));
+}
+// a value other workgroups wrote before vf_last_to_arrive: read from L2, past this SM's L1
+__device__ __forceinline__ float vf_load_arrived(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ vf_float4 vf_load_arrived4(const float* p) { return __ldcg((const float4*)p); }
+// the 8 f16 (or 4 f32) values of a 16-byte load as floats
+__device__ __forceinline__ void vf_unpack_f16(vf_vec16 v, float* f) {
+  const __half2* h = (const __half2*)&v;
+  for (int i = 0; i < 4; ++i) { const float2 x = __half22float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
+}
+__device__ __forceinline__ void vf_unpack_f32(vf_vec16 v, float* f) {
+  f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y); f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+}
+"""
+
+
 def _nv_how(t: Target) -> str:
     return f"wave{t.wave} emulated by {t.wave // 32} warps" if t.emulated_wave else f"warp{t.wave}"
 
@@ -436,10 +523,11 @@ def _nv_wave(t: Target) -> str:
     return _NV_WAVE64.format(slots=max(t.block, t.attention_block))
 
 
-def prelude(t: Target, act: str | None = None, quant: bool = False) -> str:
+def prelude(t: Target, act: str | None = None, quant: bool = False, attention: bool = False) -> str:
     """Everything target-specific in a kernel's source, from the target table
     (``act``: the GEMV activation dtype in LDS, see ``act_dtype``; ``quant``: the kernel reads
-    quantized weights, so the helpers that read them are included)."""
+    quantized weights, so the helpers that read them are included; ``attention``: the helpers of
+    the attention template)."""
     act, int8 = (act_dtype(t, 0), act) if act in (None, "q8_1", "q8_1r") else (act, None)
     if t.vendor == "amd":
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
@@ -450,4 +538,6 @@ def prelude(t: Target, act: str | None = None, quant: bool = False) -> str:
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
     activation = _OVER_STEP + (_Q8_1 if int8 == "q8_1" else _Q8_1R)   # the int8 GEMV's activation blocks
     tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _QUANT.format(activation=activation)) if quant else ""
+    if attention:
+        tail += (_AMD_ATTENTION if t.vendor == "amd" else _NV_ATTENTION) + _ATTENTION
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format() + tail

@@ -59,7 +59,9 @@ class Target:
                                  # workgroups per CU (codegen.mapping._blocks_per_cu)
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
-    attention_block: int = 1024  # threads of an attention workgroup: its waves split the context
+    attention_block: int = 256   # threads of an attention workgroup (codegen.mapping.attention_tiles)
+    attention_lds: int = 32 * 1024  # LDS an attention workgroup may take (its tiles' size): two fit a gfx906 CU
+    attention_waves: int = 4     # waves of a decode attention workgroup (codegen.mapping.decode_tiles)
     pdl: bool = False            # programmatic dependent launch (Hopper): a kernel starts while the previous
                                  # one drains, then waits for its inputs.  Measured on
                                  # an H200 with the trigger at kernel start: 536.6 against 628.5 tok/s
@@ -86,6 +88,7 @@ TARGETS = {
                      sgpr_granule=16,         # LLVM getSGPRAllocGranule (gfx8-gfx9)
                      max_barriers=16),        # LLVM getMaxWorkGroupsPerCU
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
+                    attention_lds=46 * 1024,   # tiles of 64 keys for decode at head dim 128 (4 workgroups per SM)
                     lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132, int8_blocks_per_cu=4,
                     # measured on an H200 (Qwen2.5-7B q4_0, one layer, 2026-12-01): gate/up 41.6 -> 28.9 us with
                     # the balance (4736 tiles of 4 rows ran 1.12 rounds of 4224 waves); down (K 18944)
@@ -93,10 +96,10 @@ TARGETS = {
                     int8_balance=True, int8_prologue_budget=40960),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,
-# so a workgroup holds at most 15 waves (attention: 8 of 64 lanes); the wave exchange's LDS comes out of
-# the kernel's static budget (1 int per thread of the largest workgroup)
+# so a workgroup holds at most 15 waves; the wave exchange's LDS comes out of the kernel's static budget
+# (1 int per thread of the largest workgroup)
 TARGETS["sm_90_wave64"] = replace(TARGETS["sm_90"], name="sm_90_wave64", wave=64, emulated_wave=True,
-                                  attention_block=512, max_static_lds=48 * 1024 - 4 * 512, maps_like="gfx906")
+                                  max_static_lds=48 * 1024 - 4 * 512, maps_like="gfx906")
 
 
 def get_target(name: str, **overrides) -> Target:

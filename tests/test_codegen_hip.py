@@ -207,7 +207,7 @@ def test_emulated_wave64_runs_the_gfx906_kernel_text(kernels):
         assert amd.body == nv.body, k.name
         assert nv.block[0] // 64 <= 15                       # named barrier ids 1..15
     pre = prelude(t)
-    assert "#define VF_WAVE 64" in pre and "#define VF_ATT_BLOCK 512" in pre
+    assert "#define VF_WAVE 64" in pre and "#define VF_ATT_BLOCK 256" in pre
     assert 'barrier.sync %0, 64;' in pre and "__shfl_xor_sync" in pre
     for helper in ("vf_shfl_xor(", "vf_shfl_xor_i(", "vf_wave_sync(", "vf_wave_sum(", "vf_block_argmax("):
         assert helper in pre and helper in prelude(TARGETS["gfx906"]) and helper in prelude(TARGETS["sm_90"])

@@ -394,3 +394,100 @@ def test_smollm2_greedy_ids_with_the_f32_cache():
     assert {c.dtype for pair in m.cache for c in pair} == {np.dtype(np.float32)}
     m.prefill(PROMPT_IDS)
     assert [REFERENCE_IDS[0]] + m.decode_greedy(REFERENCE_IDS[0], 19) == REFERENCE_IDS
+
+
+# ------------------------------------------------------------------------------ attention (flash)
+def _attention_tiles(c):
+    """The AttentionTiles the compiled attention kernel of ``c`` runs with."""
+    from codegen import loopir as L
+    (ck,) = [ck for ck in c.kernels if ck.kernel.family == "attention"]
+    (a,) = [s for s in ck.hip.kernel.body if isinstance(s, L.Attention)]
+    return a.tiles
+
+
+def _check_attention(hq, hkv, t, S, D, kv_dtype, positions, want_splits=None):
+    """``dsl.attention`` on the GPU against the float64 interpreter at each position, every call on
+    fresh random q, K and V (so that each position reads values no earlier call saw); the same
+    compiled kernel serves every position (the grid is fixed, the position read on the device),
+    which also checks that the last split resets its arrival counter for the next launch."""
+    f = lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(D))  # noqa: E731
+    jf = dsl.jit(f, backend="cuda")
+    q, kc, vc = randn(hq, t, D), randn(hkv, S, D, dtype=kv_dtype), randn(hkv, S, D, dtype=kv_dtype)
+    c = jf.compile(q, kc, vc, 0)
+    tiles = _attention_tiles(c)
+    if want_splits is not None:
+        assert (tiles.splits > 1) == want_splits, tiles
+    if c.device.target.emulated_wave:                    # what runs is gfx906's kernel text
+        for ck in c.kernels:
+            assert ck.hip.body == render_hip(ck.kernel, "gfx906").body, ck.kernel.name
+    low = jf.lower(q, kc, vc, 0)
+    for pos in positions(tiles):
+        q, kc, vc = randn(hq, t, D), randn(hkv, S, D, dtype=kv_dtype), randn(hkv, S, D, dtype=kv_dtype)
+        got = np.asarray(jf(q, kc, vc, pos), np.float64)
+        want = low.program.run(q, kc, vc, pos, compute_dtype="f64")[0]
+        np.testing.assert_allclose(got, want, rtol=5e-4, atol=5e-4, err_msg=f"pos {pos}, {tiles}")
+    return tiles
+
+
+def _decode_positions(S):
+    """0, 1, both sides of the first split boundaries, the middle and the last position."""
+    return lambda m: sorted({0, 1, m.chunk - 1, m.chunk, m.chunk + 1, 2 * m.chunk, S // 2 + 3, S - 1} & set(range(S)))
+
+
+@pytest.mark.parametrize("hq,hkv,D,kv_dtype", [
+    (12, 2, 128, np.float16),        # Qwen2.5-1.5B: 6 query heads per KV head
+    (28, 4, 128, np.float32),        # Qwen2.5-7B: 7 per KV head, f32 cache
+    (7, 1, 64, np.float16),          # GQA 7, head dim 64
+    (8, 4, 64, np.float32),          # GQA 2
+    (4, 4, 128, np.float16),         # no sharing (GQA 1)
+    (9, 3, 64, np.float32),          # SmolLM2: 3 per KV head, head dim 64
+    (24, 2, 128, np.float16),        # 12 per KV head: two workgroups of 6 heads per KV head
+    (10, 2, 80, np.float16),         # head dim 80: lanes past the row's ten 16-byte loads
+])
+def test_decode_attention_split_over_workgroups(hq, hkv, D, kv_dtype):
+    """Flash-decoding: T = 1 over a 4096-position cache split over workgroups, the query heads of a
+    KV head in one workgroup, the splits combined by the last to finish; positions 0, 1, around the
+    split boundaries, the middle and S - 1."""
+    S = 4096
+    _check_attention(hq, hkv, 1, S, D, kv_dtype, _decode_positions(S), want_splits=True)
+
+
+@pytest.mark.parametrize("hq,hkv,D,kv_dtype", [(12, 2, 128, np.float32), (6, 6, 64, np.float16)])
+def test_decode_attention_over_a_short_cache(hq, hkv, D, kv_dtype):
+    """A cache of 40 positions (one tile, a split or a few) at every position."""
+    _check_attention(hq, hkv, 1, 40, D, kv_dtype, lambda m: range(40))
+
+
+@pytest.mark.parametrize("t,S,hq,hkv,D,kv_dtype,pos", [
+    (7, 512, 14, 2, 64, np.float16, 200),      # GQA 7: one query position per tile row block
+    (7, 512, 12, 2, 128, np.float32, 1),
+    (64, 1024, 12, 2, 128, np.float16, 500),   # GQA 2... 6, several query tiles, last one partial
+    (64, 1024, 8, 4, 64, np.float32, 960),     # pos = S - T: the last positions of the cache
+    (300, 2048, 12, 2, 128, np.float16, 1000),
+    (300, 512, 4, 4, 128, np.float32, 37),     # GQA 1: 16 query positions per tile
+    (300, 300, 7, 1, 64, np.float16, 0),       # a prompt filling the cache from position 0
+])
+def test_prefill_attention_as_flash_attention(t, S, hq, hkv, D, kv_dtype, pos):
+    """Flash attention for T > 1: query tiles x key tiles in LDS, causal skipping, GQA; the query at
+    row i sees positions 0..pos+i."""
+    _check_attention(hq, hkv, t, S, D, kv_dtype, lambda m: [pos])
+
+
+def test_decode_attention_with_the_kv_write_in_a_graph_replayed_at_moving_positions():
+    """The decode step's pair (KV write, attention) replayed as one launch plan while the position
+    moves across split boundaries: every step sees what the earlier steps wrote."""
+    hq, hkv, D, S = 12, 2, 128, 1024
+    kc, vc = np.zeros((hkv, S, D), np.float16), np.zeros((hkv, S, D), np.float16)
+
+    def step(q, k, v, kc, vc, pos):
+        out, kc, vc = nn.causal_attention(q, kc, vc, k, v, pos)
+        return out, kc, vc
+    jf = dsl.jit(step, backend="cuda", donate_argnums=(3, 4))
+    ref_k, ref_v = np.zeros((hkv, S, D)), np.zeros((hkv, S, D))
+    for pos in range(0, 400):
+        q, k, v = randn(hq, 1, D), randn(hkv, 1, D), randn(hkv, 1, D)
+        out, kc, vc = jf(q, k, v, kc, vc, pos)
+        ref_k[:, pos], ref_v[:, pos] = k[:, 0].astype(np.float16), v[:, 0].astype(np.float16)
+        if pos % 37 == 0 or pos in (127, 128, 129, 399):
+            want = reference_attention(q.astype(np.float64), ref_k, ref_v, pos)
+            np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=5e-4, atol=5e-4, err_msg=f"pos {pos}")

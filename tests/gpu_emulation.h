@@ -1,0 +1,75 @@
+// The GPU kernel text run on the CPU (tests/test_attention_gpu.py): one std::thread per GPU thread, the
+// workgroups of a grid in turn; __syncthreads and the wave's lane exchange are barriers, __shared__ is a
+// static (one workgroup at a time), and the prelude's target helpers are written out in plain C++.
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+using std::max;
+using std::min;
+struct vf_dim { unsigned x; };
+static thread_local vf_dim threadIdx, blockIdx;
+static std::barrier<>* vf_emu_block;
+static std::vector<std::unique_ptr<std::barrier<>>> vf_emu_waves;
+static float vf_emu_lanes[1024];
+#define __shared__ static
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define VF_GRID_LAUNCH_DEPENDENTS()
+#define VF_GRID_WAIT()
+#define VF_INF INFINITY
+typedef _Float16 vf_half;
+struct vf_vec16 { unsigned x, y, z, w; };
+struct vf_float4 { float x, y, z, w; };
+static inline float vf_h2f(vf_half x) { return (float)x; }
+static inline vf_half vf_f2h(float x) { return (vf_half)x; }
+static inline vf_vec16 vf_zero16() { return vf_vec16{0, 0, 0, 0}; }
+static inline void __syncthreads() { vf_emu_block->arrive_and_wait(); }
+static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+static inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+static inline float vf_load_arrived(const float* p) { return *p; }
+static inline vf_float4 vf_load_arrived4(const float* p) { vf_float4 r; std::memcpy(&r, p, 16); return r; }
+static inline void vf_unpack_f16(vf_vec16 v, float* f) {
+  vf_half h[8];
+  std::memcpy(h, &v, 16);
+  for (int i = 0; i < 8; ++i) f[i] = (float)h[i];
+}
+static inline void vf_unpack_f32(vf_vec16 v, float* f) { std::memcpy(f, &v, 16); }
+static inline float vf_shfl_xor(float v, int m) {          // every lane of the wave takes part
+  std::barrier<>& wave = *vf_emu_waves[threadIdx.x / VF_WAVE];
+  vf_emu_lanes[threadIdx.x] = v;
+  wave.arrive_and_wait();
+  const float other = vf_emu_lanes[threadIdx.x ^ m];
+  wave.arrive_and_wait();
+  return other;
+}
+static inline float vf_dot_qk(float acc, const float* q, const vf_half* k) {
+  for (int i = 0; i < 8; ++i) acc += q[i] * (float)k[i];
+  return acc;
+}
+static inline float vf_dot_qk(float acc, const float* q, const float* k) {
+  for (int i = 0; i < 4; ++i) acc += q[i] * k[i];
+  return acc;
+}
+// run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads
+#define VF_EMULATE(KERNEL, ...)                                                                    \
+  extern "C" void emulate(void** a, int grid) {                                                     \
+    std::barrier<> block(VF_ATT_BLOCK);                                                             \
+    vf_emu_block = &block;                                                                          \
+    vf_emu_waves.clear();                                                                           \
+    for (int w = 0; w < VF_ATT_BLOCK / VF_WAVE; ++w) vf_emu_waves.emplace_back(new std::barrier<>(VF_WAVE)); \
+    std::vector<std::thread> threads;                                                               \
+    for (unsigned t = 0; t < VF_ATT_BLOCK; ++t)                                                     \
+      threads.emplace_back([=, &block] {                                                            \
+        threadIdx.x = t;                                                                            \
+        for (int b = 0; b < grid; ++b) { blockIdx.x = b; KERNEL(__VA_ARGS__); block.arrive_and_wait(); } \
+      });                                                                                           \
+    for (auto& t : threads) t.join();                                                               \
+  }

@@ -1,0 +1,198 @@
+"""The GPU attention template (``codegen/hip.py`` ``_attention``, tiles from
+``codegen.mapping.attention_tiles``): every variant compiles for gfx906 through hiprtc and passes
+the ISA gates (no scratch, 16-byte K/V loads, at most 9 waves per SIMD, the LDS it declares); the
+kernel text is one for gfx906 and the emulated wave 64; the text at wave 32 and 64, run on the CPU
+by an emulation of the GPU's threads (``tests/gpu_emulation.h``), matches the float64 interpreter.
+``tests/test_cuda.py`` runs it on an NVIDIA GPU."""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import dsl
+from codegen import loopir as L
+from codegen import prelude
+from codegen.hip import CTYPE, render_hip
+from codegen.mapping import attention_lds, attention_tiles, map_kernel
+from codegen.targets import get_target
+from fusion import build_plan
+
+# (query heads, KV heads, query rows, cache positions, head dim, cache dtype)
+VARIANTS = [
+    (12, 2, 1, 4096, 128, "f2"),      # Qwen2.5-1.5B decode: 6 heads per KV head, split over workgroups
+    (28, 4, 1, 4096, 128, "f4"),      # Qwen2.5-7B decode, f32 cache
+    (7, 1, 1, 512, 64, "f2"),         # GQA 7, head dim 64
+    (4, 4, 1, 40, 128, "f4"),         # GQA 1, a short cache
+    (14, 2, 7, 512, 64, "f2"),        # prefill T = 7, split over workgroups
+    (8, 4, 64, 1024, 64, "f4"),       # T = 64, GQA 2
+    (12, 2, 300, 2048, 128, "f2"),    # T = 300: query tiles, the last one partial
+    (10, 2, 5, 300, 80, "f2"),        # head dim 80: a thread's output columns vary
+]
+
+
+def attention_kernel(hq, hkv, t, s, d, kv):
+    """The attention kernel of ``dsl.attention`` at these shapes (unmapped Loop IR)."""
+    q, kc = np.zeros((hq, t, d), "f4"), np.zeros((hkv, s, d), kv)
+    low = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d))).lower(q, kc, kc, 0)
+    (k,) = [k for k in build_plan(low.program, None, low.in_names, low.donated).kernels if k.family == "attention"]
+    return k
+
+
+def tiles_of(k, target):
+    (a,) = [s for s in map_kernel(k, get_target(target)).body if isinstance(s, L.Attention)]
+    return a, a.tiles
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: "x".join(map(str, v)))
+def test_tiles_fit_and_cover_the_cache(v):
+    """The tiles fit the LDS budget, the splits cover the cache, the launch takes a workgroup per
+    (KV head, query tile, split); decode over a long cache is split, the text identical at wave 64."""
+    k = attention_kernel(*v)
+    for target in ("gfx906", "sm_90"):
+        a, m = tiles_of(k, target)
+        launch = map_kernel(k, get_target(target)).launch
+        assert launch.lds <= get_target(target).attention_lds
+        assert m.chunk % m.keys == 0 and (m.splits - 1) * m.chunk < a.s <= m.splits * m.chunk
+        if m.heads:                                   # decode: a workgroup per (KV head, heads, split)
+            assert a.t == 1 and (a.hq // a.hkv) % m.heads == 0
+            assert launch.grid == a.hq // m.heads * m.splits and launch.block == m.threads
+        else:
+            assert attention_lds(a, m.rows_q * a.hq // a.hkv, m.keys, m.splits > 1) == launch.lds and m.keys in (8, 16, 32, 64)
+            assert launch.grid == a.hkv * -(-a.t // m.rows_q) * m.splits and launch.block == m.threads
+        if a.t == 1 and a.s >= 4096:
+            assert m.splits > 1, (target, m)
+    assert render_hip(k, "gfx906").body == render_hip(k, "sm_90_wave64").body
+
+
+def test_the_kernel_text_has_no_branch_decided_in_python():
+    """Choices made in Python leave no trace in the text: decode has no causal test beyond the
+    split's end, an unsplit attention no combine, a split one its file-scope partial rows."""
+    dec = render_hip(attention_kernel(12, 2, 1, 4096, 128, "f2"), "gfx906").body
+    assert "#if" not in dec and "vf_last_to_arrive(" in dec and "__device__ float" in dec
+    assert "start + j <= p" not in dec and "if (lo >= hi) return;" in dec
+    pre = render_hip(attention_kernel(8, 8, 300, 300, 64, "f2"), "gfx906").body
+    assert "vf_last_to_arrive" not in pre and "__device__" not in pre and "start + j <= p" in pre
+
+
+def test_a_buffer_named_like_a_local_of_the_template_is_still_read():
+    """Buffers named ``p``, ``lo``, ``d`` (locals of the template) are read, not hidden."""
+    def f(p, lo, d, pos):
+        return dsl.attention(p, lo, d, pos, 0.125)
+    q, kc = np.zeros((4, 1, 64), "f4"), np.zeros((2, 256, 64), "f2")
+    low = dsl.jit(f).lower(q, kc, kc, 0)
+    (k,) = build_plan(low.program, None, low.in_names, low.donated).kernels
+    body = render_hip(k, "gfx906").body
+    assert "p[" in body and "(lo + (size_t)" in body and "(d + (size_t)" in body and "const int p_ =" in body
+
+
+try:
+    from codegen.inspect import Inspected, instructions, load_widths
+    from engine.devices.rocm import find_hiprtc
+    find_hiprtc()
+    HIP = ""
+except Exception as e:                                 # pragma: no cover - depends on the host
+    HIP = str(e)
+
+
+@pytest.mark.skipif(bool(HIP), reason=f"gfx906 compile skipped: {HIP}")
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: "x".join(map(str, v)))
+def test_every_variant_compiles_for_gfx906_and_passes_the_isa_gates(v):
+    """No scratch or generic loads, K and V move in 16-byte loads (no 2-byte global loads), at most
+    9 waves per SIMD, and the static LDS is the template's (as ``codegen.inspect`` reports it)."""
+    k = attention_kernel(*v)
+    it = Inspected(k, get_target("gfx906"))
+    r, isa = it.res, it.isa()
+    assert r["scratch_bytes"] == 0 and r["vgpr_spills"] == 0 and "flat_load" not in isa, r
+    widths = load_widths(instructions(isa))
+    assert widths.get(16, 0) >= 4 and 2 not in widths and 1 not in widths, widths
+    assert 1 <= r["waves_per_simd"] <= 9, r
+    lds = map_kernel(k, get_target("gfx906")).launch.lds
+    assert lds <= r["lds_bytes"] <= lds + 64 <= get_target("gfx906").attention_lds + 64, (r["lds_bytes"], lds)
+
+
+def test_lds_budget_error_is_one_clear_line():
+    a = L.Attention("q", "k", "v", "o", ("f32", "f32", "f32"), 512, 1, 2, 64, 256, L.c(0), 0.1)
+    with pytest.raises(ValueError, match="needs more than .* bytes of LDS for 8 keys; use fewer query heads"):
+        attention_tiles(a, get_target("gfx906"))
+
+
+GXX = shutil.which("g++")
+EMULATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_emulation.h")
+
+
+def emulate(k, target, arrays, tmp):
+    """Run the kernel text of ``k`` rendered for ``target`` on the CPU (``gpu_emulation.h``: a thread
+    per GPU thread, the prelude's target helpers in plain C++, its attention helpers as they are);
+    ``arrays``: numpy arrays in the order of the parameters."""
+    h = render_hip(k, target)
+    args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
+    src = (f"#define VF_WAVE {h.target.wave}\n#define VF_ATT_BLOCK {h.block[0]}\n" + open(EMULATION).read()
+           + prelude._ATTENTION + h.body.replace('extern "C" __global__ void', "static void")
+           + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
+    name = os.path.join(tmp, hashlib.sha1(src.encode()).hexdigest()[:16])
+    if not os.path.exists(name + ".so"):
+        with open(name + ".cpp", "w") as f:
+            f.write(src)
+        r = subprocess.run([GXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", name + ".cpp", "-o", name + ".so"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[:2000]
+    lib = ctypes.CDLL(name + ".so")
+    lib.emulate((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), h.grid[0])
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("v", [(10, 2, 5, 300, 80, "f2"), (4, 2, 3, 200, 64, "f4")], ids=lambda v: "x".join(map(str, v)))
+def test_the_kernel_text_computes_attention(v, target, tmp_path_factory):
+    """The tiled template (prefill) at wave 32 (sm_90's text) and 64 (gfx906's), run twice at positions that span
+    several splits (the combine; the arrival counter set back for the next launch) and once at the
+    last position, against the float64 interpreter on fresh random inputs."""
+    hq, hkv, t, s, d, kv = v
+    rng = np.random.default_rng()
+    k = attention_kernel(*v)
+    _, m = tiles_of(k, target)
+    tmp = str(tmp_path_factory.getbasetemp())
+    f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
+    for pos in (min(2 * m.chunk + 3, s - t), m.chunk + 1 if t == 1 else 1, s - t):
+        q = rng.standard_normal((hq, t, d)).astype("f4")
+        kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
+        out = np.full((hq, t, d), np.nan, np.float32)
+        named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
+        emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
+        want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("v", [
+    (7, 1, 1024, 64, "f4"),     # GQA 7, head dim 64, f32 cache: 32 splits merged in blocks, then the blocks
+    (12, 2, 300, 128, "f2"),    # Qwen2.5-1.5B's group of 6, f16 cache
+    (4, 2, 200, 128, "f4"),     # GQA 2
+    (3, 3, 100, 64, "f2"),      # GQA 1
+    (10, 2, 300, 80, "f2"),     # head dim 80: lanes past the row's ten 16-byte loads
+    (24, 2, 100, 128, "f2"),    # 12 heads per KV head: two workgroups of 6 heads each
+], ids=lambda v: "x".join(map(str, v)))
+def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
+    """The decode template (lane groups owning keys, no LDS tiles) at wave 32 and 64 at positions 0,
+    1, both sides of the first split boundary, past the second and S - 1, each on fresh random inputs,
+    against the float64 interpreter (one compiled kernel for all: the arrival counters set back)."""
+    hq, hkv, s, d, kv = v
+    rng = np.random.default_rng()
+    k = attention_kernel(hq, hkv, 1, s, d, kv)
+    _, m = tiles_of(k, target)
+    assert m.heads and (hq // hkv) % m.heads == 0, m
+    tmp = str(tmp_path_factory.getbasetemp())
+    f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
+    for pos in sorted({0, 1, m.chunk - 1, m.chunk, m.chunk + 1, 2 * m.chunk + 5, s - 1} & set(range(s))):
+        q = rng.standard_normal((hq, 1, d)).astype("f4")
+        kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
+        out = np.full((hq, 1, d), np.nan, np.float32)
+        named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
+        emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
+        want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
