@@ -536,7 +536,7 @@ def _matmul_rows(body, t, info, lds_limit):
         if isinstance(s, L.Reduce):
             return _block_reduce(s)
         if isinstance(s, L.Loop):
-            (st,) = rows(s.body, ri, first)
+            st = _inlined(rows(s.body, ri, first))     # a gathered row's locals substituted (a MoE expert)
             value = L.Cast(st.value, dt) if dt != "f32" else st.value
             return replace(s, map="block", unroll=t.prologue_unroll, body=(L.Store(st.buf, st.index, value),))
         return s
