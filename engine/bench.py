@@ -142,20 +142,27 @@ def gpu_decode(cfg, params, n_tokens, context, prompt_tokens=32, seed=0, positio
     return n_tokens / dt, ex
 
 
+def hf_config(cfg, positions):
+    """The Hugging Face config (Qwen2 with a QKV bias, else Llama) of ``cfg``'s shape, for ``positions``
+    positions: the torch peers' model.  Needs transformers."""
+    from transformers import LlamaConfig, Qwen2Config
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+              num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+              rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+              max_position_embeddings=positions)
+    return Qwen2Config(**kw) if cfg.qkv_bias else LlamaConfig(head_dim=cfg.head_dim, **kw)
+
+
 def bench_torch_compile(cfg, n_tokens, context, prompt_tokens=32, dtype="f16", position=None):
     """Hugging Face transformers with a static KV cache; the one-token forward (with argmax) under
     torch.compile(mode="reduce-overhead", fullgraph=True), called in a plain decode loop as in
     Hugging Face's static-cache guide; random weights of the same shape.  Returns tokens/s or None."""
     try:
         import torch
-        from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, StaticCache
+        from transformers import AutoModelForCausalLM, StaticCache
     except ImportError:
         return None
-    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-              num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-              rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-              max_position_embeddings=context)
-    hf = Qwen2Config(**kw) if cfg.qkv_bias else LlamaConfig(head_dim=cfg.head_dim, **kw)
+    hf = hf_config(cfg, context)
     tdt = torch.float16 if dtype == "f16" else torch.float32
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -321,14 +328,10 @@ def torch_gpu_prefill(cfg, ids, dtype, repeat):
     each forward over ``ids`` (synchronized); None without torch and transformers."""
     try:
         import torch
-        from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+        from transformers import AutoModelForCausalLM
     except ImportError:
         return None
-    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-              num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-              rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-              max_position_embeddings=max(len(ids), 32))
-    hf = Qwen2Config(**kw) if cfg.qkv_bias else LlamaConfig(head_dim=cfg.head_dim, **kw)
+    hf = hf_config(cfg, max(len(ids), 32))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf, dtype=torch.float16 if dtype == "f16" else torch.float32).eval()
