@@ -521,12 +521,15 @@ def _matmul_rows(body, t, info, lds_limit):
     r, g = fill.var, L.Sym("group_0", "i32")             # locals end in a counter, dropped by loopir.tidy_names
     ri = L.Sym("group_row_0", "i32")
 
+    def column(i):                     # x of act[r * K + x] (K = 1: the index is r alone)
+        return i.b if isinstance(i, L.Bin) and i.op == "add" else L.c(0)
+
     def rows(body, local, row):        # act[r * K + x] -> act[local * K + x]; then r -> the tile's row
         def ex(e):
-            return L.rewrite_expr(e, lambda x: replace(x, index=L.add(L.mul(local, L.c(K)), x.index.b))
+            return L.rewrite_expr(e, lambda x: replace(x, index=L.add(L.mul(local, L.c(K)), column(x.index)))
                                   if isinstance(x, L.Load) and x.buf == arr.name else None)
         body = L.rewrite(body, ex)
-        body = tuple(replace(st, index=L.add(L.mul(local, L.c(K)), st.index.b))
+        body = tuple(replace(st, index=L.add(L.mul(local, L.c(K)), column(st.index)))
                      if isinstance(st, L.Store) and st.buf == arr.name else st for st in body)
         return L.substitute(body, {r: row})
     at = L.add(L.mul(g, L.c(G)), ri) if groups > 1 else ri
@@ -540,7 +543,10 @@ def _matmul_rows(body, t, info, lds_limit):
             value = L.Cast(st.value, dt) if dt != "f32" else st.value
             return replace(s, map="block", unroll=t.prologue_unroll, body=(L.Store(st.buf, st.index, value),))
         return s
-    fill_body = tuple(fill_stmt(s) for s in rows(fill.body[:-1], ri, first) + (fill.body[-1],))
+    last = fill.body[-1]
+    if isinstance(last, L.Store):                        # K = 1: the fill without its k loop
+        last = L.Loop("k_0", L.c(0), L.c(1), (last,))
+    fill_body = tuple(fill_stmt(s) for s in rows(fill.body[:-1], ri, first) + (last,))
     group = ((L.Loop(ri.name, L.c(0), L.c(G), fill_body),) if G > 1 else L.substitute(fill_body, {ri.name: L.c(0)})) \
         + (L.Barrier(),)
     new_segs = []

@@ -155,6 +155,23 @@ def test_gfx906_matmul_isa(T, K, N):
     assert lds_banks(it) == "ok" and 0 < it.res["lds_bytes"] <= 34 * 1024
 
 
+@pytest.mark.parametrize("K", [1, 3])
+def test_gfx906_matmul_of_short_rows_compiles(K):
+    """K = 1 (an outer product: the activation fill has no k loop) and a K below a vector: the
+    matmul mapping's fill names every row (an undeclared row index once reached the HIP source);
+    values on the CPU against float64."""
+    from engine.devices.rocm import HipUnavailable, find_hiprtc
+    x, w = randn(300, K, dtype=np.float16), weight(12, K, "f32")
+    got, want, c = run(lambda x, w: nn.linear(x, w) * 2.0, x, w)
+    close(got, want)
+    try:
+        find_hiprtc()
+    except HipUnavailable as e:
+        pytest.skip(f"gfx906 tests skipped: {e}")
+    (it,) = gfx906_matmuls(lambda x, w: nn.linear(x, w) * 2.0, x, w)
+    assert it.res["scratch_bytes"] == 0 and "a matmul" in it.hip.kernel.launch.how
+
+
 def test_bench_prefill_prints_our_rate(capsys):
     """``python -m engine.bench --prefill N`` on the CPU: a time and tokens/s for the prompt (the
     Hugging Face peer skipped here)."""
