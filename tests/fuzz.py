@@ -1,6 +1,6 @@
 """Random DSL programs against the float64 reference interpreter.
 
-    python -m tests.fuzz -n 10000 --seed S [--jobs 2] [--backend cpu]
+    python -m tests.fuzz -n 10000 --seed S [--jobs 2] [--backend cpu|cpu+gfx906]
 
 A program is a list of ops whose parameters are *relative* (fractions in [0, 1)
 that pick axes, sizes, operands): they are resolved against the shapes at hand
@@ -521,6 +521,8 @@ def run_source(src, backend="cpu"):
     try:
         exec(head, ns)
         opts = src.split("jf = dsl.jit(f", 1)[1].split("\n", 1)[0][:-1]
+        gfx906 = backend.endswith("+gfx906")               # also compile every kernel for gfx906
+        backend = backend.removesuffix("+gfx906")
         jf = eval(f"dsl.jit(ns_f{opts}, backend={backend!r})", {"dsl": dsl, "ns_f": ns["f"]})
         args = ns["args"]
         low = jf.lower(*args)
@@ -537,6 +539,11 @@ def run_source(src, backend="cpu"):
         return "exception", f"DSLError after tracing: {e}"
     except Exception as e:                                   # noqa: BLE001
         return "exception", f"{type(e).__name__}: {str(e)[:300]}"
+    if gfx906:
+        try:
+            _compile_gfx906(jf.compile(*args).plan.kernels)
+        except Exception as e:                               # noqa: BLE001
+            return "exception", f"gfx906: {type(e).__name__}: {str(e)[:300]}"
     if native is None:
         return "ok", "ill-conditioned (non-finite in stored dtypes)"
     native, peak = native
@@ -555,6 +562,16 @@ def run_source(src, backend="cpu"):
         if bad:
             return "mismatch", f"output {i} ({v.dtype}{list(v.shape)}): {bad}"
     return "ok", ""
+
+
+def _compile_gfx906(kernels):
+    """Render and compile ``kernels`` for gfx906 through hiprtc (no GPU needed): a program that
+    runs on the CPU but whose HIP does not compile is a bug."""
+    from codegen.inspect import compiler_for
+    from codegen.targets import get_target
+    from engine.build import build, render
+    compiler = compiler_for(get_target("gfx906"))
+    build(render(kernels, compiler), compiler)
 
 
 def _run_native(prog, args):
@@ -766,7 +783,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=None, help="seed (default: a fresh one, printed)")
     ap.add_argument("--start", type=int, default=0, help="index of the first program")
     ap.add_argument("--jobs", type=int, default=2, help="child processes")
-    ap.add_argument("--backend", default="cpu", help="backend the programs run on (default cpu)")
+    ap.add_argument("--backend", default="cpu", help="backend the programs run on (default cpu; cpu+gfx906: "
+                    "also compile every kernel for gfx906 through hiprtc)")
     ap.add_argument("--batch", type=int, default=50, help="programs per child process")
     ap.add_argument("--no-shrink", action="store_true", help="print failures as generated")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
