@@ -798,7 +798,7 @@ def micro_tiles(s: Loop, lo, hi) -> Loop:
             accs += [replace(a, name=names[a.name], value=ex(a.value)) for a in red.accs]
             at = Bin("add", Bin("mul", r, i32(NB)), jj)
             stores += [Store(col[a.name], at, Sym(names[a.name], a.dtype)) for a in red.accs]
-    accs, fill = dequantized(accs, red.var, f"{s.var}_w")
+    accs, fill = dequantized(accs, red.var, f"{s.var}_w", rg)
     tiles = Loop(rg.name, i32(0), i32(-(-TR // R)), (replace(red, accs=tuple(accs)),) + tuple(stores))
     groups = Bin("idiv", Bin("add", m, i32(C - 1)), i32(C))
     epilogue = Loop(rows.var, i32(0), i32(TR), (Loop(nj.name, i32(0), m, (
@@ -825,17 +825,19 @@ class DequantRow:
     var: str
 
 
-def dequantized(accs, k, name):
+def dequantized(accs, k, name, inner):
     """A micro-tile's accumulators with every quantized weight row they read (``QLoad`` at
     ``row * K + k``) taken from an f32 array ``name`` instead, and the statements that fill it (an
     Array and a ``DequantRow`` per row): each weight block is dequantized once per micro-tile column
-    and read by all the tile's rows, never a float copy of the whole weight."""
+    and read by all the tile's rows, never a float copy of the whole weight.  A row written in terms
+    of ``inner`` (the micro-tile's row group, bound only inside the fill) stays a ``QLoad``."""
     ksym, rows = Sym(k, "i32"), {}
     for a in accs:
         for x in walk_exprs(a.value):
             i = getattr(x, "index", None)
             if isinstance(x, QLoad) and isinstance(i, Bin) and i.op == "add" and i.b == ksym and isinstance(i.a, Bin) \
-                    and i.a.op == "mul" and isinstance(i.a.b, Const) and i.a.b.value % 32 == 0 and ksym not in set(walk_exprs(i.a)):
+                    and i.a.op == "mul" and isinstance(i.a.b, Const) and i.a.b.value % 32 == 0 \
+                    and not {ksym, inner} & set(walk_exprs(i.a)):
                 rows.setdefault((x.buf, x.fmt, x.count, i.a.a, i.a.b.value), len(rows))
     if not rows:
         return accs, ()

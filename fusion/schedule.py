@@ -683,7 +683,7 @@ def _affine(e, v, comps, env, ranges):
     c0 = int(v[zero][0])
     out, fit = L.c(0), np.full(v.shape, c0)
     for i, (x, xv) in enumerate(zip(comps, vals)):
-        if isinstance(x, L.Const):
+        if isinstance(x, L.Const) or not xv.any():          # (q % 1 of an interleaved pairing: always 0)
             continue
         unit = (xv == 1) & np.all([w == 0 for j, w in enumerate(vals) if j != i], axis=0)
         if not unit.any():

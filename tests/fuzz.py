@@ -76,6 +76,10 @@ OPS += ["rope", "rope"]
 # the matmul family: a fresh activation of several rows, RMS-normalized in the prologue, against f16,
 # f32 or quantized weights, scaled by the value at hand in the epilogue
 OPS += ["rows_matmul", "rows_matmul"]
+# RoPE (rotate-half, interleaved GPT-J pairs, or only the first half of each head rotated) over the
+# rows of a contraction, written into an f16 or f32 KV cache at a runtime position, then attended:
+# the paired_epilogue rule's KV write, over 1 to 9 rows (the matmul family from 4)
+OPS += ["rope_cache", "rope_cache"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -293,6 +297,8 @@ class Writer:
             return self.attention(av, an, p)
         if name == "rope":
             return self.rope(av, an, p)
+        if name == "rope_cache":
+            return self.rope_cache(an, pk, p)
         if name in ("gather", "at", "selfupdate"):
             return self.indexing(name, a, pk, p)
         raise ValueError(f"unknown op {name}")
@@ -311,6 +317,33 @@ class Writer:
         ang, _ = self.emit(f"(dsl.arange({2 * h}) % {h} + {pos}).astype('f32') * {round(0.1 + p[3], 2)}")
         rot = f"dsl.concatenate([-{y}[..., {h}:], {y}[..., :{h}]], axis=-1)"
         return self.emit(f"({y} * dsl.cos({ang}) + {rot} * dsl.sin({ang})).reshape({tuple(av.shape[:-1]) + (n,)})")
+
+    def rope_cache(self, an, pk, p):
+        """``k = rope(dot_t(x, w))`` over T rows and H heads of hd, cast to the cache's dtype and
+        written at a runtime ``pos`` (0 .. S - T: the cache's end included), then causal attention
+        of the rotated k (as queries) over the cache; the new cache is an output too."""
+        T, H, hd = [1, 3, 4, 9][int(p[0] * 4)], 1 + int(pk[1] * 3), [2, 4, 8, 16][int(p[1] * 4)]
+        fmt = (["f16", "f32"] + list(QUANT))[int(p[2] * (2 + len(QUANT)))]
+        k = 32 * (1 + int(pk[2] * 2)) if fmt in QUANT else [5, 16, 48][int(pk[2] * 3)]
+        cdt, S, style = "f16" if p[3] < 0.5 else "f32", T + 1 + int(p[3] * 7), int(pk[0] * 3)
+        x = self.new_input((T, k), "f32")
+        w = self.new_input((H * hd, k), fmt)
+        cache = self.new_input((H, S, hd), cdt)
+        pos = self.new_input((), "i32", "int", S - T - 1, 0)
+        y, _ = self.emit(f"(dsl.dot_t({x}, {w}) * {round(1 / np.sqrt(k), 4)}).reshape({T}, {H}, {hd}).transpose(1, 0, 2)")
+        if style == 0:                                            # rotate-half, every dim
+            r, _ = self.emit(f"nn.rope({y}, {pos}, 100.0)")
+        elif style == 1:                                          # GPT-J: pairs (2i, 2i + 1)
+            ang, _ = self.emit(f"(dsl.arange({T}) + {pos}).astype('f32')[:, None] * (0.5 ** dsl.arange({hd // 2}, dtype='f32'))")
+            pr = f"{y}.reshape({H}, {T}, {hd // 2}, 2)"
+            r, _ = self.emit(f"dsl.stack([{pr}[..., 0] * dsl.cos({ang}) - {pr}[..., 1] * dsl.sin({ang}), "
+                             f"{pr}[..., 0] * dsl.sin({ang}) + {pr}[..., 1] * dsl.cos({ang})], axis=-1).reshape({H}, {T}, {hd})")
+        else:                                                     # partial rotary: the first half of each head
+            r, _ = self.emit(f"dsl.concatenate([nn.rope({y}[..., :{max(2, hd // 2)}], {pos}, 100.0), "
+                             f"{y}[..., {max(2, hd // 2)}:]], axis=-1)")
+        c, _ = self.emit(f"dsl.dynamic_update_slice({cache}, {r}.astype('{cdt}'), [0, {pos}, 0])")
+        self.terminal.append(c)
+        return self.emit(f"dsl.attention({r}, {c}, {c}, {pos}, {round(1 / np.sqrt(hd), 4)})")
 
     def expert(self, av, an, p):
         """``x @ take(w, e).T`` or ``x @ take(w, e)``: expert ``e`` (a runtime i32, at times out
@@ -442,7 +475,8 @@ class Writer:
         """Trace the program (resolving every op); returns the source of ``f`` and its inputs."""
         import dsl
         from dsl.core import _TRACES, Trace
-        self.ns = {"dsl": dsl, "np": np}
+        from stdlib import nn
+        self.ns = {"dsl": dsl, "np": np, "nn": nn}
         trace = Trace()
         _TRACES.append(trace)
         try:
@@ -492,7 +526,7 @@ def source(w, seed):
     """A runnable script reproducing the program ``w`` (a ``Writer.write()`` result)."""
     used = set(w["outs"]) | {n for line in w["body"] for n in _names(line)}
     args = [a for a in w["args"] if a in used] or w["args"][:1]
-    lines = ["import numpy as np", "import dsl", "", "", f"def f({', '.join(args)}):"]
+    lines = ["import numpy as np", "import dsl", "from stdlib import nn", "", "", f"def f({', '.join(args)}):"]
     lines += [f"    {line}" for line in w["body"]]
     lines.append(f"    return {', '.join(w['outs'])}{',' if len(w['outs']) == 1 else ''}")
     lines += ["", "", f"rng = np.random.default_rng({seed})"]

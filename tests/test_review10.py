@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import dsl
+from codegen import loopir as L
 from stdlib import nn
 
 rng = np.random.default_rng()
@@ -40,4 +41,36 @@ def test_matmul_with_one_column_of_k_compiles_for_gfx906(T):
     """K = 1: the simplifier drops the activation fill's k loop, and the GPU's row groups must
     still rename the tile's row in the fill (it was left undeclared: 'use of undeclared identifier')."""
     c = run(lambda x, w: nn.linear(x, w) * 2.0, randn(T, 1), randn(5, 1))
+    gfx906(c.plan.kernels)
+
+
+def gptj_rope(y, pos):
+    """GPT-J's interleaved rotation of y [H, T, hd]: pairs (2i, 2i + 1) at positions pos + t."""
+    H, T, hd = y.shape
+    ang = (dsl.arange(T) + pos).astype("f32")[:, None] * (0.5 ** dsl.arange(hd // 2, dtype="f32"))
+    pr = y.reshape(H, T, hd // 2, 2)
+    a, b = pr[..., 0], pr[..., 1]
+    return dsl.stack([a * dsl.cos(ang) - b * dsl.sin(ang), a * dsl.sin(ang) + b * dsl.cos(ang)], axis=-1).reshape(H, T, hd)
+
+
+@pytest.mark.parametrize("T", [4, 9])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_interleaved_rope_over_a_quantized_matmul_into_the_cache(T, fmt):
+    """An interleaved (GPT-J) rotation in the epilogue of a T-row matmul with quantized weights,
+    written into a cache at a runtime position.  The pairing at distance 1 left ``q % 1`` among the
+    pair's parts, the weight row was not written as an affine function of the pair, kept the tile's
+    row, and the CPU micro-tile dequantized it where that row is not bound ("unknown name")."""
+    H, hd, K, S = 3, 16, 64, 16
+    w = dsl.QArray.quantize(randn(H * hd, K, scale=K ** -0.5), fmt)
+
+    def f(x, w, cache, pos):
+        y = nn.linear(x, w).reshape(T, H, hd).transpose(1, 0, 2)
+        return dsl.dynamic_update_slice(cache, gptj_rope(y, pos), [0, pos, 0])
+    c = run(f, randn(T, K), w, randn(H, S, hd), int(rng.integers(0, S - T + 1)), donate=(2,), tol=2e-3)
+    (k,) = c.plan.kernels
+    (col,) = [s for s in L.walk_stmts(k.body) if isinstance(s, L.Loop) and s.parallel]
+    (red,) = [s for s in L.walk_stmts(col.body) if isinstance(s, L.Reduce)]
+    rows = {x.name for a in red.accs for q in L.walk_exprs(a.value) if isinstance(q, L.QLoad)
+            for x in L.walk_exprs(q.index) if isinstance(x, L.Sym)}
+    assert rows == {col.var, red.var}, rows                    # a weight row is a function of the pair alone
     gfx906(c.plan.kernels)
