@@ -74,3 +74,14 @@ def test_interleaved_rope_over_a_quantized_matmul_into_the_cache(T, fmt):
             for x in L.walk_exprs(q.index) if isinstance(x, L.Sym)}
     assert rows == {col.var, red.var}, rows                    # a weight row is a function of the pair alone
     gfx906(c.plan.kernels)
+
+
+@pytest.mark.xfail(strict=True, reason="open: a contraction's activation row beyond gfx906's 64 KiB of LDS (K > ~32,000 "
+                   "as f16, e.g. Llama-3.1-405B's down projection, K = 53,248) is still staged whole in LDS; hiprtc "
+                   "fails with 'local memory exceeds limit'. Needs k-chunked staging (or global reads) for such K.")
+@pytest.mark.parametrize("T", [1, 4])
+def test_contraction_over_a_long_k_compiles_for_gfx906(T):
+    K = 40000
+    c = run(lambda x, g, w: nn.linear(nn.rms_norm(x, g, 1e-5), w), randn(T, K), randn(K), randn(3, K, dtype=np.float16),
+            tol=1e-3)
+    gfx906(c.plan.kernels)
