@@ -325,7 +325,7 @@ class Writer:
         T, H, hd = [1, 3, 4, 9][int(p[0] * 4)], 1 + int(pk[1] * 3), [2, 4, 8, 16][int(p[1] * 4)]
         fmt = (["f16", "f32"] + list(QUANT))[int(p[2] * (2 + len(QUANT)))]
         k = 32 * (1 + int(pk[2] * 2)) if fmt in QUANT else [5, 16, 48][int(pk[2] * 3)]
-        cdt, S, style = "f16" if p[3] < 0.5 else "f32", T + 1 + int(p[3] * 7), int(pk[0] * 3)
+        cdt, S, style = "f16" if p[3] < 0.5 else "f32", T + 1 + int(p[3] * 7), int(pk[0] * (3 if hd > 2 else 2))
         x = self.new_input((T, k), "f32")
         w = self.new_input((H * hd, k), fmt)
         cache = self.new_input((H, S, hd), cdt)
@@ -339,8 +339,7 @@ class Writer:
             r, _ = self.emit(f"dsl.stack([{pr}[..., 0] * dsl.cos({ang}) - {pr}[..., 1] * dsl.sin({ang}), "
                              f"{pr}[..., 0] * dsl.sin({ang}) + {pr}[..., 1] * dsl.cos({ang})], axis=-1).reshape({H}, {T}, {hd})")
         else:                                                     # partial rotary: the first half of each head
-            r, _ = self.emit(f"dsl.concatenate([nn.rope({y}[..., :{max(2, hd // 2)}], {pos}, 100.0), "
-                             f"{y}[..., {max(2, hd // 2)}:]], axis=-1)")
+            r, _ = self.emit(f"dsl.concatenate([nn.rope({y}[..., :{hd // 2}], {pos}, 100.0), {y}[..., {hd // 2}:]], axis=-1)")
         c, _ = self.emit(f"dsl.dynamic_update_slice({cache}, {r}.astype('{cdt}'), [0, {pos}, 0])")
         self.terminal.append(c)
         return self.emit(f"dsl.attention({r}, {c}, {c}, {pos}, {round(1 / np.sqrt(hd), 4)})")

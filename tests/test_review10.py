@@ -85,3 +85,12 @@ def test_contraction_over_a_long_k_compiles_for_gfx906(T):
     c = run(lambda x, g, w: nn.linear(nn.rms_norm(x, g, 1e-5), w), randn(T, K), randn(K), randn(3, K, dtype=np.float16),
             tol=1e-3)
     gfx906(c.plan.kernels)
+
+
+@pytest.mark.parametrize("K", [1, 8])
+def test_matmul_whose_activation_fill_names_a_local_compiles_for_gfx906(K):
+    """A prologue that reads its input twice (``x * x``): the simplifier names the load as a local
+    in the fill's k loop, which the GPU's row groups took for a lone store ("too many values to
+    unpack" while mapping)."""
+    c = run(lambda x, w: nn.linear(x * x, w), randn(5, K), randn(8, K, dtype=np.float16), tol=1e-3)
+    gfx906(c.plan.kernels)
