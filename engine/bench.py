@@ -420,6 +420,10 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=5, help="prefill runs to take the median of (default 5)")
     args = p.parse_args(argv)
     args.tokens = args.tokens or (128 if args.backend == "cuda" else 64)
+    if args.tokens < 1 or args.reference_tokens < 1:
+        p.error("--tokens and --reference-tokens take at least 1 token")
+    if args.position is not None and args.backend != "cuda" and args.prefill is None:
+        p.error("--position is measured with --backend cuda (the CPU decodes right after the prompt)")
     if args.dtype in QUANT_DTYPES:                 # --dtype q4_0: every weight matrix q4_0, as --quant q4_0
         if args.quant not in (None, args.dtype):
             p.error(f"--dtype {args.dtype} and --quant {args.quant} disagree: give one of them")

@@ -94,3 +94,17 @@ def test_matmul_whose_activation_fill_names_a_local_compiles_for_gfx906(K):
     unpack" while mapping)."""
     c = run(lambda x, w: nn.linear(x * x, w), randn(5, K), randn(8, K, dtype=np.float16), tol=1e-3)
     gfx906(c.plan.kernels)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--position", "99999"], "--position is measured with --backend cuda"),
+    (["--reference-tokens", "0"], "at least 1 token"),
+    (["--tokens", "-2"], "at least 1 token"),
+])
+def test_bench_options_it_would_ignore_or_misreport_are_one_clear_error(argv, message, capsys):
+    """On the CPU ``--position`` was ignored without a word, and ``--reference-tokens 0`` printed a
+    negative tokens/s."""
+    from engine import bench
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
