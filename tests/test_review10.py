@@ -25,6 +25,24 @@ def run(f, *args, donate=(), tol=2e-4):
     return jf.compile(*args)
 
 
+def on_gpu(f, *args, donate=(), tol=1e-2, monkeypatch=None):
+    """``f`` on an NVIDIA GPU at wave 32 and 64 (gfx906's kernel text) against the float64
+    interpreter; skipped without one."""
+    try:
+        from engine.executable import get_device
+        get_device("cuda", wave=32)
+    except Exception as e:                                   # noqa: BLE001  (no driver, no GPU)
+        pytest.skip(f"no CUDA device: {e}")
+    for wave in (32, 64):
+        monkeypatch.setenv("VEGAFUSE_CUDA_WAVE", str(wave))
+        jf = dsl.jit(f, backend="cuda", donate_argnums=donate)
+        want = jf.lower(*args).program.run(*dsl.tree_flatten(list(args))[0], compute_dtype="f64")
+        got = dsl.tree_flatten(jf(*[a.copy() if isinstance(a, np.ndarray) else a for a in args]))[0]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=tol, atol=tol * max(1.0, np.abs(w).max()),
+                                       err_msg=f"wave {wave}")
+
+
 def gfx906(kernels):
     """Every kernel rendered and compiled for gfx906 (hiprtc; skipped without it)."""
     from engine.devices.rocm import HipUnavailable, find_hiprtc
@@ -108,3 +126,17 @@ def test_bench_options_it_would_ignore_or_misreport_are_one_clear_error(argv, me
     with pytest.raises(SystemExit) as e:
         bench.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_fixed_matmul_kernels_on_the_gpu(monkeypatch):
+    """The three GPU matmul texts fixed above (K = 1, a fill with a named local, an interleaved RoPE
+    over quantized weights into a cache) run on an NVIDIA GPU at wave 32 and 64."""
+    on_gpu(lambda x, w: nn.linear(x, w) * 2.0, randn(130, 1), randn(5, 1), monkeypatch=monkeypatch)
+    on_gpu(lambda x, w: nn.linear(x * x, w), randn(5, 8), randn(8, 8, dtype=np.float16), monkeypatch=monkeypatch)
+    T, H, hd, K, S = 9, 3, 16, 64, 16
+    w = dsl.QArray.quantize(randn(H * hd, K, scale=K ** -0.5), "q4_0")
+
+    def f(x, w, cache, pos):
+        y = nn.linear(x, w).reshape(T, H, hd).transpose(1, 0, 2)
+        return dsl.dynamic_update_slice(cache, gptj_rope(y, pos), [0, pos, 0])
+    on_gpu(f, randn(T, K), w, randn(H, S, hd), 5, donate=(2,), monkeypatch=monkeypatch)
