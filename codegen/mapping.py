@@ -172,8 +172,12 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
         return decode
     group = a.hq // a.hkv
     rows_q = 1 if a.t == 1 else max(1, min(a.t, ATT_ROWS // group))
-    rows = rows_q * group
-    keys = next((n for n in (64, 32, 16, 8) if attention_lds(a, rows, n) <= t.attention_lds), 0)
+    while True:                                 # fewer query positions per tile where a wide head needs it
+        rows = rows_q * group
+        keys = next((n for n in (64, 32, 16, 8) if attention_lds(a, rows, n) <= t.attention_lds), 0)
+        if keys or rows_q == 1:
+            break
+        rows_q //= 2
     if not keys:
         raise ValueError(f"attention with head dim {a.d} and {group} query heads per KV head needs more than "
                          f"{t.attention_lds} bytes of LDS for 8 keys; use fewer query heads per KV head or a smaller head dim")

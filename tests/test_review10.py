@@ -140,3 +140,54 @@ def test_the_fixed_matmul_kernels_on_the_gpu(monkeypatch):
         y = nn.linear(x, w).reshape(T, H, hd).transpose(1, 0, 2)
         return dsl.dynamic_update_slice(cache, gptj_rope(y, pos), [0, pos, 0])
     on_gpu(f, randn(T, K), w, randn(H, S, hd), 5, donate=(2,), monkeypatch=monkeypatch)
+
+
+def attention_kernel(hq, hkv, t, s, d, kv):
+    from tests.test_attention_gpu import attention_kernel as kernel
+    return kernel(hq, hkv, t, s, d, kv)
+
+
+@pytest.mark.parametrize("target", ["gfx906", "sm_90"])
+def test_prefill_attention_with_wide_heads_takes_fewer_query_rows(target, tmp_path):
+    """Head dim 256 (Gemma-2) with an f32 cache: 8 query positions x 2 heads did not fit gfx906's
+    attention LDS even at 8 keys, and the kernel was refused ("use fewer query heads per KV head")
+    where a tile of fewer query positions fits.  The kernel text (CPU emulation of the GPU threads)
+    against the float64 interpreter, and its gfx906 build."""
+    from tests.test_attention_gpu import GXX, emulate
+    hq, hkv, t, s, d = 4, 2, 20, 60, 256
+    k = attention_kernel(hq, hkv, t, s, d, "f4")
+    if target == "gfx906":
+        gfx906([k])
+    if not GXX:
+        pytest.skip("no g++ for the CPU emulation of the GPU kernel text")
+    f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, d ** -0.5))
+    for pos in (0, 17, s - t):
+        q, kc, vc = randn(hq, t, d), randn(hkv, s, d), randn(hkv, s, d)
+        out = np.full((hq, t, d), np.nan, np.float32)
+        named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
+        emulate(k, target, [named.get(p.name, out) for p in k.params], str(tmp_path))
+        want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos}")
+
+
+@pytest.mark.xfail(strict=True, reason="open: gfx906 decode attention with 8 or more query heads per KV head and "
+                   "an f16 cache (Llama-3-70B / Qwen2.5-72B: 64/8 heads of 128) spills 60-80 bytes to scratch; the "
+                   "ISA gate asks for none")
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (32, 2)])
+def test_decode_attention_with_large_groups_has_no_scratch_on_gfx906(hq, hkv):
+    from engine.devices.rocm import HipUnavailable, find_hiprtc
+    try:
+        find_hiprtc()
+    except HipUnavailable as e:
+        pytest.skip(f"gfx906 compile skipped: {e}")
+    from codegen.inspect import Inspected
+    from codegen.targets import get_target
+    it = Inspected(attention_kernel(hq, hkv, 1, 1024, 128, "f2"), get_target("gfx906"))
+    assert it.res["scratch_bytes"] == 0, it.res
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="open: 16 query heads per KV head of 256 with an f32 cache "
+                   "do not fit gfx906's attention LDS even at one query position (the heads of a group are not split "
+                   "over workgroups in prefill as they are in decode)")
+def test_prefill_attention_with_a_large_group_of_wide_heads_compiles_for_gfx906():
+    gfx906([attention_kernel(16, 1, 7, 128, 256, "f4")])
