@@ -159,8 +159,9 @@ def attention_lds(a: L.Attention, rows: int, keys: int, split: bool = True) -> i
 
 def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
     """The tiles of an attention on ``t`` (see ``L.AttentionTiles``).  Decode (T = 1) takes the
-    heads of one KV group as its rows; prefill adds query positions up to ``ATT_ROWS`` rows.  Keys
-    per LDS tile: the most of 64, 32, 16, 8 that fit ``t.attention_lds``.  The cache is split over
+    heads of one KV group as its rows; prefill adds query positions up to ``ATT_ROWS`` rows (half as
+    many, in turn, while not even 8 keys fit beside them).  Keys per LDS tile: the most of 64, 32,
+    16, 8 that fit ``t.attention_lds``.  The cache is split over
     workgroups (flash-decoding) into chunks of at least the positions that spread the grid over the
     chip once, and of at least sqrt(S x rows x 4 / (K + V bytes per element)): there a split's K/V
     reads equal the combine's reads of every split's partial rows (``VEGAFUSE_ATT_CHUNK`` sets
