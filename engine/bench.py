@@ -51,13 +51,12 @@ def bench_vegafuse(cfg, params, ids, n_tokens, backend, kv_dtype="f16"):
     return (n_tokens - 1) / dt, out
 
 
-def bench_hf(model_path, ids, n_tokens, threads):
-    """Hugging Face eager float32 on the CPU; decode rate from generate(n) minus generate(1)."""
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None, None
+def hf_cpu_model(model_path, threads):
+    """The Hugging Face model of ``model_path`` (a GGUF, exported to a temporary directory first, or
+    a Hugging Face directory) in float32 on ``threads`` CPU threads, in eval mode.  Needs torch and
+    transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
     from .weights import export_hf_dir
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as d:
@@ -65,8 +64,17 @@ def bench_hf(model_path, ids, n_tokens, threads):
             d = model_path
         else:
             export_hf_dir(model_path, d)
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-        model.eval()
+        return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+
+def bench_hf(model_path, ids, n_tokens, threads):
+    """Hugging Face eager float32 on the CPU; decode rate from generate(n) minus generate(1)."""
+    try:
+        import torch
+        import transformers  # noqa: F401  (the peer needs it)
+    except ImportError:
+        return None, None
+    model = hf_cpu_model(model_path, threads)
     x = torch.tensor([ids])
     kw = dict(do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=None)
 
@@ -301,17 +309,10 @@ def hf_prefill(model_path, ids, threads, repeat):
     """Hugging Face eager float32 on the CPU: seconds of each forward over ``ids``; None without torch."""
     try:
         import torch
-        from transformers import AutoModelForCausalLM
+        import transformers  # noqa: F401  (the peer needs it)
     except ImportError:
         return None
-    from .weights import export_hf_dir
-    torch.set_num_threads(threads)
-    with tempfile.TemporaryDirectory() as d:
-        if os.path.isdir(model_path):
-            d = model_path
-        else:
-            export_hf_dir(model_path, d)
-        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    model = hf_cpu_model(model_path, threads)
     x = torch.tensor([ids])
     out = []
     with torch.inference_mode():
