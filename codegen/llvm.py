@@ -52,10 +52,13 @@ TYPES = {"f32": ir.FloatType(), "f16": ir.HalfType(), "i32": I32, "bool": I1}   
 MEM_TYPES = {**TYPES, "bool": I8, "q8_1": I8, "q8_1r": I8, **{q: I8 for q in QUANT_DTYPES}}  # in-memory types
 ELEM_BYTES = {"f32": 4, "f16": 2, "i32": 4, "bool": 1}                # quantized buffers: bytes, see _buffer_bytes
 # bytes of an activation block in a local array (codegen.loopir.QuantizeQ8): 32 int8 quants, (q8_1r) 32 int8
-# residuals, then f32 d and s
+# residuals (PLANE_BYTES), and its f32 d and s; the array holds every block's planes, then every block's
+# (d, s), so that consecutive blocks' scales load as one vector
 Q8_BYTES = {"q8_1r": 72, "q8_1": 40}
+PLANE_BYTES = {"q8_1r": 64, "q8_1": 32}
 KIND = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 FMF = ("reassoc", "nsz", "arcp", "contract", "afn")   # `fast` minus nnan/ninf
+ACC_FMF = FMF[1:]                                     # an accumulator's adds: not reassociated
 # an interchanged GEMV (a (K, N) weight): each thread's columns in chunks of COLUMNS accumulators in
 # all (L1-resident), each pass over a chunk folding ROWS weight rows
 COLUMNS = int(os.environ.get("VEGAFUSE_CPU_COLUMNS", 4096))
@@ -93,12 +96,14 @@ def _noalias(kernel: Kernel):
 class _Renderer:
     def __init__(self, module: ir.Module, kernel: Kernel, vnni: bool = False):
         self.module, self.kernel = module, kernel
-        self.vnni = vnni                     # the host has VNNI dot products (vpdpbusd)
+        self.vnni = bool(vnni)               # the host has VNNI dot products (vpdpbusd)
+        self.wide = vnni == 512              # ... and 512-bit ones (AVX-512 VNNI and BW): ``qdot_pair``
         self.b: ir.IRBuilder = None
         self.entry: ir.IRBuilder = None      # positioned in the entry block, for allocas
         self.tid = self.nthreads = None
         self.in_parallel = False
         self.stack_bytes = 0
+        self.q8_blocks = {}                  # activation array -> its block count (where its (d, s) start)
 
     # ---- helpers
     def intr(self, name, *args):
@@ -216,8 +221,7 @@ class _Renderer:
             w8 = b.shuffle_vector(lo, hi, ir.Constant(vec(I32), list(range(32))))
             wq = b.zext(w8, vec(I32))
         _, _, adt = self.lookup(env, e.act, e)
-        size = Q8_BYTES[adt]
-        block = self.byte_ptr(act, b.mul(ab, i32(size), flags=["nsw"]))
+        block = self.byte_ptr(act, b.mul(ab, i32(PLANE_BYTES[adt]), flags=["nsw"]))
         # vpdpbusd multiplies unsigned bytes: q8_0's signed quants move up by 128 (w ^ 0x80), and
         # 128 * sum_j (128 q_j + r_j) = 128 a.s / a.d comes off again below
         unsigned = b.xor(w8, ir.Constant(vec(I8), [-128] * 32)) if e.fmt == "q8_0" else w8
@@ -232,8 +236,9 @@ class _Renderer:
             eights = [b.shuffle_vector(p, p, ir.Constant(vec(I32, 8), [8 * k + j for j in range(8)])) for k in range(4)]
             return b.add(b.add(eights[0], eights[1]), b.add(eights[2], eights[3]))
         isum = b.add(b.mul(dot8(0), ir.Constant(vec(I32, 8), [128] * 8)), dot8(32)) if adt == "q8_1r" else dot8(0)
-        ad = b.load(self.byte_ptr(block, i32(size - 8)), typ=f32, align=4)
-        asum = b.load(self.byte_ptr(block, i32(size - 4)), typ=f32, align=4)
+        ds = self.act_scales(e.act, act, adt, ab)
+        ad = b.load(ds, typ=f32, align=4)
+        asum = b.load(self.byte_ptr(ds, i32(4)), typ=f32, align=4)
         scales = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes), flags=["nsw"]), flags=["nsw"])
         d = b.fpext(b.load(self.byte_ptr(w, scales), typ=ir.HalfType(), align=2), f32)
         fm = lambda x, y: b.fmul(x, y, flags=FMF)  # noqa: E731
@@ -250,6 +255,62 @@ class _Renderer:
             z = b.fpext(b.load(self.byte_ptr(w, b.add(scales, i32(2), flags=["nsw"])), typ=ir.HalfType(), align=2), f32)
             return part, fm(fm(d, b.fneg(z, flags=FMF)), asum)
         return part, (fm(fm(d, ir.Constant(f32, -128.0)), asum) if self.vnni else None)
+
+    def qdot_pair(self, e, env):
+        """Weight blocks ``e.block`` (even) and the next against activation blocks ``e.ablock`` and the
+        next, with 512-bit vpdpbusd (``self.wide``): ([per block <8p x f32>], <2 x f32>) for p planes.
+        Each block's 32 weight quants, repeated once per plane, meet the q and r planes in one
+        vpdpbusd (lanes 0-7 q, 8-15 r: the dot is 128 lanes[:8] + lanes[8:], weighed by
+        ``plane_weights`` at the end), times its splat ``d_w * a.d``; both blocks' weight scales
+        and activation (d, s) load as one vector each and multiply as vectors; the second value
+        holds the two blocks' scalar terms (as ``qdot_parts``)."""
+        b, f, f32 = self.b, FORMATS[e.fmt], TYPES["f32"]
+        _, w, _ = self.lookup(env, e.w, e)
+        _, act, adt = self.lookup(env, e.act, e)
+        blk, ab = self.expr(e.block, env), self.expr(e.ablock, env)
+        vec = ir.VectorType
+        i32 = lambda n: ir.Constant(I32, n)  # noqa: E731
+        idx = lambda xs: ir.Constant(vec(I32, len(xs)), list(xs))  # noqa: E731
+        planes = PLANE_BYTES[adt] // 32
+        width = 32 * planes                                   # bytes per vpdpbusd
+        parts = []
+        for j in range(2):
+            quants = self.byte_ptr(w, b.mul(b.add(blk, i32(j), flags=["nsw"]), i32(f.quant_bytes), flags=["nsw"]))
+            if e.fmt == "q8_0":                               # signed quants up by 128 (w ^ 0x80), as qdot_parts
+                raw = b.xor(b.load(quants, typ=vec(I8, 32), align=1), ir.Constant(vec(I8, 32), [-128] * 32))
+                w8 = b.shuffle_vector(raw, raw, idx(list(range(32)) * planes))
+            else:                                             # bytes 0-15 low nibbles, 16-31 high, per plane
+                raw = b.load(quants, typ=vec(I8, 16), align=1)
+                rep = b.bitcast(b.shuffle_vector(raw, raw, idx(list(range(16)) * 2 * planes)), vec(ir.IntType(16), width // 2))
+                shifted = b.lshr(rep, ir.Constant(vec(ir.IntType(16), width // 2), ([0] * 8 + [4] * 8) * planes))
+                w8 = b.and_(b.bitcast(shifted, vec(I8, width)), ir.Constant(vec(I8, width), [15] * width))
+            plane = b.load(self.byte_ptr(act, b.mul(b.add(ab, i32(j), flags=["nsw"]), i32(PLANE_BYTES[adt]), flags=["nsw"])),
+                           typ=vec(I8, width), align=1)
+            lanes = vec(I32, width // 4)
+            isum = b.call(self.vpdpbusd(width * 8), [ir.Constant(lanes, [0] * (width // 4)), b.bitcast(w8, lanes),
+                                                     b.bitcast(plane, lanes)])
+            parts.append(b.sitofp(isum, vec(f32, width // 4)))
+        nsc = f.scale_bytes // 2                              # f16 scales per block: d (and m or z)
+        at = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes), flags=["nsw"]), flags=["nsw"])
+        ws = b.fpext(b.load(self.byte_ptr(w, at), typ=vec(ir.HalfType(), 2 * nsc), align=2), vec(f32, 2 * nsc))
+        ads = b.load(self.act_scales(e.act, act, adt, ab), typ=vec(f32, 4), align=4)     # ad0 as0 ad1 as1
+        fm = lambda x, y: b.fmul(x, y, flags=FMF)  # noqa: E731
+        pick = lambda v, xs: b.shuffle_vector(v, v, idx(xs))  # noqa: E731
+        d, ad, asum = pick(ws, [0, nsc]), pick(ads, [0, 2]), pick(ads, [1, 3])
+        scale = fm(d, ad)
+        parts = [b.fmul(p, pick(scale, [j] * (width // 4)), flags=ACC_FMF) for j, p in enumerate(parts)]
+        const = lambda c: ir.Constant(vec(f32, 2), [c, c])  # noqa: E731
+        if e.fmt == "q4_1":
+            return parts, fm(pick(ws, [1, 3]), asum)
+        if e.fmt == "gptq_int4":
+            return parts, fm(fm(d, b.fneg(pick(ws, [1, 3]), flags=FMF)), asum)
+        return parts, fm(fm(d, const(-8.0 if e.fmt == "q4_0" else -128.0)), asum)
+
+    def plane_weights(self, v):
+        """A ``qdot_pair`` accumulator's lanes weighed: the q plane's 8 lanes by 128 (before the r
+        plane's 8), a single plane's as they are."""
+        n = v.type.count
+        return v if n == 8 else self.b.fmul(v, ir.Constant(v.type, [128.0] * 8 + [1.0] * 8), flags=FMF)
 
     def un(self, e, env):
         return self.apply(e.op, e.x.dtype, [self.expr(e.x, env)], e)
@@ -374,6 +435,7 @@ class _Renderer:
             slot = self.entry.alloca(I8, size=s.size // 32 * Q8_BYTES[s.dtype], name=s.name)
             slot.align = 64
             env[s.name] = ("arr", slot, s.dtype)
+            self.q8_blocks[s.name] = s.size // 32
             return
         self.stack_bytes += s.size * ELEM_BYTES[s.dtype]
         if self.stack_bytes > MAX_STACK_BYTES:
@@ -411,8 +473,10 @@ class _Renderer:
         normal = b.fcmp_ordered(">=", amax, ir.Constant(f32, 1e-30))      # 127 / max|x| cannot overflow
         inv = b.fdiv(ir.Constant(f32, 127.0), amax)
         _, base, dtype = self.lookup(env, s.arr)
-        size, residual = Q8_BYTES[dtype], dtype == "q8_1r"
-        block = self.byte_ptr(base, b.mul(self.expr(s.group, env), ir.Constant(I32, size)))
+        size, residual = PLANE_BYTES[dtype], dtype == "q8_1r"
+        group = self.expr(s.group, env)
+        block = self.byte_ptr(base, b.mul(group, ir.Constant(I32, size)))
+        ds = self.act_scales(s.arr, base, dtype, group)
         total = ir.Constant(I32, 0)
         for i, x in enumerate(xs):
             t = b.select(normal, b.fmul(x, inv), b.select(nonzero, b.fdiv(x, step), ir.Constant(f32, 0.0)))
@@ -425,9 +489,14 @@ class _Renderer:
                 q = b.add(b.mul(q, ir.Constant(I32, 128)), r)
             total = b.add(total, q)
         d = b.fmul(step, ir.Constant(f32, 1 / 128)) if residual else step
-        b.store(d, b.bitcast(self.byte_ptr(block, ir.Constant(I32, size - 8)), f32.as_pointer()), align=4)
-        b.store(b.fmul(d, b.sitofp(total, f32)), b.bitcast(self.byte_ptr(block, ir.Constant(I32, size - 4)),
-                                                           f32.as_pointer()), align=4)
+        b.store(d, b.bitcast(ds, f32.as_pointer()), align=4)
+        b.store(b.fmul(d, b.sitofp(total, f32)), b.bitcast(self.byte_ptr(ds, ir.Constant(I32, 4)), f32.as_pointer()),
+                align=4)
+
+    def act_scales(self, arr, base, dtype, block):
+        """Pointer to activation block ``block``'s f32 (d, s) in the q8 array ``arr`` (after all planes)."""
+        start = ir.Constant(I32, self.q8_blocks[arr] * PLANE_BYTES[dtype])
+        return self.byte_ptr(base, self.b.add(start, self.b.mul(block, ir.Constant(I32, 8), flags=["nsw"]), flags=["nsw"]))
 
     def chunk(self, start, stop):
         """[lo, hi) of this thread's contiguous share of [start, stop)."""
@@ -509,53 +578,69 @@ class _Renderer:
         self.stmts(serial_reduce(s), env)     # declares the results in ``env``
 
     def qdot_reduce(self, s, env):
-        """``acc += QDot`` over weight blocks with an <8 x f32> accumulator per Acc: each block's
-        integer dot products stay 8 partial sums, scaled by the two blocks' scales; the scalar terms (q4_0's -8 d a.s, q4_1's m a.s) add to a
-        scalar.  One horizontal add per output instead of one per block."""
+        """``acc += QDot`` over weight blocks with a vector accumulator per Acc: each block's integer
+        dot products stay 8 partial sums (``qdot_parts``; 16 with the 512-bit ``qdot_pair``, two
+        blocks a step), scaled by the blocks' scales; the scalar terms (q4_0's -8 d a.s, q4_1's
+        m a.s) add to a scalar (a <2 x f32> pair).  One horizontal add per output instead of one
+        per block."""
         b, f32 = self.b, TYPES["f32"]
-        v8 = ir.VectorType(f32, 8)
         # two accumulators per output, even and odd blocks, when the block count is even: each add
         # chain is half as long (the loop was bound by one chain's latency); VEGAFUSE_CPU_ACCS=1: one
         n = s.stop.value - s.start.value if isinstance(s.start, Const) and isinstance(s.stop, Const) else 1
-        ways = 2 if n % 2 == 0 and n > 0 and os.environ.get("VEGAFUSE_CPU_ACCS", "2") != "1" else 1
+        even = n % 2 == 0 and n > 0
+        ways = 2 if even and os.environ.get("VEGAFUSE_CPU_ACCS", "2") != "1" else 1
+        pair = self.wide and even
         slots = []
         for a in s.accs:
+            lanes = PLANE_BYTES[self.lookup(env, a.value.act)[2]] // 4 if pair else 8
+            vty, sty = ir.VectorType(f32, lanes), ir.VectorType(f32, 2) if pair else f32
             vecs, scs = [], []
             for w in range(ways):
-                vec, sc = self.entry.alloca(v8, name=f"{a.name}.v{w}"), self.entry.alloca(f32, name=f"{a.name}.s{w}")
-                b.store(ir.Constant(v8, [0.0] * 8), vec)
-                b.store(ir.Constant(f32, 0.0), sc)
+                vec, sc = self.entry.alloca(vty, name=f"{a.name}.v{w}"), self.entry.alloca(sty, name=f"{a.name}.s{w}")
+                b.store(ir.Constant(vty, [0.0] * lanes), vec)
+                b.store(ir.Constant(sty, [0.0, 0.0] if pair else 0.0), sc)
                 vecs.append(vec)
                 scs.append(sc)
             slots.append((a, vecs, scs))
 
+        def add(slot, value):                 # in order (no reassoc): each accumulator stays its own chain
+            b.store(b.fadd(b.load(slot, typ=value.type), value, flags=ACC_FMF), slot)
+
         def step(scope):
             i = scope[s.var][1]
-            for w in range(ways):
-                kb = i if ways == 1 else b.add(b.mul(i, ir.Constant(I32, 2)), ir.Constant(I32, s.start.value + w))
+            for w in range(1 if pair else ways):
+                kb = i if ways == 1 and not pair else b.add(b.mul(i, ir.Constant(I32, 2)), ir.Constant(I32, s.start.value + w))
                 inner = {**scope, s.var: ("val", kb, "i32")}
                 for a, vecs, scs in slots:
+                    if pair:
+                        parts, scalar = self.qdot_pair(a.value, inner)
+                        for j, part in enumerate(parts):
+                            add(vecs[j % ways], part)
+                        add(scs[0], scalar)
+                        continue
                     part, scalar = self.qdot_parts(a.value, inner)
-                    b.store(b.fadd(b.load(vecs[w], typ=v8), part, flags=FMF), vecs[w])
+                    add(vecs[w], part)
                     if scalar is not None:
-                        b.store(b.fadd(b.load(scs[w], typ=f32), scalar, flags=FMF), scs[w])
-        self.loop(Loop(s.var, Const(0, "i32"), Const(n // 2, "i32"), ()) if ways == 2
+                        add(scs[w], scalar)
+        self.loop(Loop(s.var, Const(0, "i32"), Const(n // 2, "i32"), ()) if ways == 2 or pair
                   else Loop(s.var, s.start, s.stop, ()), env, emit=step)
         for a, vecs, scs in slots:
-            vec = b.load(vecs[0], typ=v8)
-            sc = b.load(scs[0], typ=f32)
+            vty, sty = vecs[0].allocated_type, scs[0].allocated_type
+            vec, sc = b.load(vecs[0], typ=vty), b.load(scs[0], typ=sty)
             for w in range(1, ways):
-                vec = b.fadd(vec, b.load(vecs[w], typ=v8), flags=FMF)
-                sc = b.fadd(sc, b.load(scs[w], typ=f32), flags=FMF)
+                vec = b.fadd(vec, b.load(vecs[w], typ=vty), flags=ACC_FMF)
+                sc = b.fadd(sc, b.load(scs[w], typ=sty), flags=ACC_FMF)
+            if pair:
+                vec, sc = self.plane_weights(vec), self.reduce_fadd(sc)
             slot = self.entry.alloca(f32, name=a.name)
             b.store(b.fadd(self.reduce_fadd(vec), sc, flags=FMF), slot)
             env[a.name] = ("var", slot, "f32")
 
-    def vpdpbusd(self):
-        """x86's 4 x (u8 * s8) dot products into 8 i32 lanes (AVX-512 VNNI / AVX-VNNI)."""
-        name = "llvm.x86.avx512.vpdpbusd.256"
-        v8 = ir.VectorType(I32, 8)
-        return self.module.globals.get(name) or ir.Function(self.module, ir.FunctionType(v8, [v8, v8, v8]), name)
+    def vpdpbusd(self, bits=256):
+        """x86's 4 x (u8 * s8) dot products into i32 lanes: 8 (AVX-512 VNNI / AVX-VNNI) or 16 (``bits`` 512)."""
+        name = f"llvm.x86.avx512.vpdpbusd.{bits}"
+        v = ir.VectorType(I32, bits // 32)
+        return self.module.globals.get(name) or ir.Function(self.module, ir.FunctionType(v, [v, v, v]), name)
 
     def reduce_fadd(self, v):
         name = f"llvm.vector.reduce.fadd.v{v.type.count}f32"

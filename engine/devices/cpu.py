@@ -587,10 +587,13 @@ class LLVMCompiler(Compiler):
 
     def render(self, kernel: Kernel) -> str:
         """LLVM IR of ``kernel``; int8 dot products call ``vpdpbusd`` where the host has VNNI
-        (``VEGAFUSE_CPU_VNNI=0``: the generic vector code LLVM lowers itself, the A/B switch)."""
-        feats = llvm.get_host_cpu_features()
-        vnni = bool(feats.get("avx512vnni") and feats.get("avx512vl") or feats.get("avxvnni"))
-        return render_llvm(kernel, vnni=vnni and os.environ.get("VEGAFUSE_CPU_VNNI", "1") != "0")
+        (``VEGAFUSE_CPU_VNNI=0``: the generic vector code LLVM lowers itself, the A/B switch), its
+        512-bit form, two weight blocks a step, where it has AVX-512 VNNI and BW
+        (``VEGAFUSE_CPU_VNNI=256``: the 256-bit form, a block at a time)."""
+        feats, switch = llvm.get_host_cpu_features(), os.environ.get("VEGAFUSE_CPU_VNNI", "512")
+        vnni = bool(feats.get("avx512vnni") and feats.get("avx512vl") or feats.get("avxvnni")) and switch != "0"
+        wide = vnni and bool(feats.get("avx512vnni") and feats.get("avx512bw")) and switch != "256"
+        return render_llvm(kernel, vnni=512 if wide else 256 if vnni else 0)
 
     def entry(self, source: str) -> str:
         return "vf_" + hashlib.sha256(source.encode()).hexdigest()[:16]
