@@ -221,13 +221,15 @@ class _Renderer:
             w8 = b.shuffle_vector(lo, hi, ir.Constant(vec(I32), list(range(32))))
             wq = b.zext(w8, vec(I32))
         _, _, adt = self.lookup(env, e.act, e)
-        block = self.byte_ptr(act, b.mul(ab, i32(PLANE_BYTES[adt]), flags=["nsw"]))
+        block, at = self.plane_at(e.act, act, adt, ab)
         # vpdpbusd multiplies unsigned bytes: q8_0's signed quants move up by 128 (w ^ 0x80), and
         # 128 * sum_j (128 q_j + r_j) = 128 a.s / a.d comes off again below
         unsigned = b.xor(w8, ir.Constant(vec(I8), [-128] * 32)) if e.fmt == "q8_0" else w8
 
-        def dot8(offset):                    # the products with the plane at ``offset``, into 8 lanes
-            plane8 = b.load(self.byte_ptr(block, i32(offset)), typ=vec(I8), align=1)
+        def dot8(p):                         # the products with plane ``p`` (0: q, 1: r), into 8 lanes
+            halves = [b.load(self.byte_ptr(block, i32(at(p, h))), typ=vec(I8, 16), align=1) for h in (0, 16)]
+            plane8 = b.load(self.byte_ptr(block, i32(at(p, 0))), typ=vec(I8), align=1) if at(p, 16) == at(p, 0) + 16 \
+                else b.shuffle_vector(*halves, ir.Constant(vec(I32), list(range(32))))
             if self.vnni:                    # unsigned weights x signed activation: one vpdpbusd
                 return b.call(self.vpdpbusd(), [ir.Constant(vec(I32, 8), [0] * 8), b.bitcast(unsigned, vec(I32, 8)),
                                                 b.bitcast(plane8, vec(I32, 8))])
@@ -235,7 +237,7 @@ class _Renderer:
             p = b.mul(wq, plane)
             eights = [b.shuffle_vector(p, p, ir.Constant(vec(I32, 8), [8 * k + j for j in range(8)])) for k in range(4)]
             return b.add(b.add(eights[0], eights[1]), b.add(eights[2], eights[3]))
-        isum = b.add(b.mul(dot8(0), ir.Constant(vec(I32, 8), [128] * 8)), dot8(32)) if adt == "q8_1r" else dot8(0)
+        isum = b.add(b.mul(dot8(0), ir.Constant(vec(I32, 8), [128] * 8)), dot8(1)) if adt == "q8_1r" else dot8(0)
         ds = self.act_scales(e.act, act, adt, ab)
         ad = b.load(ds, typ=f32, align=4)
         asum = b.load(self.byte_ptr(ds, i32(4)), typ=f32, align=4)
@@ -257,13 +259,15 @@ class _Renderer:
         return part, (fm(fm(d, ir.Constant(f32, -128.0)), asum) if self.vnni else None)
 
     def qdot_pair(self, e, env):
-        """Weight blocks ``e.block`` (even) and the next against activation blocks ``e.ablock`` and the
-        next, with 512-bit vpdpbusd (``self.wide``): ([per block <8p x f32>], <2 x f32>) for p planes.
-        Each block's 32 weight quants, repeated once per plane, meet the q and r planes in one
-        vpdpbusd (lanes 0-7 q, 8-15 r: the dot is 128 lanes[:8] + lanes[8:], weighed by
-        ``plane_weights`` at the end), times its splat ``d_w * a.d``; both blocks' weight scales
-        and activation (d, s) load as one vector each and multiply as vectors; the second value
-        holds the two blocks' scalar terms (as ``qdot_parts``)."""
+        """Weight blocks ``e.block`` and the next against activation blocks ``e.ablock`` (even) and
+        the next, an interleaved pair (``plane_at``), with 512-bit vpdpbusd (``self.wide``):
+        (<16 x f32>, <2 x f32>).  The two blocks' 64 weight quants are laid out as their activation
+        pair (q4: one 32-byte load repeated, its words shifted by 0 then 4, masked); i32 lane k
+        holds the same 4 products as ``qdot_parts``' lane k % 8 of block k // 4 % 2, as
+        128 q + r (the q plane's vpdpbusd shifted left by 7 accumulates the r plane's), times its
+        block's ``d_w * a.d``.  Both blocks' weight scales and activation (d, s) load as one
+        vector each and multiply as vectors; the second value holds the blocks' scalar terms (as
+        ``qdot_parts``)."""
         b, f, f32 = self.b, FORMATS[e.fmt], TYPES["f32"]
         _, w, _ = self.lookup(env, e.w, e)
         _, act, adt = self.lookup(env, e.act, e)
@@ -271,46 +275,37 @@ class _Renderer:
         vec = ir.VectorType
         i32 = lambda n: ir.Constant(I32, n)  # noqa: E731
         idx = lambda xs: ir.Constant(vec(I32, len(xs)), list(xs))  # noqa: E731
-        planes = PLANE_BYTES[adt] // 32
-        width = 32 * planes                                   # bytes per vpdpbusd
-        parts = []
-        for j in range(2):
-            quants = self.byte_ptr(w, b.mul(b.add(blk, i32(j), flags=["nsw"]), i32(f.quant_bytes), flags=["nsw"]))
-            if e.fmt == "q8_0":                               # signed quants up by 128 (w ^ 0x80), as qdot_parts
-                raw = b.xor(b.load(quants, typ=vec(I8, 32), align=1), ir.Constant(vec(I8, 32), [-128] * 32))
-                w8 = b.shuffle_vector(raw, raw, idx(list(range(32)) * planes))
-            else:                                             # bytes 0-15 low nibbles, 16-31 high, per plane
-                raw = b.load(quants, typ=vec(I8, 16), align=1)
-                rep = b.bitcast(b.shuffle_vector(raw, raw, idx(list(range(16)) * 2 * planes)), vec(ir.IntType(16), width // 2))
-                shifted = b.lshr(rep, ir.Constant(vec(ir.IntType(16), width // 2), ([0] * 8 + [4] * 8) * planes))
-                w8 = b.and_(b.bitcast(shifted, vec(I8, width)), ir.Constant(vec(I8, width), [15] * width))
-            plane = b.load(self.byte_ptr(act, b.mul(b.add(ab, i32(j), flags=["nsw"]), i32(PLANE_BYTES[adt]), flags=["nsw"])),
-                           typ=vec(I8, width), align=1)
-            lanes = vec(I32, width // 4)
-            isum = b.call(self.vpdpbusd(width * 8), [ir.Constant(lanes, [0] * (width // 4)), b.bitcast(w8, lanes),
-                                                     b.bitcast(plane, lanes)])
-            parts.append(b.sitofp(isum, vec(f32, width // 4)))
+        quants = self.byte_ptr(w, b.mul(blk, i32(f.quant_bytes), flags=["nsw"]))
+        if e.fmt == "q8_0":                                   # signed quants up by 128 (w ^ 0x80), as qdot_parts
+            raw = b.load(quants, typ=vec(I8, 64), align=1)
+            w8 = b.xor(b.shuffle_vector(raw, raw, idx([*range(16), *range(32, 48), *range(16, 32), *range(48, 64)])),
+                       ir.Constant(vec(I8, 64), [-128] * 64))
+        else:                                                 # low nibbles of both blocks, then high
+            raw = b.load(quants, typ=vec(I8, 32), align=1)
+            rep = b.bitcast(b.shuffle_vector(raw, raw, idx([*range(32)] * 2)), vec(ir.IntType(16), 32))
+            shifted = b.lshr(rep, ir.Constant(vec(ir.IntType(16), 32), [0] * 16 + [4] * 16))
+            w8 = b.and_(b.bitcast(shifted, vec(I8, 64)), ir.Constant(vec(I8, 64), [15] * 64))
+        lanes = vec(I32, 16)
+        block, at = self.plane_at(e.act, act, adt, ab)
+        plane = lambda p: b.bitcast(b.load(self.byte_ptr(block, i32(at(p, 0))), typ=vec(I8, 64), align=1), lanes)  # noqa: E731
+        isum = b.call(self.vpdpbusd(512), [ir.Constant(lanes, [0] * 16), b.bitcast(w8, lanes), plane(0)])
+        if adt == "q8_1r":
+            isum = b.call(self.vpdpbusd(512), [b.shl(isum, ir.Constant(lanes, [7] * 16)), b.bitcast(w8, lanes), plane(1)])
         nsc = f.scale_bytes // 2                              # f16 scales per block: d (and m or z)
-        at = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes), flags=["nsw"]), flags=["nsw"])
-        ws = b.fpext(b.load(self.byte_ptr(w, at), typ=vec(ir.HalfType(), 2 * nsc), align=2), vec(f32, 2 * nsc))
+        at_sc = b.add(i32(e.count // 32 * f.quant_bytes), b.mul(blk, i32(f.scale_bytes), flags=["nsw"]), flags=["nsw"])
+        ws = b.fpext(b.load(self.byte_ptr(w, at_sc), typ=vec(ir.HalfType(), 2 * nsc), align=2), vec(f32, 2 * nsc))
         ads = b.load(self.act_scales(e.act, act, adt, ab), typ=vec(f32, 4), align=4)     # ad0 as0 ad1 as1
         fm = lambda x, y: b.fmul(x, y, flags=FMF)  # noqa: E731
         pick = lambda v, xs: b.shuffle_vector(v, v, idx(xs))  # noqa: E731
-        d, ad, asum = pick(ws, [0, nsc]), pick(ads, [0, 2]), pick(ads, [1, 3])
-        scale = fm(d, ad)
-        parts = [b.fmul(p, pick(scale, [j] * (width // 4)), flags=ACC_FMF) for j, p in enumerate(parts)]
+        d, asum = pick(ws, [0, nsc]), pick(ads, [1, 3])
+        scale = fm(d, pick(ads, [0, 2]))
+        part = b.fmul(b.sitofp(isum, vec(f32, 16)), pick(scale, ([0] * 4 + [1] * 4) * 2), flags=ACC_FMF)
         const = lambda c: ir.Constant(vec(f32, 2), [c, c])  # noqa: E731
         if e.fmt == "q4_1":
-            return parts, fm(pick(ws, [1, 3]), asum)
+            return part, fm(pick(ws, [1, 3]), asum)
         if e.fmt == "gptq_int4":
-            return parts, fm(fm(d, b.fneg(pick(ws, [1, 3]), flags=FMF)), asum)
-        return parts, fm(fm(d, const(-8.0 if e.fmt == "q4_0" else -128.0)), asum)
-
-    def plane_weights(self, v):
-        """A ``qdot_pair`` accumulator's lanes weighed: the q plane's 8 lanes by 128 (before the r
-        plane's 8), a single plane's as they are."""
-        n = v.type.count
-        return v if n == 8 else self.b.fmul(v, ir.Constant(v.type, [128.0] * 8 + [1.0] * 8), flags=FMF)
+            return part, fm(fm(d, b.fneg(pick(ws, [1, 3]), flags=FMF)), asum)
+        return part, fm(fm(d, const(-8.0 if e.fmt == "q4_0" else -128.0)), asum)
 
     def un(self, e, env):
         return self.apply(e.op, e.x.dtype, [self.expr(e.x, env)], e)
@@ -473,25 +468,39 @@ class _Renderer:
         normal = b.fcmp_ordered(">=", amax, ir.Constant(f32, 1e-30))      # 127 / max|x| cannot overflow
         inv = b.fdiv(ir.Constant(f32, 127.0), amax)
         _, base, dtype = self.lookup(env, s.arr)
-        size, residual = PLANE_BYTES[dtype], dtype == "q8_1r"
-        group = self.expr(s.group, env)
-        block = self.byte_ptr(base, b.mul(group, ir.Constant(I32, size)))
+        residual, group = dtype == "q8_1r", self.expr(s.group, env)
+        block, at = self.plane_at(s.arr, base, dtype, group)
         ds = self.act_scales(s.arr, base, dtype, group)
         total = ir.Constant(I32, 0)
         for i, x in enumerate(xs):
             t = b.select(normal, b.fmul(x, inv), b.select(nonzero, b.fdiv(x, step), ir.Constant(f32, 0.0)))
             qf = self.intr("llvm.round", t)
             q = b.fptosi(qf, I32)
-            b.store(b.trunc(q, I8), self.byte_ptr(block, ir.Constant(I32, i)))
+            b.store(b.trunc(q, I8), self.byte_ptr(block, ir.Constant(I32, at(0, i))))
             if residual:
                 r = b.fptosi(self.intr("llvm.round", b.fmul(b.fsub(t, qf), ir.Constant(f32, 128.0))), I32)
-                b.store(b.trunc(r, I8), self.byte_ptr(block, ir.Constant(I32, 32 + i)))
+                b.store(b.trunc(r, I8), self.byte_ptr(block, ir.Constant(I32, at(1, i))))
                 q = b.add(b.mul(q, ir.Constant(I32, 128)), r)
             total = b.add(total, q)
         d = b.fmul(step, ir.Constant(f32, 1 / 128)) if residual else step
         b.store(d, b.bitcast(ds, f32.as_pointer()), align=4)
         b.store(b.fmul(d, b.sitofp(total, f32)), b.bitcast(self.byte_ptr(ds, ir.Constant(I32, 4)), f32.as_pointer()),
                 align=4)
+
+    def interleaved(self, arr):
+        """Does the q8 array ``arr`` interleave its blocks in pairs (``qdot_pair``'s layout)?"""
+        return self.wide and self.q8_blocks[arr] % 2 == 0
+
+    def plane_at(self, arr, base, dtype, group):
+        """(pointer, at) for activation block ``group`` of the q8 array ``arr``: byte i of plane p
+        (0: q, 1: r) lies at pointer + at(p, i).  Contiguous: each block's planes in turn.
+        Interleaved (``interleaved``): a pair of blocks' 64-byte plane holds block 0's bytes 0-15,
+        block 1's 0-15, block 0's 16-31, block 1's 16-31, as ``qdot_pair`` lays out their weights."""
+        b, planes, c = self.b, PLANE_BYTES[dtype] // 32, lambda n: ir.Constant(I32, n)
+        if not self.interleaved(arr):
+            return self.byte_ptr(base, b.mul(group, c(32 * planes), flags=["nsw"])), lambda p, i: 32 * p + i
+        at = b.add(b.mul(b.lshr(group, c(1)), c(64 * planes), flags=["nsw"]), b.mul(b.and_(group, c(1)), c(16)))
+        return self.byte_ptr(base, at), lambda p, i: 64 * p + i // 16 * 32 + i % 16
 
     def act_scales(self, arr, base, dtype, block):
         """Pointer to activation block ``block``'s f32 (d, s) in the q8 array ``arr`` (after all planes)."""
@@ -579,25 +588,26 @@ class _Renderer:
 
     def qdot_reduce(self, s, env):
         """``acc += QDot`` over weight blocks with a vector accumulator per Acc: each block's integer
-        dot products stay 8 partial sums (``qdot_parts``; 16 with the 512-bit ``qdot_pair``, two
-        blocks a step), scaled by the blocks' scales; the scalar terms (q4_0's -8 d a.s, q4_1's
+        dot products stay 8 partial sums (``qdot_parts``; two blocks' 16 with the 512-bit
+        ``qdot_pair``), scaled by the blocks' scales; the scalar terms (q4_0's -8 d a.s, q4_1's
         m a.s) add to a scalar (a <2 x f32> pair).  One horizontal add per output instead of one
         per block."""
         b, f32 = self.b, TYPES["f32"]
-        # two accumulators per output, even and odd blocks, when the block count is even: each add
-        # chain is half as long (the loop was bound by one chain's latency); VEGAFUSE_CPU_ACCS=1: one
+        # two accumulators per output (alternate blocks, or pairs of blocks) when the block count
+        # allows: each add chain is half as long (the loop was bound by one chain's latency);
+        # VEGAFUSE_CPU_ACCS=1: one
         n = s.stop.value - s.start.value if isinstance(s.start, Const) and isinstance(s.stop, Const) else 1
         even = n % 2 == 0 and n > 0
-        ways = 2 if even and os.environ.get("VEGAFUSE_CPU_ACCS", "2") != "1" else 1
-        pair = self.wide and even
+        pair = even and s.start.value == 0 and all(self.interleaved(a.value.act) for a in s.accs)
+        ways = 2 if (n > 2 if pair else even) and os.environ.get("VEGAFUSE_CPU_ACCS", "2") != "1" else 1
+        per = 2 if pair else 1                                # blocks per QDot rendered
         slots = []
         for a in s.accs:
-            lanes = PLANE_BYTES[self.lookup(env, a.value.act)[2]] // 4 if pair else 8
-            vty, sty = ir.VectorType(f32, lanes), ir.VectorType(f32, 2) if pair else f32
+            vty, sty = (ir.VectorType(f32, 16), ir.VectorType(f32, 2)) if pair else (ir.VectorType(f32, 8), f32)
             vecs, scs = [], []
             for w in range(ways):
                 vec, sc = self.entry.alloca(vty, name=f"{a.name}.v{w}"), self.entry.alloca(sty, name=f"{a.name}.s{w}")
-                b.store(ir.Constant(vty, [0.0] * lanes), vec)
+                b.store(ir.Constant(vty, [0.0] * vty.count), vec)
                 b.store(ir.Constant(sty, [0.0, 0.0] if pair else 0.0), sc)
                 vecs.append(vec)
                 scs.append(sc)
@@ -606,24 +616,25 @@ class _Renderer:
         def add(slot, value):                 # in order (no reassoc): each accumulator stays its own chain
             b.store(b.fadd(b.load(slot, typ=value.type), value, flags=ACC_FMF), slot)
 
+        def fold(scope, kb, w):               # QDots at block kb into accumulator w
+            inner = {**scope, s.var: ("val", kb, "i32")}
+            for a, vecs, scs in slots:
+                part, scalar = (self.qdot_pair if pair else self.qdot_parts)(a.value, inner)
+                add(vecs[w], part)
+                if scalar is not None:
+                    add(scs[w], scalar)
+
         def step(scope):
             i = scope[s.var][1]
-            for w in range(1 if pair else ways):
-                kb = i if ways == 1 and not pair else b.add(b.mul(i, ir.Constant(I32, 2)), ir.Constant(I32, s.start.value + w))
-                inner = {**scope, s.var: ("val", kb, "i32")}
-                for a, vecs, scs in slots:
-                    if pair:
-                        parts, scalar = self.qdot_pair(a.value, inner)
-                        for j, part in enumerate(parts):
-                            add(vecs[j % ways], part)
-                        add(scs[0], scalar)
-                        continue
-                    part, scalar = self.qdot_parts(a.value, inner)
-                    add(vecs[w], part)
-                    if scalar is not None:
-                        add(scs[w], scalar)
-        self.loop(Loop(s.var, Const(0, "i32"), Const(n // 2, "i32"), ()) if ways == 2 or pair
-                  else Loop(s.var, s.start, s.stop, ()), env, emit=step)
+            if ways == 1:
+                return fold(scope, b.mul(i, ir.Constant(I32, per)) if pair else i, 0)
+            for w in range(2):
+                fold(scope, b.add(b.mul(i, ir.Constant(I32, 2 * per)), ir.Constant(I32, s.start.value + per * w)), w)
+        steps = n // (per * ways)
+        self.loop(Loop(s.var, s.start, s.stop, ()) if steps == n else Loop(s.var, Const(0, "i32"), Const(steps, "i32"), ()),
+                  env, emit=step)
+        if steps * per * ways < n:            # a pair left over (an odd count of pairs): the first accumulator
+            fold(env, ir.Constant(I32, n - 2), 0)
         for a, vecs, scs in slots:
             vty, sty = vecs[0].allocated_type, scs[0].allocated_type
             vec, sc = b.load(vecs[0], typ=vty), b.load(scs[0], typ=sty)
@@ -631,7 +642,7 @@ class _Renderer:
                 vec = b.fadd(vec, b.load(vecs[w], typ=vty), flags=ACC_FMF)
                 sc = b.fadd(sc, b.load(scs[w], typ=sty), flags=ACC_FMF)
             if pair:
-                vec, sc = self.plane_weights(vec), self.reduce_fadd(sc)
+                sc = self.reduce_fadd(sc)
             slot = self.entry.alloca(f32, name=a.name)
             b.store(b.fadd(self.reduce_fadd(vec), sc, flags=FMF), slot)
             env[a.name] = ("var", slot, "f32")

@@ -85,14 +85,25 @@ def test_gemv_with_rms_norm_prologue_and_bias_residual_epilogue(fmt, n, k):
     assert kern.family == "contract"
 
 
-@pytest.mark.parametrize("vnni", ["0", "1"])
-def test_cpu_int8_dot_products_with_and_without_vnni(vnni, monkeypatch):
-    """The CPU's generic vector code and, where the host has it, ``vpdpbusd`` (q8_0 through the
-    +128 offset) give the same arithmetic."""
+@pytest.mark.parametrize("vnni", ["0", "256", "512"])
+@pytest.mark.parametrize("accs", ["1", "2"])
+def test_cpu_int8_dot_products_with_and_without_vnni(vnni, accs, monkeypatch):
+    """The CPU's generic vector code and, where the host has them, 256-bit ``vpdpbusd`` a block at a
+    time and 512-bit ``vpdpbusd`` two blocks at a time (q8_0 through the +128 offset), with one or
+    two accumulators per output, give the same arithmetic: block counts odd (one at a time), 2 (one
+    pair), 18 (a pair left over) and 8 (pairs in twos); with and without the residual plane."""
     monkeypatch.setenv("VEGAFUSE_CPU_VNNI", vnni)
+    monkeypatch.setenv("VEGAFUSE_CPU_ACCS", accs)
     for fmt in FORMATS:
-        x, w = rng.standard_normal((2, 160)).astype(np.float32), quantized((24, 160), fmt)
-        check_int8(dsl.jit(lambda x, w: dsl.dot_t(x, w))(x, w), x, w)
+        for k in (160, 64, 576, 256):
+            x, w = rng.standard_normal((2, k)).astype(np.float32), quantized((24, k), fmt)
+            check_int8(dsl.jit(lambda x, w: dsl.dot_t(x, w))(x, w), x, w)
+    monkeypatch.setenv("VEGAFUSE_QUANT_RESIDUAL", "0")
+    for fmt in FORMATS:
+        x, w = rng.standard_normal((1, 192)).astype(np.float32), quantized((40, 192), fmt)
+        scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+        got = np.asarray(dsl.jit(lambda x, w: dsl.dot_t(x, w))(x, w), np.float64)
+        np.testing.assert_allclose(got, q8_1_gemv(x, w, residual=False), rtol=0, atol=1e-5 * scale.max())
 
 
 def test_without_the_residual_plane_the_activation_is_plain_q8_1(monkeypatch):
