@@ -106,6 +106,18 @@ def test_cpu_int8_dot_products_with_and_without_vnni(vnni, accs, monkeypatch):
         np.testing.assert_allclose(got, q8_1_gemv(x, w, residual=False), rtol=0, atol=1e-5 * scale.max())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_int8_gemv_renders_two_blocks_per_512_bit_dot_product(fmt):
+    """With 512-bit VNNI a pair of weight blocks meets the activation in one vpdpbusd per plane, and
+    no 256-bit one is left (with an even block count); the 256-bit form renders a block at a time."""
+    from codegen.llvm import render_llvm
+    x, w = rng.standard_normal((1, 576)).astype(np.float32), quantized((64, 576), fmt)
+    (kern,) = dsl.jit(lambda x, w: dsl.dot_t(x, w)).compile(x, w).plan.kernels
+    wide, narrow = render_llvm(kern, vnni=512), render_llvm(kern, vnni=256)
+    assert "call <16 x i32> @\"llvm.x86.avx512.vpdpbusd.512\"" in wide and "vpdpbusd.256\"(" not in wide
+    assert "vpdpbusd.512" not in narrow and "vpdpbusd.256\"(" in narrow
+
+
 def test_without_the_residual_plane_the_activation_is_plain_q8_1(monkeypatch):
     """``VEGAFUSE_QUANT_RESIDUAL=0``: half the integer work, each activation within half a q8_1 step."""
     monkeypatch.setenv("VEGAFUSE_QUANT_RESIDUAL", "0")
