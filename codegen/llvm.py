@@ -227,9 +227,11 @@ class _Renderer:
         unsigned = b.xor(w8, ir.Constant(vec(I8), [-128] * 32)) if e.fmt == "q8_0" else w8
 
         def dot8(p):                         # the products with plane ``p`` (0: q, 1: r), into 8 lanes
-            halves = [b.load(self.byte_ptr(block, i32(at(p, h))), typ=vec(I8, 16), align=1) for h in (0, 16)]
-            plane8 = b.load(self.byte_ptr(block, i32(at(p, 0))), typ=vec(I8), align=1) if at(p, 16) == at(p, 0) + 16 \
-                else b.shuffle_vector(*halves, ir.Constant(vec(I32), list(range(32))))
+            if at(p, 16) == at(p, 0) + 16:   # contiguous, else two halves (an interleaved pair)
+                plane8 = b.load(self.byte_ptr(block, i32(at(p, 0))), typ=vec(I8), align=1)
+            else:
+                halves = [b.load(self.byte_ptr(block, i32(at(p, h))), typ=vec(I8, 16), align=1) for h in (0, 16)]
+                plane8 = b.shuffle_vector(*halves, ir.Constant(vec(I32), list(range(32))))
             if self.vnni:                    # unsigned weights x signed activation: one vpdpbusd
                 return b.call(self.vpdpbusd(), [ir.Constant(vec(I32, 8), [0] * 8), b.bitcast(unsigned, vec(I32, 8)),
                                                 b.bitcast(plane8, vec(I32, 8))])
@@ -263,7 +265,7 @@ class _Renderer:
         the next, an interleaved pair (``plane_at``), with 512-bit vpdpbusd (``self.wide``):
         (<16 x f32>, <2 x f32>).  The two blocks' 64 weight quants are laid out as their activation
         pair (q4: one 32-byte load repeated, its words shifted by 0 then 4, masked); i32 lane k
-        holds the same 4 products as ``qdot_parts``' lane k % 8 of block k // 4 % 2, as
+        holds the same 4 products as ``qdot_parts``' lane 4 (k // 8) + k % 4 of block k // 4 % 2, as
         128 q + r (the q plane's vpdpbusd shifted left by 7 accumulates the r plane's), times its
         block's ``d_w * a.d``.  Both blocks' weight scales and activation (d, s) load as one
         vector each and multiply as vectors; the second value holds the blocks' scalar terms (as
