@@ -211,14 +211,26 @@ def decode_lds(a: L.Attention, m: L.AttentionTiles) -> int:
     return 4 * waves * m.heads * (a.d + 2) + (m.splits > 1) * (8 * slots * m.heads + 4)
 
 
+def decode_vgprs(heads: int, unroll: int, x: int, upl: int) -> int:
+    """An upper estimate of the registers per lane of the decode template: each head's query slice and
+    output accumulators (``x`` floats each), its scores, max and sum; the K and V loads of this step and
+    of the next (``unroll`` keys of ``upl`` 16-byte loads each, four registers a load); a row's unpacked
+    slice and about 24 for addresses and loop state (fitted to hiprtc's gfx906 builds: 6 heads x 4 keys
+    took 220, 3 x 2 took 118, 1 x 1 took 55 at head dim 128, f16)."""
+    return 2 * heads * x + heads * (unroll + 2) + 16 * unroll * upl + x + 24
+
+
 def decode_tiles(a: L.Attention, t: Target):
     """The decode (T = 1) mapping, or None where it does not apply (K and V of different dtypes, or
     rows not a whole number of 16-byte loads).  A lane group of ``key_lanes`` lanes owns a key: each
     lane loads 16 bytes of its K and V rows straight from global memory, ``unroll`` keys in flight per
     group, and keeps its slice of every query row and output row in registers (online softmax per
-    group, no barrier per step); the workgroup's ``heads`` query heads are the most of the KV group
-    whose queries fit ``DECODE_FLOATS`` values per lane.  Splits: the chunk where a split's K/V bytes
-    equal the combine's reads of every split's partial rows, in whole steps of the workgroup
+    group, no barrier per step).  The workgroup's ``heads`` query heads (a divisor of the KV group; the
+    group's other heads go to other workgroups) and ``unroll`` are the most heads, with 4 or else 2
+    keys in flight, then with 1, whose queries fit ``DECODE_FLOATS`` values per lane and whose
+    registers (``decode_vgprs``) fit ``t.attention_vgprs`` (gfx906: 128, two waves per SIMD and no
+    scratch at any group size; ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B).  Splits: the
+    chunk where a workgroup per CU covers the full cache, in whole steps of the workgroup
     (``VEGAFUSE_ATT_CHUNK`` sets it: A/B)."""
     kd, vd = a.dtypes[1:]
     if a.t != 1 or kd != vd or a.d * ITEMSIZE[kd] % t.load_bytes:
@@ -227,14 +239,19 @@ def decode_tiles(a: L.Attention, t: Target):
     units = a.d // per                                     # 16-byte loads per row
     lanes = min(t.wave, 1 << (units - 1).bit_length())
     upl = -(-units // lanes)
-    unroll, threads = 4, t.attention_waves * t.wave
-    step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
-    for heads in (group // n for n in range(1, group + 1) if group % n == 0):
+    budget = int(os.environ.get("VEGAFUSE_ATT_VGPRS", t.attention_vgprs))
+    divisors = [group // n for n in range(1, group + 1) if group % n == 0]
+    choices = [(h, u) for h in divisors for u in (4, 2)] + [(h, 1) for h in divisors]
+    for heads, unroll in choices:
+        if heads * upl * per > DECODE_FLOATS or budget and decode_vgprs(heads, unroll, upl * per, upl) > budget:
+            continue
+        threads = t.attention_waves * t.wave
+        step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
         chunk = a.s * a.hkv * (group // heads) / t.compute_units       # a workgroup per CU at the full cache
         chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
         m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)
-        if heads * upl * per <= DECODE_FLOATS and decode_lds(a, m) <= t.attention_lds:
+        if decode_lds(a, m) <= t.attention_lds:
             return m
     return None
 
