@@ -168,7 +168,7 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
     the positions per split, rounded up to whole tiles: A/B).  The grid is fixed (CUDA graph
     replay); a split past the position exits at once.  Raises ValueError when one tile of 8 keys
     does not fit."""
-    decode = decode_tiles(a, t)
+    decode = decode_tiles(a, t) or prefill_tiles(a, t)
     if decode:
         return decode
     group = a.hq // a.hkv
@@ -190,6 +190,73 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
     vector = all(a.d * ITEMSIZE[x] % t.load_bytes == 0 for x in a.dtypes[1:])
     return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), min(keys, t.wave), vector,
                             t.attention_block, t.wave)
+
+
+def prefill_lds(a: L.Attention, rows: int, keys: int, split: bool = True) -> int:
+    """LDS bytes of the register-blocked prefill template: ``rows`` query rows (f32, padded by 16
+    bytes), a tile of ``keys`` K rows (padded by 16 bytes) and V rows in the caches' dtypes, the
+    probabilities (rows padded by 16 bytes), each row's sum and, when the cache is ``split``, its max
+    and the arrival flag."""
+    k, v = (ITEMSIZE[x] for x in a.dtypes[1:])
+    return 4 * rows * (a.d + 4) + keys * (a.d * k + 16) + keys * a.d * v + 4 * rows * (keys + 4) + (8 if split else 4) * rows + 4 * split
+
+
+def prefill_vgprs(a: L.Attention, rm: int, kn: int, tk: int, threads: int, keys: int) -> int:
+    """An upper estimate of the registers per lane of the register-blocked prefill template: the
+    outputs (rm rows x 4 columns per group of 4 tk), the scores, one step's query and key values, the
+    next tile's K/V loads in flight (four per 16-byte load), the row state and about 56 more (hiprtc's
+    gfx906 builds at head dim 128, f16: 1 x 2 keys on 16 lanes took 113, 2 x 2 147, 4 x 2 175)."""
+    e = 16 // ITEMSIZE[a.dtypes[1]]
+    loads = sum(-(-keys * (a.d * ITEMSIZE[x] // 16) // threads) for x in a.dtypes[1:])
+    return rm * 4 * -(-a.d // (4 * tk)) + rm * kn + (rm + kn) * e + 4 * loads + 2 * rm + 56
+
+
+PREFILL_VGPRS = 200        # registers a prefill lane may take where the target sets no budget (nvcc for sm_90
+                           # gave 4 rows x 2 keys on 16 lanes 128 at head dim 128, f16; 4 x 4 spilled at 255)
+
+
+def prefill_tiles(a: L.Attention, t: Target):
+    """The register-blocked prefill mapping (T > 1, K/V rows whole 16-byte loads), or None (then the
+    tiled template; ``VEGAFUSE_ATT_PREFILL=scalar`` asks for it: A/B).  Rows of ``tk`` lanes (16 or 8);
+    a lane takes ``rm`` rows x ``kn`` keys of the scores (4, 2 or 1 each), so a tile has rm x threads /
+    tk rows and kn x tk keys.  Among the tiles whose LDS (``prefill_lds``) fits ``t.attention_lds``:
+    those whose registers (``prefill_vgprs``) fit ``t.attention_vgprs`` (or ``PREFILL_VGPRS``), then
+    two waves per SIMD where LDS and registers allow them, then the most FMAs per LDS read (rm x kn),
+    the most rows per lane (a converted f16 key or value serves rm rows), the most threads (of ``t.attention_block``, 128 or 64), the most keys, the fewest registers;
+    ``VEGAFUSE_ATT_BLOCK=RMxKNxTKxTHREADS`` sets them (A/B).  A workgroup takes the
+    most of the KV group's query heads (a divisor) that fit its rows, at as many positions as fill
+    them.  Splits as ``attention_tiles``.  Raises ValueError when no tile fits."""
+    if a.t == 1 or os.environ.get("VEGAFUSE_ATT_PREFILL", "blocked") == "scalar" or \
+            any(a.d * ITEMSIZE[x] % t.load_bytes for x in a.dtypes[1:]):
+        return None
+    budget = t.attention_vgprs or PREFILL_VGPRS
+    forced = os.environ.get("VEGAFUSE_ATT_BLOCK")
+    if forced:
+        rm, kn, tk, threads = map(int, forced.lower().split("x"))
+        shapes = [(rm, kn, tk, threads)]
+    else:
+        shapes = [(rm, kn, tk, nt) for rm in (4, 2, 1) for kn in (4, 2, 1) for tk in (16, 8)
+                  for nt in (t.attention_block, 128, 64) if nt <= t.attention_block and tk <= t.wave <= nt]
+        shapes = [x for x in shapes if prefill_lds(a, x[0] * x[3] // x[2], x[1] * x[2]) <= t.attention_lds]
+    if not shapes:
+        raise ValueError(f"attention with head dim {a.d} needs more than {t.attention_lds} bytes of LDS for a tile of "
+                         f"8 query rows and 8 keys; use a smaller head dim (or VEGAFUSE_ATT_PREFILL=scalar)")
+    regs = {x: prefill_vgprs(a, x[0], x[1], x[2], x[3], x[1] * x[2]) for x in shapes}
+
+    def waves(x):                      # waves per SIMD as far as LDS and registers allow, up to 2
+        per_cu = t.lds_per_cu // prefill_lds(a, x[0] * x[3] // x[2], x[1] * x[2])
+        by_lds = per_cu * x[3] // t.wave // t.simds_per_cu
+        return min(2, by_lds, t.vgprs_per_simd // regs[x] if t.vgprs_per_simd else 2)
+    rm, kn, tk, threads = max(shapes, key=lambda x: (regs[x] <= budget, waves(x), x[0] * x[1], x[0], x[3], x[1] * x[2], -regs[x]))
+    rows, keys, group = rm * threads // tk, kn * tk, a.hq // a.hkv
+    heads = max(h for h in range(1, min(group, rows) + 1) if group % h == 0)
+    rows_q = min(a.t, rows // heads)
+    kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
+    groups = a.hkv * group // heads * -(-a.t // rows_q)
+    chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
+    chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk          # positions per split (A/B)
+    chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
+    return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), tk, True, threads, t.wave, heads, 1, (rm, kn))
 
 
 DECODE_FLOATS = 64         # query values a decode lane keeps in registers (as many output accumulators)
@@ -265,6 +332,16 @@ def _attention(body, t):
         body, a = tuple(tiled if s is a else s for s in body), tiled
     m = a.tiles
     group = a.hq // a.hkv
+    if m.block:
+        nqt = -(-a.t // m.rows_q)
+        rows = f"{m.rows_q} query positions x {m.heads} of its {group} query heads"
+        how = (f"a workgroup per (KV head, {rows}, {m.chunk}-position split of the cache: {m.splits}); tiles of "
+               f"{m.keys} keys in LDS (16-byte loads), rows of {m.key_lanes} lanes, each lane {m.block[0]} rows x "
+               f"{m.block[1]} keys of the scores, online softmax"
+               + ("; the last split to finish combines them (log-sum-exp)" if m.splits > 1 else ""))
+        grid = a.hkv * group // m.heads * nqt * m.splits
+        rows_pad = m.block[0] * m.threads // m.key_lanes
+        return body, L.Launch(grid, m.threads, "VF_ATT_BLOCK", how, prefill_lds(a, rows_pad, m.keys, m.splits > 1))
     if m.heads:
         how = (f"a workgroup per (KV head, {m.heads} of its {group} query heads, {m.chunk}-position split of the "
                f"cache: {m.splits}); {m.key_lanes} lanes per key, {m.unroll} keys in flight per lane group, K/V in "
