@@ -341,7 +341,9 @@ def _attention(body, t):
                + ("; the last split to finish combines them (log-sum-exp)" if m.splits > 1 else ""))
         grid = a.hkv * group // m.heads * nqt * m.splits
         rows_pad = m.block[0] * m.threads // m.key_lanes
-        return body, L.Launch(grid, m.threads, "VF_ATT_BLOCK", how, prefill_lds(a, rows_pad, m.keys, m.splits > 1))
+        # the launch bounds name the workgroup's own size: nvcc held a 128-thread tile at 128 registers
+        # (and spilled) under bounds of 256
+        return body, L.Launch(grid, m.threads, str(m.threads), how, prefill_lds(a, rows_pad, m.keys, m.splits > 1))
     if m.heads:
         how = (f"a workgroup per (KV head, {m.heads} of its {group} query heads, {m.chunk}-position split of the "
                f"cache: {m.splits}); {m.key_lanes} lanes per key, {m.unroll} keys in flight per lane group, K/V in "
