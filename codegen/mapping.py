@@ -296,7 +296,8 @@ def decode_tiles(a: L.Attention, t: Target):
     group's other heads go to other workgroups) and ``unroll`` are the most heads, with 4 or else 2
     keys in flight, then with 1, whose queries fit ``DECODE_FLOATS`` values per lane and whose
     registers (``decode_vgprs``) fit ``t.attention_vgprs`` (gfx906: 128, two waves per SIMD and no
-    scratch at any group size; ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B).  Splits: the
+    scratch at any group size; ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
+    it, one head and one key in flight).  Splits: the
     chunk where a workgroup per CU covers the full cache, in whole steps of the workgroup
     (``VEGAFUSE_ATT_CHUNK`` sets it: A/B)."""
     kd, vd = a.dtypes[1:]
@@ -309,8 +310,9 @@ def decode_tiles(a: L.Attention, t: Target):
     budget = int(os.environ.get("VEGAFUSE_ATT_VGPRS", t.attention_vgprs))
     divisors = [group // n for n in range(1, group + 1) if group % n == 0]
     choices = [(h, u) for h in divisors for u in (4, 2)] + [(h, 1) for h in divisors]
+    fits = []
     for heads, unroll in choices:
-        if heads * upl * per > DECODE_FLOATS or budget and decode_vgprs(heads, unroll, upl * per, upl) > budget:
+        if heads * upl * per > DECODE_FLOATS:
             continue
         threads = t.attention_waves * t.wave
         step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
@@ -319,8 +321,10 @@ def decode_tiles(a: L.Attention, t: Target):
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
         m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)
         if decode_lds(a, m) <= t.attention_lds:
-            return m
-    return None
+            if not budget or decode_vgprs(heads, unroll, upl * per, upl) <= budget:
+                return m
+            fits.append(m)
+    return fits[-1] if fits else None                      # over the budget: one head, one key in flight
 
 
 def _attention(body, t):
