@@ -657,6 +657,18 @@ def render(a: L.Attention, bare) -> list:
     return text.split("\n")
 
 
+def lds_banks(k: L.Kernel) -> str:
+    """Whether the main loop of a mapped attention kernel reads LDS free of bank conflicts (the
+    ``banks`` column of ``codegen.inspect``): the register-blocked prefill's lanes read K rows whose
+    16-byte vectors sit an odd number of 16-byte slots apart (8 lanes cover all 32 banks of 4 bytes),
+    V and the probabilities as consecutive vectors or broadcasts, "ok"; another stride "check"; "-"
+    for the other templates (decode reads no LDS in its key loop)."""
+    (a,) = [s for s in k.body if isinstance(s, L.Attention)]
+    if not a.tiles.block:
+        return "-"
+    return "ok" if (a.d * L.ITEMSIZE[a.dtypes[1]] + 16) // 16 % 2 else "check"
+
+
 def globals_of(a: L.Attention) -> list:
     """File-scope buffers of a split attention: every split's partial rows and, per group of splits,
     how many have arrived (zero when the module loads; the last split sets it back)."""
