@@ -446,7 +446,9 @@ class Decode:
         self.UNITS = self.D // self.E                               # loads per row
         self.UPL = -(-self.UNITS // self.LK)                        # loads per lane and row
         self.X = self.UPL * self.E                                  # elements of a row a lane keeps
-        self.KPW, self.W, self.NRT = m.wave // self.LK, m.threads // m.wave, self.G // self.R
+        self.KPW, self.W, self.NRT = m.wave // self.LK, m.threads // m.wave, -(-self.G // self.R)
+        self.uneven = self.G % self.R != 0                         # the group's last workgroup takes fewer heads
+        self.rows = "RV" if self.uneven else "R"                    # the workgroup's heads that exist
         self.ragged = self.UNITS != self.UPL * self.LK              # lanes past the row's loads
         self.B = merge_blocks(self.NS)                              # splits merged together
         self.NB = -(-self.NS // self.B)
@@ -479,7 +481,11 @@ class Decode:
         first = "kv_head * G" if self.G > 1 else "kv_head"
         if self.NRT > 1:
             first += f" + blockIdx.x / {NS} % {self.NRT} * R" if NS > 1 else f" + blockIdx.x % {self.NRT} * R"
-        out += [f"const int kv_head = {kv}, head0 = {first};     // the workgroup's first query head",
+        out += [f"const int kv_head = {kv}, head0 = {first};     // the workgroup's first query head"]
+        if self.uneven:
+            out.append("const int RV = min(R, G - (head0 - kv_head * G));   // its query heads (the group's last workgroup "
+                       "takes fewer)")
+        out += [
                 "const int p = @pos@;", "const int end = p + 1;"]
         if NS > 1:
             out += ["const int split = blockIdx.x % NS, lo = split * CH, hi = min(lo + CH, end);",
@@ -502,7 +508,8 @@ class Decode:
         return [f"// {what}"] + _loop(self.U, "u", [f"const int key = {start} + key0 + {self.KPW} * u;"] + inner)
 
     def queries(self):
-        qv = self.h2f(self.qd, f"@q@[(size_t)(head0 + r) * D + col]") + f" * {self.a.scale * LOG2E!r}f"
+        head = "head0 + min(r, RV - 1)" if self.uneven else "head0 + r"     # rows past RV repeat the last
+        qv = self.h2f(self.qd, f"@q@[(size_t)({head}) * D + col]") + f" * {self.a.scale * LOG2E!r}f"
         value = f"col < D ? {qv} : 0.0f" if self.ragged else qv
         return ["// the lane's slice of each query row times the scale and log2(e): the softmax runs in base 2",
                 f"float qr[R][{self.X}], m[R], l[R], o[R][{self.X}];"] + \
@@ -567,7 +574,7 @@ class Decode:
             "float sum = 0.0f, acc = 0.0f;"] + _loop(self.W, "w", [
                 "const float f = wave_m[w][r] == -VF_INF ? 0.0f : exp2f(wave_m[w][r] - mx);",
                 "sum += f * wave_l[w][r];", "acc += f * wave_o[w][r][i % D];"])
-        direct = "@out@[(size_t)head0 * D + i] = acc / sum;"
+        direct = ("if (i < RV * D) " if self.uneven else "") + "@out@[(size_t)head0 * D + i] = acc / sum;"
         loop = f"for (int i = threadIdx.x; i < R * D; i += {self.m.threads}) {{"
         out = ["// the waves' states merged: a thread per output element"]
         if self.NS == 1:
@@ -618,7 +625,7 @@ class Decode:
                 f"  split_m[i / R][i % R] = vf_load_arrived(&{src[1]}[({base}) * R + i]);",
                 f"  split_l[i / R][i % R] = vf_load_arrived(&{src[2]}[({base}) * R + i]);", "}", "__syncthreads();",
                 f"for (int r = threadIdx.x; r < R; r += {NT}) {{"] + _indent(weight) + ["}", "__syncthreads();",
-                f"float* dst = {to};", f"for (int i = threadIdx.x; i < R * D / 4; i += {NT}) {{"] + _indent(acc) + ["}"]
+                f"float* dst = {to};", f"for (int i = threadIdx.x; i < {self.rows} * D / 4; i += {NT}) {{"] + _indent(acc) + ["}"]
 
     def globals(self):
         if self.NS == 1:
@@ -634,7 +641,7 @@ class Decode:
         return out + [f"__device__ unsigned int {a.out}_arrived[{groups * (self.NB + 1) if self.NB > 1 else groups}];"]
 
 
-DECODE_LOCALS = ("wave_m", "wave_l", "wave_o", "split_m", "split_l", "head0", "g", "key0", "k_row", "v_row", "qr", "x", "y",
+DECODE_LOCALS = ("RV", "wave_m", "wave_l", "wave_o", "split_m", "split_l", "head0", "g", "key0", "k_row", "v_row", "qr", "x", "y",
                  "col", "k_cur", "v_cur", "kf", "vf", "valid", "la", "mo", "fa", "fb", "a0", "a1", "a2", "a3", "oc", "dst", "B",
                  "base", "count", "block", "blocks", "scale")
 

@@ -292,8 +292,9 @@ def decode_tiles(a: L.Attention, t: Target):
     rows not a whole number of 16-byte loads).  A lane group of ``key_lanes`` lanes owns a key: each
     lane loads 16 bytes of its K and V rows straight from global memory, ``unroll`` keys in flight per
     group, and keeps its slice of every query row and output row in registers (online softmax per
-    group, no barrier per step).  The workgroup's ``heads`` query heads (a divisor of the KV group; the
-    group's other heads go to other workgroups) and ``unroll`` are the most heads, with 4 or else 2
+    group, no barrier per step).  The workgroup's ``heads`` query heads (the KV group over 1, 2, ...
+    workgroups of ceil(group / n) heads, the last taking fewer where they do not divide it; only
+    divisors where the target sets no register budget) and ``unroll`` are the most heads, with 4 or else 2
     keys in flight, then with 1, whose queries fit ``DECODE_FLOATS`` values per lane and whose
     registers (``decode_vgprs``) fit ``t.attention_vgprs`` (gfx906: 128, two waves per SIMD and no
     scratch at any group size; ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
@@ -308,15 +309,17 @@ def decode_tiles(a: L.Attention, t: Target):
     lanes = min(t.wave, 1 << (units - 1).bit_length())
     upl = -(-units // lanes)
     budget = int(os.environ.get("VEGAFUSE_ATT_VGPRS", t.attention_vgprs))
-    divisors = [group // n for n in range(1, group + 1) if group % n == 0]
-    choices = [(h, u) for h in divisors for u in (4, 2)] + [(h, 1) for h in divisors]
+    heads = sorted({-(-group // n) for n in range(1, group + 1)}, reverse=True)   # the group over 1, 2, ... workgroups
+    if not budget:
+        heads = [h for h in heads if group % h == 0]
+    choices = [(h, u) for h in heads for u in (4, 2)] + [(h, 1) for h in heads]
     fits = []
     for heads, unroll in choices:
         if heads * upl * per > DECODE_FLOATS:
             continue
         threads = t.attention_waves * t.wave
         step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
-        chunk = a.s * a.hkv * (group // heads) / t.compute_units       # a workgroup per CU at the full cache
+        chunk = a.s * a.hkv * -(-group // heads) / t.compute_units     # a workgroup per CU at the full cache
         chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
         m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)
@@ -355,7 +358,7 @@ def _attention(body, t):
                + ("; the last split to finish combines them (log-sum-exp"
                   + (f", in blocks of {merge_blocks(m.splits)})" if merge_blocks(m.splits) < m.splits else ")")
                   if m.splits > 1 else ""))
-        return body, L.Launch(a.hkv * group // m.heads * m.splits, m.threads, "VF_ATT_BLOCK", how, decode_lds(a, m))
+        return body, L.Launch(a.hkv * -(-group // m.heads) * m.splits, m.threads, "VF_ATT_BLOCK", how, decode_lds(a, m))
     nqt = -(-a.t // m.rows_q)
     heads = f"{group} query head{'s' if group > 1 else ''}"
     rows = f"{m.rows_q} query positions x {heads}" if m.rows_q > 1 else heads
