@@ -232,8 +232,16 @@ def prefill_tiles(a: L.Attention, t: Target):
     budget = t.attention_vgprs or PREFILL_VGPRS
     forced = os.environ.get("VEGAFUSE_ATT_BLOCK")
     if forced:
-        rm, kn, tk, threads = map(int, forced.lower().split("x"))
-        shapes = [(rm, kn, tk, threads)]
+        try:
+            rm, kn, tk, threads = shape = tuple(map(int, forced.lower().split("x")))
+        except ValueError:
+            raise ValueError(f"VEGAFUSE_ATT_BLOCK={forced!r}: write ROWSxKEYSxLANESxTHREADS, e.g. 4x2x16x128") from None
+        lds = prefill_lds(a, rm * threads // max(tk, 1), kn * tk)
+        if min(shape) < 1 or tk & (tk - 1) or not tk <= t.wave <= threads or threads % t.wave or lds > t.max_static_lds:
+            raise ValueError(f"VEGAFUSE_ATT_BLOCK={forced}: needs lanes a power of two up to the wave ({t.wave}), threads "
+                             f"a multiple of it, and at most {t.max_static_lds} bytes of LDS (this tile: {lds}); "
+                             "choose another tile or unset it")
+        shapes = [shape]
     else:
         shapes = [(rm, kn, tk, nt) for rm in (4, 2, 1) for kn in (4, 2, 1) for tk in (16, 8)
                   for nt in (t.attention_block, 128, 64) if nt <= t.attention_block and tk <= t.wave <= nt]

@@ -249,3 +249,15 @@ def test_the_register_blocked_prefill_computes_attention(v, target, tmp_path_fac
         emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
         want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
+
+
+def test_a_forced_prefill_tile_is_checked(monkeypatch):
+    """``VEGAFUSE_ATT_BLOCK`` sets the register-blocked tile; one that cannot run is one clear line."""
+    a = L.Attention("q", "k", "v", "o", ("f32", "f16", "f16"), 12, 2, 40, 256, 128, L.c(0), 0.1)
+    monkeypatch.setenv("VEGAFUSE_ATT_BLOCK", "2x2x16x128")
+    m = attention_tiles(a, get_target("sm_90"))
+    assert m.block == (2, 2) and m.key_lanes == 16 and m.threads == 128 and m.keys == 32, m
+    for bad in ("4x4x16x256", "2x2x12x128", "2x2"):
+        monkeypatch.setenv("VEGAFUSE_ATT_BLOCK", bad)
+        with pytest.raises(ValueError, match="^VEGAFUSE_ATT_BLOCK="):
+            attention_tiles(a, get_target("sm_90"))
