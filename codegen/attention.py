@@ -26,7 +26,7 @@ LOCALS = ("D", "S", "T", "G", "R", "KT", "CH", "NS", "q_tile", "k_tile", "v_tile
           "row_max", "row_sum", "last_flag", "kv_head", "tile", "first", "split", "p", "end", "lo", "hi",
           "i", "r", "rr", "t", "u", "j", "c", "d", "r0", "k_next", "v_next", "m", "l", "o", "start", "s", "top",
           "dot", "mx", "mn", "mc", "lc", "oc", "f", "corr", "sum", "pr", "v0", "v1", "v2", "v3", "splits",
-          "group", "slot", "at", "w", "acc", "key")
+          "group", "slot", "at", "w", "acc", "key", "tr", "tk", "H", "RP", "qf", "kf", "pf", "vv", "jj", "e", "head0")
 
 
 def _indent(lines, n=1):
@@ -82,6 +82,7 @@ class Template:
             self.out_row, self.out_col = f"{pair} / D", f"{pair} % D"
             self.row_ok = f"threadIdx.x + {self.NT} * i < R * D" if uneven else ""
         self.stored = " && ".join(c for c in (self.row_ok, f"{self.t_of('r')} < T" if self.partial_t else "") if c)
+        self.group, self.groups = f"kv_head * {self.nqt} + tile" if self.tiled else "kv_head", a.hkv * self.nqt
 
     # ------------------------------------------------------------------ rows and units
     def t_of(self, r):
@@ -260,7 +261,7 @@ class Template:
         """This split's partial rows to the file-scope buffers; the last split of the group to arrive
         merges every split's (log-sum-exp, online: every load is issued ahead of its use)."""
         o_part, m_part, l_part, arrived = (f"{self.a.out}_{n}" for n in ("o_part", "m_part", "l_part", "arrived"))
-        group = f"kv_head * {self.nqt} + tile" if self.tiled else "kv_head"
+        group = self.group
         merge = ["float mx = -VF_INF, sum = 0.0f, acc = 0.0f;", "#pragma unroll 8", "for (int c = 0; c < splits; ++c) {",
                  "  const int at = (group * NS + c) * R + r;",
                  f"  const float mc = vf_load_arrived(&{m_part}[at]), lc = vf_load_arrived(&{l_part}[at]);",
@@ -279,6 +280,156 @@ class Template:
                 + _indent(self.each_output(merge)) + ["}"])
 
 
+class Blocked(Template):
+    """The register-blocked prefill template (``a.tiles.block`` = (RM, KN)): ``key_lanes`` = TK lanes
+    form a row group; a thread takes RM rows of the tile (``tr * RM + i``) and, of the scores, KN keys
+    (``tk + TK * u``: consecutive lanes, consecutive K rows 16 bytes apart in the banks), of the
+    outputs the columns ``4 tk + 4 TK g .. + 3``.  Each step over the head dim reads RM query and KN
+    key vectors of 16 bytes from LDS for RM x KN x (8 or 4) FMAs; the probabilities go through LDS
+    (a row's keys are spread over its row group), then each step over the keys reads RM probability
+    vectors and the thread's V columns for RM x columns FMAs.  The two products are the loops a
+    matrix-fragment version would replace.  A workgroup takes ``heads`` of the KV group's query heads
+    (the others go to other workgroups) at ``rows_q`` positions; K/V tiles, splits and the combine are
+    the tiled template's."""
+
+    def __init__(self, a: L.Attention):
+        self.H = a.tiles.heads
+        super().__init__(a)
+        m = self.m
+        self.RM, self.KN = m.block
+        self.TK = m.key_lanes
+        self.NRT, self.RG = self.G // self.H, self.NT // self.TK
+        self.R, self.RP = m.rows_q * self.H, self.RM * self.RG          # the rows, padded to the threads' rows
+        self.E = 16 // L.ITEMSIZE[self.kd]                                # key elements per 16-byte read
+        self.CG = -(-self.D // (4 * self.TK))                             # groups of 4 columns per thread
+        self.DC = 4 * self.CG
+        self.ragged_d = self.D % (4 * self.TK) != 0
+        self.RI, self.OI, self.shared_d, self.clamp_srows = self.RM, self.RM * self.DC, False, False
+        self.kcol = "tk"
+        self.srow = "tr" if self.RM == 1 else f"tr * {self.RM} + i"
+        self.out_row = "tr" if self.RM == 1 else f"tr * {self.RM} + i / {self.DC}"
+        self.out_col = f"4 * tk + i % 4" if self.CG == 1 else f"4 * tk + {4 * self.TK} * (i % {self.DC} / 4) + i % 4"
+        self.row_ok = " && ".join(c for c in ("r < R" if self.RP > self.R else "", "d < D" if self.ragged_d else "") if c)
+        self.stored = " && ".join(c for c in (self.row_ok, f"{self.t_of('r')} < T" if self.partial_t else "") if c)
+        self.group, self.groups = "blockIdx.x / NS" if self.NS > 1 else "blockIdx.x", a.hkv * self.NRT * self.nqt
+
+    def t_of(self, r):
+        within = r if self.H == 1 else f"{r} / H"
+        return f"first + {within}" if self.tiled else within
+
+    def row_index(self, r):
+        head = "head0" if self.H == 1 else f"head0 + {r} % H"
+        return f"((size_t)({head}) * T + {self.t_of(r)}) * D"
+
+    def o(self, c):
+        """The accumulator of the thread's row i, column ``c`` of its DC."""
+        return f"o[{c}]" if self.RM == 1 else f"o[i * {self.DC} + {c}]"
+
+    def col(self, g):
+        """The first of the 4 output columns of the thread's group ``g`` (clamped to the row: the
+        columns past D compute along and are not stored)."""
+        c = "4 * tk" if self.CG == 1 else f"4 * tk + {4 * self.TK} * {g}"
+        return f"min({c}, D - 4)" if self.ragged_d else c
+
+    def header(self):
+        a, m = self.a, self.m
+        heads = f"{self.H} of its {self.G} query heads" if self.NRT > 1 else f"{self.G} query head{'s' if self.G > 1 else ''}"
+        split = f"one of {self.NS} splits of {m.chunk} positions; " if self.NS > 1 else "every position; "
+        return [f"// {a.hq} query heads over {a.hkv} KV heads, {a.t} query rows, {a.s} cache positions, head dim {self.D}.  "
+                "A workgroup: one KV head,",
+                f"// {m.rows_q} query positions x {heads} ({self.R} rows), {split}tiles of {self.KT} positions in LDS;",
+                f"// rows of {self.TK} lanes, each lane {self.RM} row{'s' if self.RM > 1 else ''} x {self.KN} key"
+                f"{'s' if self.KN > 1 else ''} of the scores and {self.RM} x {self.DC} of the outputs"]
+
+    def setup(self):
+        a, m, NS = self.a, self.m, self.NS
+        consts = [f"D = {self.D}", f"S = {a.s}", f"T = {a.t}", f"G = {self.G}"] + ([f"H = {self.H}"] if self.H > 1 else []) \
+            + [f"R = {self.R}", f"RP = {self.RP}", f"KT = {self.KT}"] + ([f"CH = {m.chunk}", f"NS = {NS}"] if NS > 1 else [])
+        rows = "row_sum[RP]" + (", row_max[RP]" if NS > 1 else "")
+        out = [f"constexpr int {', '.join(consts)};",
+               "__shared__ float q_tile[RP][D + 4] __attribute__((aligned(16)));     // the rows' queries, scaled (zero past R)",
+               f"__shared__ {CTYPE[self.kd]} k_tile[KT][D + {16 // L.ITEMSIZE[self.kd]}] __attribute__((aligned(16)));"
+               "    // rows 16 bytes apart in the banks",
+               f"__shared__ {CTYPE[self.vd]} v_tile[KT][D] __attribute__((aligned(16)));",
+               "__shared__ float p_tile[RP][KT + 4] __attribute__((aligned(16)));    // the tile's probabilities",
+               f"__shared__ float {rows};"]
+        if NS > 1:
+            out.append("__shared__ int last_flag;")
+        out.append(f"const int tr = threadIdx.x / {self.TK}, tk = threadIdx.x % {self.TK};   // the thread's row group, "
+                   "its lane there")
+        per, at = self.NRT * self.nqt * NS, "blockIdx.x" if NS == 1 else "blockIdx.x / NS"
+        part = f" + {at} / {self.nqt} % {self.NRT} * H" if self.NRT > 1 and self.nqt > 1 else \
+            f" + {at} % {self.NRT} * H" if self.NRT > 1 else ""
+        out.append(f"const int kv_head = blockIdx.x / {per}, head0 = kv_head * G{part};   // the workgroup's first query head"
+                   if per > 1 else f"const int kv_head = blockIdx.x, head0 = kv_head * G{part};")
+        if self.tiled:
+            out.append(f"const int tile = {self.nqt - 1} - {at} % {self.nqt}, first = tile * {m.rows_q};   "
+                       "// the longest tiles start first")
+        last = f"min(first + {m.rows_q}, T)" if self.tiled else "T"
+        out += ["const int p = @pos@;", f"const int end = p + {last};    // the tile reads positions 0..pos+t of its last row t"]
+        if NS > 1:
+            return out + ["const int split = blockIdx.x % NS, lo = split * CH, hi = min(lo + CH, end);",
+                          "if (lo >= hi) return;        // a split past the position: nothing to read"]
+        return out + ["const int lo = 0, hi = end;"]
+
+    def queries(self):
+        qv = self.h2f(self.qd, f"@q@[{self.row_index('r')} + i % D]") + f" * {self.a.scale * LOG2E!r}f"
+        ok = " && ".join(c for c in ("r < R" if self.RP > self.R else "", f"{self.t_of('r')} < T" if self.partial_t else "") if c)
+        value = f"{ok} ? {qv} : 0.0f" if ok else qv
+        return ["// the rows' queries times the scale and log2(e): the softmax runs in base 2",
+                f"for (int i = threadIdx.x; i < RP * D; i += {self.NT}) {{", "  const int r = i / D;",
+                f"  q_tile[r][i % D] = {value};", "}"]
+
+    def scores(self):
+        """Each thread's RM x KN scores over the head dim, then each row's online-softmax update on its
+        row group; the probabilities to LDS, the thread's outputs rescaled."""
+        RM, KN, E, TK = self.RM, self.KN, self.E, self.TK
+        row = "tr" if RM == 1 else f"tr * {RM} + i"
+        key = "tk" if KN == 1 else f"tk + {TK} * u"
+        dot = [f"float qf[{RM}][{E}], kf[{KN}][{E}];"]
+        dot += _loop(RM, "i", _loop(E // 4, "e", [f"vf_unpack_f32(*(const vf_vec16*)&q_tile[{row}][d + 4 * e], &qf[i][4 * e]);"]))
+        dot += _loop(KN, "u", [f"vf_unpack_{self.kd}(*(const vf_vec16*)&k_tile[{key}][d], kf[u]);"])
+        dot += _loop(RM, "i", _loop(KN, "u", _loop(E, "e", ["s[i][u] += qf[i][e] * kf[u][e];"])))
+        out = [f"// scores: a lane's {RM} row{'s' if RM > 1 else ''} x {KN} key{'s' if KN > 1 else ''}, 16-byte LDS reads",
+               f"float s[{RM}][{KN}];"] + _loop(RM, "i", _loop(KN, "u", ["s[i][u] = 0.0f;"]))
+        out += ["#pragma unroll 1", f"for (int d = 0; d < D; d += {E}) {{"] + _indent(dot) + ["}"]
+        upd = [f"const int r = {row};", "float top = -VF_INF;"]
+        upd += _loop(KN, "u", [f"const int j = start + {key};",
+                               f"if (!(j < hi && j <= p + {self.t_of('r')})) s[i][u] = -VF_INF;   // past the split or the row's position",
+                               "top = fmaxf(top, s[i][u]);"])
+        upd += [f"const float mx = fmaxf(m[i], vf_group_max(top, {TK}));",
+                "const float corr = mx == -VF_INF ? 1.0f : exp2f(m[i] - mx);   // -inf: no position yet",
+                "float sum = 0.0f;"]
+        upd += _loop(KN, "u", ["const float pr = s[i][u] == -VF_INF ? 0.0f : exp2f(s[i][u] - mx);", "sum += pr;",
+                               f"p_tile[r][{key}] = pr;"])
+        upd += [f"l[i] = l[i] * corr + vf_group_sum(sum, {TK});", "m[i] = mx;"]
+        upd += _loop(self.DC, "c", [f"{self.o('c')} *= corr;"])
+        return out + [f"// online softmax: each row's max and sum over its {TK} lanes"] + _loop(RM, "i", upd) + ["__syncthreads();"]
+
+    def values(self):
+        """Each thread's outputs plus the tile's probabilities of its rows times its V columns."""
+        RM, DC = self.RM, self.DC
+        row = "tr" if RM == 1 else f"tr * {RM} + i"
+        step = ["float vv[%d];" % DC] + _loop(self.CG, "g", [f"vf_lds4(&v_tile[j + jj][{self.col('g')}], &vv[4 * g]);"])
+        step += _loop(RM, "i", _loop(DC, "c", [f"{self.o('c')} += pf[i][jj] * vv[c];"]))
+        body = [f"float pf[{RM}][4];"] + _loop(RM, "i", [f"vf_unpack_f32(*(const vf_vec16*)&p_tile[{row}][j], pf[i]);"])
+        body += _loop(4, "jj", step)
+        return ([f"// outputs: a lane's {RM} row{'s' if RM > 1 else ''} x {DC} columns plus the probabilities times the values"]
+                + ["for (int j = 0; j < KT; j += 4) {"] + _indent(body) + ["}", "__syncthreads();"])
+
+    def main(self):
+        """The state, then the loop over the workgroup's tiles."""
+        out = [f"{self.units(self.kd)[2]} k_next[{-(-self.KT * self.units(self.kd)[1] // self.NT)}];",
+               f"{self.units(self.vd)[2]} v_next[{-(-self.KT * self.units(self.vd)[1] // self.NT)}];"]
+        out += self.fetch("lo", "the first tile's K and V rows into registers (zeros past hi), in flight with the queries'")
+        out += self.queries()
+        out += [f"float m[{self.RM}], l[{self.RM}], o[{self.OI}];"]
+        out += _loop(self.RM, "i", ["m[i] = -VF_INF;"]) + _loop(self.RM, "i", ["l[i] = 0.0f;"]) + _loop(self.OI, "i", ["o[i] = 0.0f;"])
+        tile = self.stash() + ["__syncthreads();"] + self.fetch("start + KT", "the next tile's rows: in flight while this one is computed")
+        tile += self.scores() + self.values()
+        return out + ["for (int start = lo; start < hi; start += KT) {"] + _indent(tile) + ["}"]
+
+
 class Decode:
     """The decode template (T = 1, ``a.tiles.heads`` set): a lane group of ``key_lanes`` lanes owns a
     key at a time, each lane 16 bytes of its K and V rows loaded straight into registers (``unroll``
@@ -295,7 +446,9 @@ class Decode:
         self.UNITS = self.D // self.E                               # loads per row
         self.UPL = -(-self.UNITS // self.LK)                        # loads per lane and row
         self.X = self.UPL * self.E                                  # elements of a row a lane keeps
-        self.KPW, self.W, self.NRT = m.wave // self.LK, m.threads // m.wave, self.G // self.R
+        self.KPW, self.W, self.NRT = m.wave // self.LK, m.threads // m.wave, -(-self.G // self.R)
+        self.uneven = self.G % self.R != 0                         # the group's last workgroup takes fewer heads
+        self.rows = "RV" if self.uneven else "R"                    # the workgroup's heads that exist
         self.ragged = self.UNITS != self.UPL * self.LK              # lanes past the row's loads
         self.B = merge_blocks(self.NS)                              # splits merged together
         self.NB = -(-self.NS // self.B)
@@ -328,7 +481,11 @@ class Decode:
         first = "kv_head * G" if self.G > 1 else "kv_head"
         if self.NRT > 1:
             first += f" + blockIdx.x / {NS} % {self.NRT} * R" if NS > 1 else f" + blockIdx.x % {self.NRT} * R"
-        out += [f"const int kv_head = {kv}, head0 = {first};     // the workgroup's first query head",
+        out += [f"const int kv_head = {kv}, head0 = {first};     // the workgroup's first query head"]
+        if self.uneven:
+            out.append("const int RV = min(R, G - (head0 - kv_head * G));   // its query heads (the group's last workgroup "
+                       "takes fewer)")
+        out += [
                 "const int p = @pos@;", "const int end = p + 1;"]
         if NS > 1:
             out += ["const int split = blockIdx.x % NS, lo = split * CH, hi = min(lo + CH, end);",
@@ -351,7 +508,8 @@ class Decode:
         return [f"// {what}"] + _loop(self.U, "u", [f"const int key = {start} + key0 + {self.KPW} * u;"] + inner)
 
     def queries(self):
-        qv = self.h2f(self.qd, f"@q@[(size_t)(head0 + r) * D + col]") + f" * {self.a.scale * LOG2E!r}f"
+        head = "head0 + min(r, RV - 1)" if self.uneven else "head0 + r"     # rows past RV repeat the last
+        qv = self.h2f(self.qd, f"@q@[(size_t)({head}) * D + col]") + f" * {self.a.scale * LOG2E!r}f"
         value = f"col < D ? {qv} : 0.0f" if self.ragged else qv
         return ["// the lane's slice of each query row times the scale and log2(e): the softmax runs in base 2",
                 f"float qr[R][{self.X}], m[R], l[R], o[R][{self.X}];"] + \
@@ -416,7 +574,7 @@ class Decode:
             "float sum = 0.0f, acc = 0.0f;"] + _loop(self.W, "w", [
                 "const float f = wave_m[w][r] == -VF_INF ? 0.0f : exp2f(wave_m[w][r] - mx);",
                 "sum += f * wave_l[w][r];", "acc += f * wave_o[w][r][i % D];"])
-        direct = "@out@[(size_t)head0 * D + i] = acc / sum;"
+        direct = ("if (i < RV * D) " if self.uneven else "") + "@out@[(size_t)head0 * D + i] = acc / sum;"
         loop = f"for (int i = threadIdx.x; i < R * D; i += {self.m.threads}) {{"
         out = ["// the waves' states merged: a thread per output element"]
         if self.NS == 1:
@@ -467,7 +625,7 @@ class Decode:
                 f"  split_m[i / R][i % R] = vf_load_arrived(&{src[1]}[({base}) * R + i]);",
                 f"  split_l[i / R][i % R] = vf_load_arrived(&{src[2]}[({base}) * R + i]);", "}", "__syncthreads();",
                 f"for (int r = threadIdx.x; r < R; r += {NT}) {{"] + _indent(weight) + ["}", "__syncthreads();",
-                f"float* dst = {to};", f"for (int i = threadIdx.x; i < R * D / 4; i += {NT}) {{"] + _indent(acc) + ["}"]
+                f"float* dst = {to};", f"for (int i = threadIdx.x; i < {self.rows} * D / 4; i += {NT}) {{"] + _indent(acc) + ["}"]
 
     def globals(self):
         if self.NS == 1:
@@ -483,13 +641,13 @@ class Decode:
         return out + [f"__device__ unsigned int {a.out}_arrived[{groups * (self.NB + 1) if self.NB > 1 else groups}];"]
 
 
-DECODE_LOCALS = ("wave_m", "wave_l", "wave_o", "split_m", "split_l", "head0", "g", "key0", "k_row", "v_row", "qr", "x", "y",
+DECODE_LOCALS = ("RV", "wave_m", "wave_l", "wave_o", "split_m", "split_l", "head0", "g", "key0", "k_row", "v_row", "qr", "x", "y",
                  "col", "k_cur", "v_cur", "kf", "vf", "valid", "la", "mo", "fa", "fb", "a0", "a1", "a2", "a3", "oc", "dst", "B",
                  "base", "count", "block", "blocks", "scale")
 
 
 def _template(a: L.Attention):
-    return Decode(a) if a.tiles.heads else Template(a)
+    return Blocked(a) if a.tiles.block else Decode(a) if a.tiles.heads else Template(a)
 
 
 def render(a: L.Attention, bare) -> list:
@@ -506,6 +664,18 @@ def render(a: L.Attention, bare) -> list:
     return text.split("\n")
 
 
+def lds_banks(k: L.Kernel) -> str:
+    """Whether the main loop of a mapped attention kernel reads LDS free of bank conflicts (the
+    ``banks`` column of ``codegen.inspect``): the register-blocked prefill's lanes read K rows whose
+    16-byte vectors sit an odd number of 16-byte slots apart (8 lanes cover all 32 banks of 4 bytes),
+    V and the probabilities as consecutive vectors or broadcasts, "ok"; another stride "check"; "-"
+    for the other templates (decode reads no LDS in its key loop)."""
+    (a,) = [s for s in k.body if isinstance(s, L.Attention)]
+    if not a.tiles.block:
+        return "-"
+    return "ok" if (a.d * L.ITEMSIZE[a.dtypes[1]] + 16) // 16 % 2 else "check"
+
+
 def globals_of(a: L.Attention) -> list:
     """File-scope buffers of a split attention: every split's partial rows and, per group of splits,
     how many have arrived (zero when the module loads; the last split sets it back)."""
@@ -514,7 +684,7 @@ def globals_of(a: L.Attention) -> list:
         return t.globals()
     if t.NS == 1:
         return []
-    n = a.hkv * t.nqt
+    n = t.groups
     part = n * t.NS * t.R
     return [f"// {a.out}: the partial rows (output, max, sum) of each of the {t.NS} splits of the cache, and per",
             "// group of splits how many have arrived (zero when the module loads; the last split resets it)",

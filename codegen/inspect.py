@@ -180,6 +180,9 @@ def lds_banks(it) -> str:
     "ok"; a wider or irregular stride "check"; "-" without LDS reads there."""
     from . import loopir as L
     m = it.hip.kernel
+    if m.family == "attention":
+        from .attention import lds_banks as attention_banks
+        return attention_banks(m)
     lds = {s.name: s.dtype for s in L.walk_stmts(m.body) if isinstance(s, L.Array) and s.space == "lds"}
     seen = False
     for r in L.walk_stmts(m.body):

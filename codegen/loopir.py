@@ -380,6 +380,9 @@ class AttentionTiles:
     heads: int = 0                # decode (T = 1): the query heads a workgroup takes, read in registers, each
                                   # group of key_lanes lanes owning keys (no LDS tiles); 0: the tiled template
     unroll: int = 1               # decode: the keys a lane group has in flight per step
+    block: tuple = ()             # prefill, register-blocked (rows, keys): each thread's rows x keys of the
+                                  # scores and rows x columns of the outputs; ``heads`` then counts the KV
+                                  # group's query heads a workgroup takes; (): the tiled template
 
 
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8]

@@ -168,7 +168,7 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
     the positions per split, rounded up to whole tiles: A/B).  The grid is fixed (CUDA graph
     replay); a split past the position exits at once.  Raises ValueError when one tile of 8 keys
     does not fit."""
-    decode = decode_tiles(a, t)
+    decode = decode_tiles(a, t) or prefill_tiles(a, t)
     if decode:
         return decode
     group = a.hq // a.hkv
@@ -192,6 +192,81 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
                             t.attention_block, t.wave)
 
 
+def prefill_lds(a: L.Attention, rows: int, keys: int, split: bool = True) -> int:
+    """LDS bytes of the register-blocked prefill template: ``rows`` query rows (f32, padded by 16
+    bytes), a tile of ``keys`` K rows (padded by 16 bytes) and V rows in the caches' dtypes, the
+    probabilities (rows padded by 16 bytes), each row's sum and, when the cache is ``split``, its max
+    and the arrival flag."""
+    k, v = (ITEMSIZE[x] for x in a.dtypes[1:])
+    return 4 * rows * (a.d + 4) + keys * (a.d * k + 16) + keys * a.d * v + 4 * rows * (keys + 4) + (8 if split else 4) * rows + 4 * split
+
+
+def prefill_vgprs(a: L.Attention, rm: int, kn: int, tk: int, threads: int, keys: int) -> int:
+    """An upper estimate of the registers per lane of the register-blocked prefill template: the
+    outputs (rm rows x 4 columns per group of 4 tk), the scores, one step's query and key values, the
+    next tile's K/V loads in flight (four per 16-byte load), the row state and about 56 more (hiprtc's
+    gfx906 builds at head dim 128, f16: 1 x 2 keys on 16 lanes took 113, 2 x 2 147, 4 x 2 175)."""
+    e = 16 // ITEMSIZE[a.dtypes[1]]
+    loads = sum(-(-keys * (a.d * ITEMSIZE[x] // 16) // threads) for x in a.dtypes[1:])
+    return rm * 4 * -(-a.d // (4 * tk)) + rm * kn + (rm + kn) * e + 4 * loads + 2 * rm + 56
+
+
+PREFILL_VGPRS = 200        # registers a prefill lane may take where the target sets no budget (nvcc for sm_90
+                           # gave 4 rows x 2 keys on 16 lanes 128 at head dim 128, f16; 4 x 4 spilled at 255)
+
+
+def prefill_tiles(a: L.Attention, t: Target):
+    """The register-blocked prefill mapping (T > 1, K/V rows whole 16-byte loads), or None (then the
+    tiled template; ``VEGAFUSE_ATT_PREFILL=scalar`` asks for it: A/B).  Rows of ``tk`` lanes (16 or 8);
+    a lane takes ``rm`` rows x ``kn`` keys of the scores (4, 2 or 1 each), so a tile has rm x threads /
+    tk rows and kn x tk keys.  Among the tiles whose LDS (``prefill_lds``) fits ``t.attention_lds``:
+    those whose registers (``prefill_vgprs``) fit ``t.attention_vgprs`` (or ``PREFILL_VGPRS``), then
+    two waves per SIMD where LDS and registers allow them, then the most FMAs per LDS read (rm x kn),
+    the most rows per lane (a converted f16 key or value serves rm rows), the most threads (of ``t.attention_block``, 128 or 64), the most keys, the fewest registers;
+    ``VEGAFUSE_ATT_BLOCK=RMxKNxTKxTHREADS`` sets them (A/B).  A workgroup takes the
+    most of the KV group's query heads (a divisor) that fit its rows, at as many positions as fill
+    them.  Splits as ``attention_tiles``.  Raises ValueError when no tile fits."""
+    if a.t == 1 or os.environ.get("VEGAFUSE_ATT_PREFILL", "blocked") == "scalar" or \
+            any(a.d * ITEMSIZE[x] % t.load_bytes for x in a.dtypes[1:]):
+        return None
+    budget = t.attention_vgprs or PREFILL_VGPRS
+    forced = os.environ.get("VEGAFUSE_ATT_BLOCK")
+    if forced:
+        try:
+            rm, kn, tk, threads = shape = tuple(map(int, forced.lower().split("x")))
+        except ValueError:
+            raise ValueError(f"VEGAFUSE_ATT_BLOCK={forced!r}: write ROWSxKEYSxLANESxTHREADS, e.g. 4x2x16x128") from None
+        lds = prefill_lds(a, rm * threads // max(tk, 1), kn * tk)
+        if min(shape) < 1 or tk & (tk - 1) or not tk <= t.wave <= threads or threads % t.wave or lds > t.max_static_lds:
+            raise ValueError(f"VEGAFUSE_ATT_BLOCK={forced}: needs lanes a power of two up to the wave ({t.wave}), threads "
+                             f"a multiple of it, and at most {t.max_static_lds} bytes of LDS (this tile: {lds}); "
+                             "choose another tile or unset it")
+        shapes = [shape]
+    else:
+        shapes = [(rm, kn, tk, nt) for rm in (4, 2, 1) for kn in (4, 2, 1) for tk in (16, 8)
+                  for nt in (t.attention_block, 128, 64) if nt <= t.attention_block and tk <= t.wave <= nt]
+        shapes = [x for x in shapes if prefill_lds(a, x[0] * x[3] // x[2], x[1] * x[2]) <= t.attention_lds]
+    if not shapes:
+        raise ValueError(f"attention with head dim {a.d} needs more than {t.attention_lds} bytes of LDS for a tile of "
+                         f"8 query rows and 8 keys; use a smaller head dim (or VEGAFUSE_ATT_PREFILL=scalar)")
+    regs = {x: prefill_vgprs(a, x[0], x[1], x[2], x[3], x[1] * x[2]) for x in shapes}
+
+    def waves(x):                      # waves per SIMD as far as LDS and registers allow, up to 2
+        per_cu = t.lds_per_cu // prefill_lds(a, x[0] * x[3] // x[2], x[1] * x[2])
+        by_lds = per_cu * x[3] // t.wave // t.simds_per_cu
+        return min(2, by_lds, t.vgprs_per_simd // regs[x] if t.vgprs_per_simd else 2)
+    rm, kn, tk, threads = max(shapes, key=lambda x: (regs[x] <= budget, waves(x), x[0] * x[1], x[0], x[3], x[1] * x[2], -regs[x]))
+    rows, keys, group = rm * threads // tk, kn * tk, a.hq // a.hkv
+    heads = max(h for h in range(1, min(group, rows) + 1) if group % h == 0)
+    rows_q = min(a.t, rows // heads)
+    kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
+    groups = a.hkv * group // heads * -(-a.t // rows_q)
+    chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
+    chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk          # positions per split (A/B)
+    chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
+    return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), tk, True, threads, t.wave, heads, 1, (rm, kn))
+
+
 DECODE_FLOATS = 64         # query values a decode lane keeps in registers (as many output accumulators)
 
 
@@ -211,14 +286,28 @@ def decode_lds(a: L.Attention, m: L.AttentionTiles) -> int:
     return 4 * waves * m.heads * (a.d + 2) + (m.splits > 1) * (8 * slots * m.heads + 4)
 
 
+def decode_vgprs(heads: int, unroll: int, x: int, upl: int) -> int:
+    """An upper estimate of the registers per lane of the decode template: each head's query slice and
+    output accumulators (``x`` floats each), its scores, max and sum; the K and V loads of this step and
+    of the next (``unroll`` keys of ``upl`` 16-byte loads each, four registers a load); a row's unpacked
+    slice and about 24 for addresses and loop state (fitted to hiprtc's gfx906 builds: 6 heads x 4 keys
+    took 220, 3 x 2 took 118, 1 x 1 took 55 at head dim 128, f16)."""
+    return 2 * heads * x + heads * (unroll + 2) + 16 * unroll * upl + x + 24
+
+
 def decode_tiles(a: L.Attention, t: Target):
     """The decode (T = 1) mapping, or None where it does not apply (K and V of different dtypes, or
     rows not a whole number of 16-byte loads).  A lane group of ``key_lanes`` lanes owns a key: each
     lane loads 16 bytes of its K and V rows straight from global memory, ``unroll`` keys in flight per
     group, and keeps its slice of every query row and output row in registers (online softmax per
-    group, no barrier per step); the workgroup's ``heads`` query heads are the most of the KV group
-    whose queries fit ``DECODE_FLOATS`` values per lane.  Splits: the chunk where a split's K/V bytes
-    equal the combine's reads of every split's partial rows, in whole steps of the workgroup
+    group, no barrier per step).  The workgroup's ``heads`` query heads (the KV group over 1, 2, ...
+    workgroups of ceil(group / n) heads, the last taking fewer where they do not divide it; only
+    divisors where the target sets no register budget) and ``unroll`` are the most heads, with 4 or else 2
+    keys in flight, then with 1, whose queries fit ``DECODE_FLOATS`` values per lane and whose
+    registers (``decode_vgprs``) fit ``t.attention_vgprs`` (gfx906: 128, two waves per SIMD and no
+    scratch at any group size; ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
+    it, one head and one key in flight).  Splits: the
+    chunk where a workgroup per CU covers the full cache, in whole steps of the workgroup
     (``VEGAFUSE_ATT_CHUNK`` sets it: A/B)."""
     kd, vd = a.dtypes[1:]
     if a.t != 1 or kd != vd or a.d * ITEMSIZE[kd] % t.load_bytes:
@@ -227,16 +316,26 @@ def decode_tiles(a: L.Attention, t: Target):
     units = a.d // per                                     # 16-byte loads per row
     lanes = min(t.wave, 1 << (units - 1).bit_length())
     upl = -(-units // lanes)
-    unroll, threads = 4, t.attention_waves * t.wave
-    step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
-    for heads in (group // n for n in range(1, group + 1) if group % n == 0):
-        chunk = a.s * a.hkv * (group // heads) / t.compute_units       # a workgroup per CU at the full cache
+    budget = int(os.environ.get("VEGAFUSE_ATT_VGPRS", t.attention_vgprs))
+    heads = sorted({-(-group // n) for n in range(1, group + 1)}, reverse=True)   # the group over 1, 2, ... workgroups
+    if not budget:
+        heads = [h for h in heads if group % h == 0]
+    choices = [(h, u) for h in heads for u in (4, 2)] + [(h, 1) for h in heads]
+    fits = []
+    for heads, unroll in choices:
+        if heads * upl * per > DECODE_FLOATS:
+            continue
+        threads = t.attention_waves * t.wave
+        step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
+        chunk = a.s * a.hkv * -(-group // heads) / t.compute_units     # a workgroup per CU at the full cache
         chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
         m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)
-        if heads * upl * per <= DECODE_FLOATS and decode_lds(a, m) <= t.attention_lds:
-            return m
-    return None
+        if decode_lds(a, m) <= t.attention_lds:
+            if not budget or decode_vgprs(heads, unroll, upl * per, upl) <= budget:
+                return m
+            fits.append(m)
+    return fits[-1] if fits else None                      # over the budget: one head, one key in flight
 
 
 def _attention(body, t):
@@ -248,6 +347,18 @@ def _attention(body, t):
         body, a = tuple(tiled if s is a else s for s in body), tiled
     m = a.tiles
     group = a.hq // a.hkv
+    if m.block:
+        nqt = -(-a.t // m.rows_q)
+        rows = f"{m.rows_q} query positions x {m.heads} of its {group} query heads"
+        how = (f"a workgroup per (KV head, {rows}, {m.chunk}-position split of the cache: {m.splits}); tiles of "
+               f"{m.keys} keys in LDS (16-byte loads), rows of {m.key_lanes} lanes, each lane {m.block[0]} rows x "
+               f"{m.block[1]} keys of the scores, online softmax"
+               + ("; the last split to finish combines them (log-sum-exp)" if m.splits > 1 else ""))
+        grid = a.hkv * group // m.heads * nqt * m.splits
+        rows_pad = m.block[0] * m.threads // m.key_lanes
+        # the launch bounds name the workgroup's own size: nvcc held a 128-thread tile at 128 registers
+        # (and spilled) under bounds of 256
+        return body, L.Launch(grid, m.threads, str(m.threads), how, prefill_lds(a, rows_pad, m.keys, m.splits > 1))
     if m.heads:
         how = (f"a workgroup per (KV head, {m.heads} of its {group} query heads, {m.chunk}-position split of the "
                f"cache: {m.splits}); {m.key_lanes} lanes per key, {m.unroll} keys in flight per lane group, K/V in "
@@ -255,7 +366,7 @@ def _attention(body, t):
                + ("; the last split to finish combines them (log-sum-exp"
                   + (f", in blocks of {merge_blocks(m.splits)})" if merge_blocks(m.splits) < m.splits else ")")
                   if m.splits > 1 else ""))
-        return body, L.Launch(a.hkv * group // m.heads * m.splits, m.threads, "VF_ATT_BLOCK", how, decode_lds(a, m))
+        return body, L.Launch(a.hkv * -(-group // m.heads) * m.splits, m.threads, "VF_ATT_BLOCK", how, decode_lds(a, m))
     nqt = -(-a.t // m.rows_q)
     heads = f"{group} query head{'s' if group > 1 else ''}"
     rows = f"{m.rows_q} query positions x {heads}" if m.rows_q > 1 else heads

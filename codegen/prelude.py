@@ -470,6 +470,16 @@ __device__ __forceinline__ void vf_unpack_f32(vf_vec16 v, float* f) {
   const vf_float4 x = __builtin_bit_cast(vf_float4, v);
   f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
 }
+// 4 consecutive f16 (one 8-byte LDS read) or f32 values (16 bytes) as floats
+__device__ __forceinline__ void vf_lds4(const vf_half* p, float* f) {
+  typedef _Float16 vf_half4 __attribute__((ext_vector_type(4)));
+  const vf_half4 h = *(const vf_half4*)p;
+  f[0] = (float)h.x; f[1] = (float)h.y; f[2] = (float)h.z; f[3] = (float)h.w;
+}
+__device__ __forceinline__ void vf_lds4(const float* p, float* f) {
+  const vf_float4 x = *(const vf_float4*)p;
+  f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
+}
 """
 
 _NV_ATTENTION = r"""typedef uint4 vf_vec16;                                                 // 16 bytes: one vector load
@@ -500,6 +510,16 @@ __device__ __forceinline__ void vf_unpack_f16(vf_vec16 v, float* f) {
 }
 __device__ __forceinline__ void vf_unpack_f32(vf_vec16 v, float* f) {
   f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y); f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+}
+// 4 consecutive f16 (one 8-byte shared-memory read) or f32 values (16 bytes) as floats
+__device__ __forceinline__ void vf_lds4(const vf_half* p, float* f) {
+  const uint2 raw = *(const uint2*)p;
+  const float2 a = __half22float2(*(const __half2*)&raw.x), b = __half22float2(*(const __half2*)&raw.y);
+  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+}
+__device__ __forceinline__ void vf_lds4(const float* p, float* f) {
+  const float4 x = *(const float4*)p;
+  f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
 }
 """
 

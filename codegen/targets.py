@@ -62,6 +62,8 @@ class Target:
     attention_block: int = 256   # threads of an attention workgroup (codegen.mapping.attention_tiles)
     attention_lds: int = 32 * 1024  # LDS an attention workgroup may take (its tiles' size): two fit a gfx906 CU
     attention_waves: int = 4     # waves of a decode attention workgroup (codegen.mapping.decode_tiles)
+    attention_vgprs: int = 0     # registers per lane a decode attention may take (0: no limit; decode_tiles
+                                 # takes fewer query heads per workgroup, or fewer keys in flight, to fit)
     pdl: bool = False            # programmatic dependent launch (Hopper): a kernel starts while the previous
                                  # one drains, then waits for its inputs.  Measured on
                                  # an H200 with the trigger at kernel start: 536.6 against 628.5 tok/s
@@ -86,7 +88,8 @@ TARGETS = {
                      vgpr_granule=4,          # LLVM getVGPRAllocGranule (wave64, gfx9)
                      sgprs_per_simd=800,      # LLVM getTotalNumSGPRs (gfx8+)
                      sgpr_granule=16,         # LLVM getSGPRAllocGranule (gfx8-gfx9)
-                     max_barriers=16),        # LLVM getMaxWorkGroupsPerCU
+                     max_barriers=16,         # LLVM getMaxWorkGroupsPerCU
+                     attention_vgprs=128),    # two waves per SIMD (6 heads x 4 keys took 220: one wave)
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
                     attention_lds=46 * 1024,   # tiles of 64 keys for decode at head dim 128 (4 workgroups per SM)
                     lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132, int8_blocks_per_cu=4,

@@ -42,6 +42,8 @@ static inline void vf_unpack_f16(vf_vec16 v, float* f) {
   for (int i = 0; i < 8; ++i) f[i] = (float)h[i];
 }
 static inline void vf_unpack_f32(vf_vec16 v, float* f) { std::memcpy(f, &v, 16); }
+static inline void vf_lds4(const vf_half* p, float* f) { for (int i = 0; i < 4; ++i) f[i] = (float)p[i]; }
+static inline void vf_lds4(const float* p, float* f) { std::memcpy(f, p, 16); }
 static inline float vf_shfl_xor(float v, int m) {          // every lane of the wave takes part
   std::barrier<>& wave = *vf_emu_waves[threadIdx.x / VF_WAVE];
   vf_emu_lanes[threadIdx.x] = v;

@@ -17,7 +17,7 @@ import dsl
 from codegen import loopir as L
 from codegen import prelude
 from codegen.hip import CTYPE, render_hip
-from codegen.mapping import attention_lds, attention_tiles, map_kernel
+from codegen.mapping import attention_lds, attention_tiles, map_kernel, prefill_lds
 from codegen.targets import get_target
 from fusion import build_plan
 
@@ -31,6 +31,10 @@ VARIANTS = [
     (8, 4, 64, 1024, 64, "f4"),       # T = 64, GQA 2
     (12, 2, 300, 2048, 128, "f2"),    # T = 300: query tiles, the last one partial
     (10, 2, 5, 300, 80, "f2"),        # head dim 80: a thread's output columns vary
+    (12, 2, 4000, 4200, 128, "f2"),   # Qwen2.5-1.5B prefill of 4000 tokens
+    (32, 2, 50, 512, 128, "f2"),      # 16 query heads per KV head
+    (16, 1, 7, 128, 256, "f4"),       # 16 of 256 with an f32 cache: the group's heads over workgroups
+    (24, 2, 33, 256, 256, "f2"),      # 12 of 256
 ]
 
 
@@ -57,9 +61,14 @@ def test_tiles_fit_and_cover_the_cache(v):
         launch = map_kernel(k, get_target(target)).launch
         assert launch.lds <= get_target(target).attention_lds
         assert m.chunk % m.keys == 0 and (m.splits - 1) * m.chunk < a.s <= m.splits * m.chunk
-        if m.heads:                                   # decode: a workgroup per (KV head, heads, split)
-            assert a.t == 1 and (a.hq // a.hkv) % m.heads == 0
-            assert launch.grid == a.hq // m.heads * m.splits and launch.block == m.threads
+        if m.block:                                   # prefill: a workgroup per (KV head, heads, query tile, split)
+            rows, group = m.block[0] * m.threads // m.key_lanes, a.hq // a.hkv
+            assert a.t > 1 and group % m.heads == 0 and m.rows_q * m.heads <= rows and m.keys == m.block[1] * m.key_lanes
+            assert prefill_lds(a, rows, m.keys, m.splits > 1) == launch.lds
+            assert launch.grid == a.hq // m.heads * -(-a.t // m.rows_q) * m.splits and launch.block == m.threads
+        elif m.heads:                                 # decode: a workgroup per (KV head, heads, split)
+            assert a.t == 1 and m.heads <= a.hq // a.hkv
+            assert launch.grid == a.hkv * -(-a.hq // a.hkv // m.heads) * m.splits and launch.block == m.threads
         else:
             assert attention_lds(a, m.rows_q * a.hq // a.hkv, m.keys, m.splits > 1) == launch.lds and m.keys in (8, 16, 32, 64)
             assert launch.grid == a.hkv * -(-a.t // m.rows_q) * m.splits and launch.block == m.threads
@@ -75,7 +84,7 @@ def test_the_kernel_text_has_no_branch_decided_in_python():
     assert "#if" not in dec and "vf_last_to_arrive(" in dec and "__device__ float" in dec
     assert "start + j <= p" not in dec and "if (lo >= hi) return;" in dec
     pre = render_hip(attention_kernel(8, 8, 300, 300, 64, "f2"), "gfx906").body
-    assert "vf_last_to_arrive" not in pre and "__device__" not in pre and "start + j <= p" in pre
+    assert "vf_last_to_arrive" not in pre and "__device__" not in pre and "j <= p + first + r" in pre
 
 
 def test_a_buffer_named_like_a_local_of_the_template_is_still_read():
@@ -102,19 +111,25 @@ except Exception as e:                                 # pragma: no cover - depe
 @pytest.mark.parametrize("v", VARIANTS, ids=lambda v: "x".join(map(str, v)))
 def test_every_variant_compiles_for_gfx906_and_passes_the_isa_gates(v):
     """No scratch or generic loads, K and V move in 16-byte loads (no 2-byte global loads), at most
-    9 waves per SIMD, and the static LDS is the template's (as ``codegen.inspect`` reports it)."""
+    9 waves per SIMD (decode at least 2), and the static LDS is the template's (as ``codegen.inspect`` reports it)."""
     k = attention_kernel(*v)
     it = Inspected(k, get_target("gfx906"))
     r, isa = it.res, it.isa()
     assert r["scratch_bytes"] == 0 and r["vgpr_spills"] == 0 and "flat_load" not in isa, r
     widths = load_widths(instructions(isa))
     assert widths.get(16, 0) >= 4 and 2 not in widths and 1 not in widths, widths
-    assert 1 <= r["waves_per_simd"] <= 9, r
+    assert (2 if v[2] == 1 else 1) <= r["waves_per_simd"] <= 9, r    # decode: the register budget's two waves
     lds = map_kernel(k, get_target("gfx906")).launch.lds
     assert lds <= r["lds_bytes"] <= lds + 64 <= get_target("gfx906").attention_lds + 64, (r["lds_bytes"], lds)
 
 
-def test_lds_budget_error_is_one_clear_line():
+def test_lds_budget_error_is_one_clear_line(monkeypatch):
+    """Where not even 8 rows and 8 keys fit (head dim 1024, f32), one line names the head dim."""
+    a = L.Attention("q", "k", "v", "o", ("f32", "f32", "f32"), 512, 1, 2, 64, 1024, L.c(0), 0.1)
+    with pytest.raises(ValueError, match="head dim 1024 needs more than 32768 bytes of LDS for a tile of 8 query rows "
+                       "and 8 keys; use a smaller head dim"):
+        attention_tiles(a, get_target("gfx906"))
+    monkeypatch.setenv("VEGAFUSE_ATT_PREFILL", "scalar")          # the tiled template's own error
     a = L.Attention("q", "k", "v", "o", ("f32", "f32", "f32"), 512, 1, 2, 64, 256, L.c(0), 0.1)
     with pytest.raises(ValueError, match="needs more than .* bytes of LDS for 8 keys; use fewer query heads"):
         attention_tiles(a, get_target("gfx906"))
@@ -145,12 +160,15 @@ def emulate(k, target, arrays, tmp):
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("template", ["blocked", "scalar"])
 @pytest.mark.parametrize("target", ["sm_90", "gfx906"])
 @pytest.mark.parametrize("v", [(10, 2, 5, 300, 80, "f2"), (4, 2, 3, 200, 64, "f4")], ids=lambda v: "x".join(map(str, v)))
-def test_the_kernel_text_computes_attention(v, target, tmp_path_factory):
-    """The tiled template (prefill) at wave 32 (sm_90's text) and 64 (gfx906's), run twice at positions that span
+def test_the_kernel_text_computes_attention(v, target, template, tmp_path_factory, monkeypatch):
+    """The prefill templates (register-blocked, and the tiled one of ``VEGAFUSE_ATT_PREFILL=scalar``) at
+    wave 32 (sm_90's text) and 64 (gfx906's), run twice at positions that span
     several splits (the combine; the arrival counter set back for the next launch) and once at the
     last position, against the float64 interpreter on fresh random inputs."""
+    monkeypatch.setenv("VEGAFUSE_ATT_PREFILL", template)
     hq, hkv, t, s, d, kv = v
     rng = np.random.default_rng()
     k = attention_kernel(*v)
@@ -176,6 +194,11 @@ def test_the_kernel_text_computes_attention(v, target, tmp_path_factory):
     (3, 3, 100, 64, "f2"),      # GQA 1
     (10, 2, 300, 80, "f2"),     # head dim 80: lanes past the row's ten 16-byte loads
     (24, 2, 100, 128, "f2"),    # 12 heads per KV head: two workgroups of 6 heads each
+    (16, 1, 150, 256, "f2"),    # 16 heads per KV head of 256: heads in workgroups by the register budget
+    (8, 1, 200, 64, "f4"),      # 8 heads per KV head, f32 cache
+    (12, 1, 150, 128, "f4"),    # 12 heads per KV head, f32 cache
+    (14, 2, 200, 128, "f2"),    # Qwen2.5-7B's group of 7: on gfx906 workgroups of 3, 3 and 1 heads
+    (11, 1, 150, 64, "f4"),     # a group of 11: on gfx906 workgroups of 4, 4 and 3 heads
 ], ids=lambda v: "x".join(map(str, v)))
 def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
     """The decode template (lane groups owning keys, no LDS tiles) at wave 32 and 64 at positions 0,
@@ -185,7 +208,7 @@ def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
     rng = np.random.default_rng()
     k = attention_kernel(hq, hkv, 1, s, d, kv)
     _, m = tiles_of(k, target)
-    assert m.heads and (hq // hkv) % m.heads == 0, m
+    assert m.heads and m.heads <= hq // hkv, m
     tmp = str(tmp_path_factory.getbasetemp())
     f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
     for pos in sorted({0, 1, m.chunk - 1, m.chunk, m.chunk + 1, 2 * m.chunk + 5, s - 1} & set(range(s))):
@@ -196,3 +219,45 @@ def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
         emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
         want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("v", [
+    (16, 2, 13, 100, 64, "f2"),     # 8 query heads per KV head, head dim 64
+    (12, 1, 9, 80, 128, "f4"),      # 12 per KV head, f32 cache
+    (16, 1, 5, 40, 256, "f4"),      # 16 of 256, f32: the KV group's heads over two workgroups on gfx906
+    (16, 1, 6, 60, 256, "f2"),      # 16 of 256, f16
+    (12, 2, 37, 120, 128, "f2"),    # Qwen2.5-1.5B's group of 6, a ragged last query tile
+], ids=lambda v: "x".join(map(str, v)))
+def test_the_register_blocked_prefill_computes_attention(v, target, tmp_path_factory):
+    """The register-blocked prefill at large KV groups, head dims 64-256 and both cache dtypes, causal
+    with a ragged last query tile, at wave 32 and 64: positions 0, inside the cache and S - T, each on
+    fresh random inputs, against the float64 interpreter."""
+    hq, hkv, t, s, d, kv = v
+    rng = np.random.default_rng()
+    k = attention_kernel(*v)
+    _, m = tiles_of(k, target)
+    assert m.block and m.rows_q * m.heads <= m.block[0] * m.threads // m.key_lanes, m
+    tmp = str(tmp_path_factory.getbasetemp())
+    f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
+    for pos in (0, (s - t) // 2 + 1, s - t):
+        q = rng.standard_normal((hq, t, d)).astype("f4")
+        kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
+        out = np.full((hq, t, d), np.nan, np.float32)
+        named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
+        emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
+        want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
+
+
+def test_a_forced_prefill_tile_is_checked(monkeypatch):
+    """``VEGAFUSE_ATT_BLOCK`` sets the register-blocked tile; one that cannot run is one clear line."""
+    a = L.Attention("q", "k", "v", "o", ("f32", "f16", "f16"), 12, 2, 40, 256, 128, L.c(0), 0.1)
+    monkeypatch.setenv("VEGAFUSE_ATT_BLOCK", "2x2x16x128")
+    m = attention_tiles(a, get_target("sm_90"))
+    assert m.block == (2, 2) and m.key_lanes == 16 and m.threads == 128 and m.keys == 32, m
+    for bad in ("4x4x16x256", "2x2x12x128", "2x2"):
+        monkeypatch.setenv("VEGAFUSE_ATT_BLOCK", bad)
+        with pytest.raises(ValueError, match="^VEGAFUSE_ATT_BLOCK="):
+            attention_tiles(a, get_target("sm_90"))
