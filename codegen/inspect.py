@@ -179,7 +179,11 @@ def lds_banks(it) -> str:
     consecutive addresses, at most 16 bytes each: conflict-free on gfx906's 32 banks of 4 bytes)
     "ok"; a wider or irregular stride "check"; "-" without LDS reads there."""
     from . import loopir as L
+    from .mma import MatmulTiles, banks
     m = it.hip.kernel
+    tiled = [s for s in m.body if isinstance(s, MatmulTiles)]
+    if tiled:                                  # the tiled matmul's padded rows (codegen/mma.py)
+        return banks(tiled[0])
     lds = {s.name: s.dtype for s in L.walk_stmts(m.body) if isinstance(s, L.Array) and s.space == "lds"}
     seen = False
     for r in L.walk_stmts(m.body):

@@ -230,6 +230,75 @@ __device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ 
 }
 """
 
+# the tiled matmul (codegen/mma.py): vf_mma_tile(acc, a, as, b, bs, kc) adds A[16 x kc] * B[16 x kc]^T (f16 rows
+# in LDS, strides as / bs halves) into the calling wave's 16 x 16 fragment, VF_FRAG = 256 / VF_WAVE elements
+# per lane; the lane's element i sits at (vf_frag_row(i), vf_frag_col(i)) of the fragment.  vf_stage8 copies
+# 8 weight elements (one 16-byte load of f16, two of f32) into LDS as f16.
+_MMA_AMD = r"""// tiled matmul fragments (gfx906, no matrix cores): lane l owns row l % 16, columns l / 16 * 4 .. + 3;
+// 16-byte LDS reads (a row's 8 halves: 8 consecutive rows of 80 bytes meet no bank twice; the 16 lanes of
+// a column read one address) and v_dot2_f32_f16
+#define VF_FRAG 4
+__device__ __forceinline__ int vf_frag_row(int i) { return threadIdx.x % 16; }
+__device__ __forceinline__ int vf_frag_col(int i) { return threadIdx.x % 64 / 16 * 4 + i; }
+__device__ __forceinline__ void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_half* b, int bs, int kc) {
+  const vf_half* ar = a + vf_frag_row(0) * as;
+  const vf_half* br = b + vf_frag_col(0) * bs;
+  #pragma unroll
+  for (int k = 0; k < kc; k += 8) {
+    const vf_half8 av = *(const vf_half8*)(ar + k);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const vf_half8 bv = *(const vf_half8*)(br + i * bs + k);
+      float c = __builtin_amdgcn_fdot2(av.s01, bv.s01, acc[i], false);
+      c = __builtin_amdgcn_fdot2(av.s23, bv.s23, c, false);
+      c = __builtin_amdgcn_fdot2(av.s45, bv.s45, c, false);
+      acc[i] = __builtin_amdgcn_fdot2(av.s67, bv.s67, c, false);
+    }
+  }
+}
+__device__ __forceinline__ void vf_stage8(vf_half* dst, const vf_half* __restrict__ w) { *(vf_half8*)dst = *(const vf_half8*)w; }
+__device__ __forceinline__ void vf_stage8(vf_half* dst, const float* __restrict__ w) {
+  const vf_float4 lo = *(const vf_float4*)w, hi = *(const vf_float4*)(w + 4);
+  vf_half8 h;
+  h.s0 = (vf_half)lo.x; h.s1 = (vf_half)lo.y; h.s2 = (vf_half)lo.z; h.s3 = (vf_half)lo.w;
+  h.s4 = (vf_half)hi.x; h.s5 = (vf_half)hi.y; h.s6 = (vf_half)hi.z; h.s7 = (vf_half)hi.w;
+  *(vf_half8*)dst = h;
+}
+"""
+
+_MMA_NV = r"""// tiled matmul fragments on tensor cores: mma.sync m16n8k16 (f16 x f16 -> f32), {how}
+#define VF_FRAG {frag}
+// mma.sync's C layout: lane g * 4 + t of a warp holds rows g and g + 8, columns 2t and 2t + 1 of an n8 half
+__device__ __forceinline__ int vf_frag_row(int i) {{ return threadIdx.x % 32 / 4 + (i & 2) * 4; }}
+__device__ __forceinline__ int vf_frag_col(int i) {{ return {col}threadIdx.x % 4 * 2 + (i & 1); }}
+// one n8 half: c[4] += A[16 x 16] (a, row-major) * B[8 x 16]^T (b: 8 rows of 16 k, "col" for mma)
+__device__ __forceinline__ void vf_mma_n8(float* c, const vf_half* a, int as, const vf_half* b, int bs) {{
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const unsigned a0 = *(const unsigned*)(a + g * as + 2 * t), a1 = *(const unsigned*)(a + (g + 8) * as + 2 * t);
+  const unsigned a2 = *(const unsigned*)(a + g * as + 8 + 2 * t), a3 = *(const unsigned*)(a + (g + 8) * as + 8 + 2 * t);
+  const unsigned b0 = *(const unsigned*)(b + g * bs + 2 * t), b1 = *(const unsigned*)(b + g * bs + 8 + 2 * t);
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}}
+__device__ __forceinline__ void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_half* b, int bs, int kc) {{
+  #pragma unroll
+  for (int k = 0; k < kc; k += 16) {{
+{body}  }}
+}}
+__device__ __forceinline__ void vf_stage8(vf_half* dst, const vf_half* __restrict__ w) {{ *(uint4*)dst = *(const uint4*)w; }}
+__device__ __forceinline__ void vf_stage8(vf_half* dst, const float* __restrict__ w) {{
+  const float4 lo = *(const float4*)w, hi = *(const float4*)(w + 4);
+  __half2 h[4] = {{__floats2half2_rn(lo.x, lo.y), __floats2half2_rn(lo.z, lo.w), __floats2half2_rn(hi.x, hi.y),
+                  __floats2half2_rn(hi.z, hi.w)}};
+  *(uint4*)dst = *(const uint4*)h;
+}}
+"""
+_MMA_NV32 = dict(how="a warp computes both n8 halves of a 16 x 16 fragment", frag=8, col="(i & 4) * 2 + ",
+                 body="    vf_mma_n8(acc, a + k, as, b + k, bs);\n    vf_mma_n8(acc + 4, a + k, as, b + 8 * bs + k, bs);\n")
+_MMA_NV64 = dict(how="a 64-lane wave is two warps, each computing one n8 half", frag=4,
+                 col="threadIdx.x % 64 / 32 * 8 + ",
+                 body="    vf_mma_n8(acc, a + k, as, b + threadIdx.x % 64 / 32 * 8 * bs + k, bs);\n")
+
 
 def act_dtype(t: Target, K: int) -> str:
     """The dtype of a GEMV's activation in LDS: f16 where the target has fp16 dot products
@@ -237,30 +306,32 @@ def act_dtype(t: Target, K: int) -> str:
     return "f16" if t.dot2 or 4 * K > t.max_static_lds - 1024 else "f32"
 
 
-_QUANT = r"""// quantized weights (dsl/quant.py): every block's quants, then every block's f16 scales (nb blocks)
+_DEQUANT = r"""// quantized weights (dsl/quant.py): every block's quants, then every block's f16 scales (nb blocks)
 typedef unsigned char vf_byte;
 // element i of a quantized weight: its block's scale times its quant
-__device__ __forceinline__ float vf_dequant_q4_0(const vf_byte* __restrict__ w, int i, int nb) {{
+__device__ __forceinline__ float vf_dequant_q4_0(const vf_byte* __restrict__ w, int i, int nb) {
   const int b = i / 32, j = i % 32;
   const int q = (w[16 * b + j % 16] >> (j / 16 * 4)) & 15;        // low nibbles: elements 0..15, high: 16..31
   return vf_h2f(((const vf_half*)(w + 16 * nb))[b]) * (float)(q - 8);
-}}
-__device__ __forceinline__ float vf_dequant_q4_1(const vf_byte* __restrict__ w, int i, int nb) {{
+}
+__device__ __forceinline__ float vf_dequant_q4_1(const vf_byte* __restrict__ w, int i, int nb) {
   const int b = i / 32, j = i % 32;
   const int q = (w[16 * b + j % 16] >> (j / 16 * 4)) & 15;
   const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * b;      // d, m
   return vf_h2f(dm[0]) * (float)q + vf_h2f(dm[1]);
-}}
-__device__ __forceinline__ float vf_dequant_gptq_int4(const vf_byte* __restrict__ w, int i, int nb) {{
+}
+__device__ __forceinline__ float vf_dequant_gptq_int4(const vf_byte* __restrict__ w, int i, int nb) {
   const int b = i / 32, j = i % 32;
   const int q = (w[16 * b + j % 16] >> (j / 16 * 4)) & 15;
   const vf_half* dz = (const vf_half*)(w + 16 * nb) + 2 * b;      // d, z (the zero point)
   return vf_h2f(dz[0]) * ((float)q - vf_h2f(dz[1]));
-}}
-__device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, int i, int nb) {{
+}
+__device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, int i, int nb) {
   return vf_h2f(((const vf_half*)(w + 32 * nb))[i / 32]) * (float)(signed char)w[i];
-}}
-{activation}// the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i is byte j of
+}
+"""
+
+_QUANT = r"""{activation}// the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i is byte j of
 // (w[i] & 0x0F0F0F0F), element 16 + j of ((w[i] >> 4) & 0x0F0F0F0F)
 __device__ __forceinline__ int vf_dot_q4_q8(vf_int4 w, const vf_q8_1& a) {{
   const int n[8] = {{w.x & 0x0F0F0F0F, w.y & 0x0F0F0F0F, w.z & 0x0F0F0F0F, w.w & 0x0F0F0F0F,
@@ -523,11 +594,11 @@ def _nv_wave(t: Target) -> str:
     return _NV_WAVE64.format(slots=max(t.block, t.attention_block))
 
 
-def prelude(t: Target, act: str | None = None, quant: bool = False, attention: bool = False) -> str:
+def prelude(t: Target, act: str | None = None, quant: bool = False, attention: bool = False, mma: bool = False) -> str:
     """Everything target-specific in a kernel's source, from the target table
     (``act``: the GEMV activation dtype in LDS, see ``act_dtype``; ``quant``: the kernel reads
     quantized weights, so the helpers that read them are included; ``attention``: the helpers of
-    the attention template)."""
+    the attention template; ``mma``: the tiled matmul's fragment helpers)."""
     act, int8 = (act_dtype(t, 0), act) if act in (None, "q8_1", "q8_1r") else (act, None)
     if t.vendor == "amd":
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
@@ -537,7 +608,9 @@ def prelude(t: Target, act: str | None = None, quant: bool = False, attention: b
                               pdl=_NV_PDL if t.pdl else _NV_NO_PDL) + _NV_WAVE_SUM
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
     activation = _OVER_STEP + (_Q8_1 if int8 == "q8_1" else _Q8_1R)   # the int8 GEMV's activation blocks
-    tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _QUANT.format(activation=activation)) if quant else ""
+    tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _DEQUANT + _QUANT.format(activation=activation)) if quant else ""
     if attention:
         tail += (_AMD_ATTENTION if t.vendor == "amd" else _NV_ATTENTION) + _ATTENTION
+    if mma:
+        tail += _MMA_AMD if t.vendor == "amd" else _MMA_NV.format(**(_MMA_NV64 if t.emulated_wave else _MMA_NV32))
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format() + tail

@@ -58,6 +58,36 @@ static inline float vf_dot_qk(float acc, const float* q, const float* k) {
   for (int i = 0; i < 4; ++i) acc += q[i] * k[i];
   return acc;
 }
+static inline int vf_shfl_xor_i(int v, int m) {
+  float f;
+  std::memcpy(&f, &v, 4);
+  f = vf_shfl_xor(f, m);
+  std::memcpy(&v, &f, 4);
+  return v;
+}
+static inline float vf_wave_sum(float v) {
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
+  return v;
+}
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// the tiled matmul's fragments (codegen/mma.py), each lane computing its own elements: at wave 32 the
+// layout of mma.sync (two n8 halves), at 64 gfx906's (lane l: row l % 16, columns l / 16 * 4 .. + 3)
+#define VF_FRAG (256 / VF_WAVE)
+static inline int vf_frag_row(int i) {
+  return VF_WAVE == 32 ? threadIdx.x % 32 / 4 + (i & 2) * 4 : threadIdx.x % 16;
+}
+static inline int vf_frag_col(int i) {
+  return VF_WAVE == 32 ? (i & 4) * 2 + threadIdx.x % 4 * 2 + (i & 1) : threadIdx.x % 64 / 16 * 4 + i;
+}
+static inline void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_half* b, int bs, int kc) {
+  for (int i = 0; i < VF_FRAG; ++i) {
+    const vf_half* ar = a + vf_frag_row(i) * as;
+    const vf_half* br = b + vf_frag_col(i) * bs;
+    for (int k = 0; k < kc; ++k) acc[i] += (float)ar[k] * (float)br[k];
+  }
+}
+static inline void vf_stage8(vf_half* dst, const vf_half* w) { std::memcpy(dst, w, 16); }
+static inline void vf_stage8(vf_half* dst, const float* w) { for (int i = 0; i < 8; ++i) dst[i] = (vf_half)w[i]; }
 // run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads
 #define VF_EMULATE(KERNEL, ...)                                                                    \
   extern "C" void emulate(void** a, int grid) {                                                     \

@@ -1,0 +1,352 @@
+"""The tiled matmul of a GPU (``mma_tiles``): a contraction of many rows (prefill) as tiles of
+``BM`` rows x ``BN`` output columns per workgroup, k in chunks of ``KC`` staged in LDS as f16, and
+each wave's 16 x 16 fragments multiplied by the prelude's ``vf_mma_tile`` (``mma.sync`` on NVIDIA,
+``v_dot2_f32_f16`` from LDS on gfx906), so that the kernel text is one for every target::
+
+    tile (blockIdx.x): rows m0 .. m0 + BM, columns n0 .. n0 + BN of one segment (Q, K or V)
+    for each row of the tile (a wave each): the prologue's reductions (RMSNorm's sum of squares),
+        the values the activation reads kept in LDS (``rsqrt_sum_sq_rows[r]``)
+    for k0 in chunks of KC:
+        A[BM][KC] = f16(prologue element at (row, k0 + k))     (the activation, never in memory)
+        B_s[BN][KC] = f16(weight s at (column, k0 + k))       (16-byte loads of f16 / f32 rows;
+                                                              quantized blocks dequantized)
+        acc_s[fragment] += A[16 rows] x B_s[16 columns]^T     (each sibling: gate/up, a RoPE pair)
+    epilogue per accumulator element i: row = tile row + vf_frag_row(i), column = ... + vf_frag_col(i)
+
+The epilogue is the Loop IR the scheduler built (``fusion.schedule.row_tiles``): bias, residual,
+SiLU * mul of siblings, RoPE pairs and KV-cache writes, each element seeing every sibling of its
+(row, column).  Rows past T read row T - 1 and store nothing; columns past N likewise.  Rows of
+16-byte LDS reads are padded to ``KC + PAD`` halves (80 bytes) so that neither the fragment loads
+of ``mma.sync`` nor gfx906's 16-byte reads of 8 consecutive rows meet in a bank.
+
+``VEGAFUSE_MMA=0`` keeps the GEMV-style matmul (``codegen.mapping._matmul_rows``): the A/B switch.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+
+from . import loopir as L
+from .loopir import ITEMSIZE
+from .targets import Target
+
+BM, BN = 64, 64            # a workgroup's output tile: 16 fragments of 16 x 16 (4 per wave at wave 64, 2 at 32)
+KC = 32                    # k per LDS chunk: two k16 steps of mma.sync, four 16-byte reads of v_dot2
+PAD = 8                    # halves after each LDS row: 80-byte rows, free of bank conflicts (see banks)
+MMA_ROWS = 16              # a matmul of fewer rows keeps the GEMV-style matmul (a tile would be mostly padding)
+MAX_GRID = 65535
+
+
+@dataclass(frozen=True)
+class MmaSegment:
+    """One segment's output columns ``[0, n)`` (Q, K or V): the weight element of each sibling
+    accumulator at (``col``, ``k``), and the epilogue statements per (``row``, ``col``), which read
+    accumulator ``acc`` as ``Sym(acc + "[f][i]")``."""
+    comments: tuple
+    n: int
+    accs: tuple                   # accumulator names
+    weights: tuple                # per accumulator: the weight element (an Expr of col and k)
+    epilogue: tuple
+
+
+@dataclass(frozen=True)
+class MatmulTiles:
+    """A tiled matmul (see the module docstring): T rows over K; ``decls`` computed first (a
+    clamped position); ``prologue`` the per-row statements (of ``row``), whose ``row_values`` the
+    activation element ``act`` (of ``row``, ``k`` and ``Load(name + "_rows", r)``) reads."""
+    t: int
+    k: int
+    decls: tuple
+    comments: tuple
+    prologue: tuple
+    row_values: tuple             # (name, dtype)
+    act: L.Expr
+    segments: tuple
+    siblings: int                 # the most accumulators of a segment: B tiles in LDS
+
+    @property
+    def row_tiles(self):
+        return -(-self.t // BM)
+
+    def col_tiles(self, seg):
+        return -(-seg.n // BN)
+
+
+def enabled() -> bool:
+    """``VEGAFUSE_MMA=0`` turns the tiled matmul off (A/B)."""
+    return os.environ.get("VEGAFUSE_MMA", "1") != "0"
+
+
+ROW, COL, K, R = (L.Sym(n, "i32") for n in ("row", "col", "k", "r"))
+TEMPLATE_NAMES = ("row", "col", "k", "r", "c", "e", "f", "i", "k0", "m0", "n0", "frag", "tile_n", "mma_a", "mma_b")
+
+
+def _factor(v, act):
+    """The weight factor of a matmul accumulator ``act[row * K + k] * w`` (either order), else None."""
+    if not (isinstance(v, L.Bin) and v.op == "mul"):
+        return None
+    for a, w in ((v.a, v.b), (v.b, v.a)):
+        if isinstance(a, L.Load) and a.buf == act and not any(isinstance(x, L.Load) and x.buf == act
+                                                                for x in L.walk_exprs(w)):
+            return w
+    return None
+
+
+def parse(body):
+    """The matmul form of ``fusion.schedule.row_tiles`` as a ``MatmulTiles``, or None when the body
+    is not exactly that form (then the GEMV-style matmul runs it)."""
+    from .mapping import _inlined, matmul_rows
+    tile, stmts = None, []
+    for s in body:
+        if isinstance(s, L.Loop) and not s.parallel and any(isinstance(x, L.Loop) and x.parallel for x in s.body):
+            if tile is not None:
+                return None
+            tile, stmts = s, stmts + list(s.body)
+        else:
+            stmts.append(s)
+    decls, comments, segs, fill, act, pro_comments = [], [], [], None, None, ()
+    for s in stmts:
+        if isinstance(s, L.Comment):
+            comments.append(s)
+        elif isinstance(s, L.Declare):                   # a clamped position: computed first
+            decls.append(s)
+        elif isinstance(s, L.Array) and act is None:
+            act = s
+        elif isinstance(s, L.Loop) and not s.parallel and fill is None:
+            fill, pro_comments, comments = s, tuple(comments), []
+        elif isinstance(s, L.Loop) and s.parallel and matmul_rows(s) is not None:
+            segs.append((tuple(comments), s))
+            comments = []
+        else:
+            return None
+    if fill is None or act is None or not segs or comments or not isinstance(fill.stop, L.Const):
+        return None
+    if tile is not None and any(x == L.Sym(tile.var, "i32") for d in decls for x in L.walk_exprs(d.init)):
+        return None
+    TR, r = fill.stop.value, fill.var
+    Kdim = act.size // TR
+    ntiles = tile.stop.value if tile is not None else 1
+    subst = {r: ROW} | ({tile.var: L.c(0)} if tile is not None else {})
+    *row_stmts, kloop = fill.body
+    if not (isinstance(kloop, L.Loop) and kloop.body and isinstance(kloop.body[-1], L.Store)
+            and all(isinstance(d, L.Declare) for d in kloop.body[:-1])
+            and all(isinstance(d, (L.Declare, L.Reduce)) for d in row_stmts)):
+        return None
+    if any(isinstance(d, L.Reduce) and any(a.op not in ("add", "max") or a.dtype != "f32" for a in d.accs)
+           for d in row_stmts):
+        return None
+    value = L.substitute((L.Declare("v", "f32", _inlined(kloop.body).value),), subst | {kloop.var: K})[0].init
+    T, out = None, []
+    for cmts, s in segs:
+        red, *stores = L.substitute(matmul_rows(s).body, subst | {s.var: COL})
+        if not (isinstance(red, L.Reduce) and red.start == L.c(0) and red.stop == L.c(Kdim)):
+            return None
+        if len(stores) == 1 and isinstance(stores[0], L.If) and not stores[0].orelse \
+                and isinstance(stores[0].cond, L.Bin) and stores[0].cond.op == "lt" and stores[0].cond.a == ROW \
+                and isinstance(stores[0].cond.b, L.Const):
+            T, stores = stores[0].cond.b.value, list(stores[0].then)
+        weights = tuple(_factor(a.value, act.name) for a in red.accs)
+        if any(w is None or any(x == ROW for x in L.walk_exprs(w)) for w in weights):
+            return None
+        weights = tuple(L.substitute((L.Declare("w", "f32", w),), {red.var: K})[0].init for w in weights)
+        out.append(MmaSegment(cmts, s.stop.value, tuple(a.name for a in red.accs), weights, tuple(stores)))
+    T = T or TR * ntiles
+    unclamp = lambda e: L.rewrite_expr(e, lambda x: ROW if x == L.Bin("min", ROW, L.c(T - 1)) else None)  # noqa: E731
+    row_stmts = L.rewrite(L.substitute(tuple(row_stmts), subst), unclamp)
+    bound = {n: d for n, d in _bound(row_stmts).items()}
+    value = unclamp(value)
+    used = [n for n in bound if any(isinstance(x, L.Sym) and x.name == n for x in L.walk_exprs(value))]
+    value = L.rewrite_expr(value, lambda x: L.Load(x.name + "_rows", R, x.dtype)
+                           if isinstance(x, L.Sym) and x.name in used else None)
+    out = [replace(g, epilogue=L.rewrite(g.epilogue, unclamp)) for g in out]
+    spec = MatmulTiles(T, Kdim, tuple(decls), pro_comments, row_stmts, tuple((n, bound[n]) for n in used), value,
+                       tuple(out), max(len(g.accs) for g in out))
+    return _tidy(spec)
+
+
+def _bound(stmts):
+    """{name: dtype} of the locals a prologue's row statements bind."""
+    out = {}
+    for s in stmts:
+        if isinstance(s, L.Declare):
+            out[s.name] = s.dtype
+        elif isinstance(s, L.Reduce):
+            out.update({a.name: a.dtype for a in s.accs})
+    return out
+
+
+def _tidy(m: MatmulTiles) -> MatmulTiles:
+    """Locals named after what they hold, without the lowering's counters (``acc_w_gate_47`` ->
+    ``acc_w_gate``), clear of the template's own names."""
+    bodies = m.decls + m.prologue + tuple(x for g in m.segments for x in g.epilogue)
+    names = L.local_names(bodies) + [a for g in m.segments for a in g.accs]
+    taken, new = set(TEMPLATE_NAMES), {}
+    for n in dict.fromkeys(names):
+        base = re.sub(r"_\d+$", "", n) or n
+        cand, i = base, 1
+        while cand in taken or cand + "_rows" in taken:
+            cand, i = f"{base}{i}", i + 1
+        taken.add(cand)
+        new[n] = cand
+    ex = lambda e: L.rewrite_expr(e, lambda x: L.Sym(new[x.name], x.dtype) if isinstance(x, L.Sym) and x.name in new  # noqa: E731
+                                  else L.Load(new[x.buf[:-5]] + "_rows", x.index, x.dtype)
+                                  if isinstance(x, L.Load) and x.buf.endswith("_rows") and x.buf[:-5] in new else None)
+    name = lambda n: new.get(n, n)  # noqa: E731
+    segs = tuple(replace(g, accs=tuple(new[a] for a in g.accs), epilogue=L.rewrite(g.epilogue, ex, name))
+                 for g in m.segments)
+    return replace(m, decls=L.rewrite(m.decls, ex, name), prologue=L.rewrite(m.prologue, ex, name),
+                   row_values=tuple((new[n], d) for n, d in m.row_values), act=ex(m.act), segments=segs)
+
+
+def lds_arrays(m: MatmulTiles):
+    """The LDS arrays of the template: the A tile, the B tiles of every sibling, the row values."""
+    stride = KC + PAD
+    return (L.Array("mma_a", "f16", BM * stride, "lds"), L.Array("mma_b", "f16", m.siblings * BN * stride, "lds")) \
+        + tuple(L.Array(n + "_rows", d, BM, "lds") for n, d in m.row_values)
+
+
+def mma_tiles(body, t: Target, lds_limit: int):
+    """``(body, launch)`` of the tiled matmul for the matmul-form contraction ``body`` on ``t``, or
+    None where it does not apply: switched off (``VEGAFUSE_MMA=0``), a target without the fragment
+    helper (AMD without ``v_dot2``), fewer than ``MMA_ROWS`` rows, a form it does not read (see
+    ``parse``), LDS beyond ``lds_limit`` or more workgroups than a grid takes."""
+    if not enabled() or (t.vendor == "amd" and not t.dot2):
+        return None
+    m = parse(body)
+    if m is None or m.t < MMA_ROWS:
+        return None
+    arrays = lds_arrays(m)
+    lds = sum(a.size * ITEMSIZE[a.dtype] for a in arrays)
+    grid = m.row_tiles * sum(m.col_tiles(g) for g in m.segments)
+    if lds > lds_limit - 1024 or grid > MAX_GRID:
+        return None
+    cols = sum(g.n for g in m.segments)
+    how = (f"a tiled matmul: {BM} rows x {BN} output columns per workgroup ({m.row_tiles} x "
+           f"{grid // m.row_tiles} tiles of {m.t} rows x {cols} columns), k in chunks of {KC} staged in LDS as "
+           f"f16 ({m.siblings} weight tile{'s' if m.siblings > 1 else ''}), 16 x 16 fragments per wave through vf_mma_tile")
+    return arrays + (m,), L.Launch(grid, t.block, "VF_BLOCK", how, lds, "f16" if t.dot2 else "f32")
+
+
+# ------------------------------------------------------------------------------ render
+def _stage8(w, k):
+    """``(buffer, row * K)`` when the weight element ``w`` is ``buf[row * K + k]`` of f16 or f32 (its
+    rows copied 8 elements per 16-byte load), else None."""
+    w = w.x if isinstance(w, L.Cast) and w.dtype == "f32" else w
+    if not (type(w) is L.Load and w.dtype in ("f16", "f32")):
+        return None
+    i = w.index
+    ok = (isinstance(i, L.Bin) and i.op == "add" and i.b == K and isinstance(i.a, L.Bin) and i.a.op == "mul"
+          and isinstance(i.a.b, L.Const) and K not in set(L.walk_exprs(i.a)))
+    return (w.buf, i.a) if ok else None
+
+
+def banks(m: MatmulTiles) -> str:
+    """Whether the template's LDS reads are free of bank conflicts: rows of ``KC + PAD`` halves, whose
+    byte stride is an odd multiple of 16 (a 16-byte read of 8 consecutive rows, or mma.sync's 4-byte
+    reads of 8 rows at 4 offsets, cover 32 banks of 4 bytes once) "ok", else "check"."""
+    stride = 2 * (KC + PAD)
+    return "ok" if stride % 16 == 0 and (stride // 16) % 2 == 1 else "check"
+
+
+def render(m: MatmulTiles, stmts, bare, pad="  "):
+    """The kernel text of a tiled matmul (``stmts``/``bare``: the HIP renderer's statement and
+    expression functions)."""
+    stride, mt = KC + PAD, m.row_tiles
+    frags = "16 / VF_WAVES"
+    out = stmts(m.decls, pad)
+    out.append(f"{pad}// a tile of {BM} rows x {BN} columns per workgroup (rows fastest: the tiles of a weight tile run together)")
+    if mt > 1:
+        out.append(f"{pad}const int m0 = blockIdx.x % {mt} * {BM}, tile_n = blockIdx.x / {mt};")
+    else:
+        out.append(f"{pad}const int m0 = 0, tile_n = blockIdx.x;")
+    clamp = f"min(m0 + r, {m.t - 1})" if m.t % BM else "m0 + r"
+    out += stmts(m.comments, pad)
+    if m.prologue:
+        out.append(f"{pad}for (int r = vf_wave; r < {BM}; r += VF_WAVES) {{   // the prologue's row values, a wave per row")
+        out.append(f"{pad}  const int row = {clamp};")
+        lane = tuple(replace(s, map="lane") if isinstance(s, L.Reduce) else s for s in m.prologue)
+        out += stmts(lane, pad + "  ")
+        if m.row_values:
+            out.append(f"{pad}  if (vf_lane == 0) {{")
+            out += [f"{pad}    {n}_rows[r] = {n};" for n, _ in m.row_values]
+            out.append(f"{pad}  }}")
+        out.append(f"{pad}}}")
+        out.append(f"{pad}__syncthreads();")
+    chain, first = [], 0
+    for g in m.segments:
+        chain.append((first, first + m.col_tiles(g), g))
+        first += m.col_tiles(g)
+    for j, (lo, hi, g) in enumerate(chain):
+        head = "if" if j == 0 else "} else if"
+        cond = f"tile_n < {hi}"
+        if len(chain) == 1:
+            body_pad = pad
+        else:
+            out.append(f"{pad}{head} ({cond}) {{" if j < len(chain) - 1 else f"{pad}}} else {{")
+            body_pad = pad + "  "
+        out += _segment(m, g, lo, stmts, bare, body_pad, stride, frags)
+    if len(chain) > 1:
+        out.append(f"{pad}}}")
+    return out
+
+
+def _segment(m, g, lo, stmts, bare, pad, stride, frags):
+    """One segment's main loop and epilogue."""
+    out = stmts(g.comments, pad)
+    out.append(f"{pad}const int n0 = {'tile_n' if not lo else f'(tile_n - {lo})'} * {BN};")
+    out.append(f"{pad}float {', '.join(f'{a}[{frags}][VF_FRAG] = {{}}' for a in g.accs)};")
+    ragged_k = m.k % KC != 0
+    out.append(f"{pad}for (int k0 = 0; k0 < {m.k}; k0 += {KC}) {{")
+    p = pad + "  "
+    clamp = f"min(m0 + r, {m.t - 1})" if m.t % BM else "m0 + r"
+    act = bare(m.act)
+    out += [f"{p}// the activation tile: {BM} rows x {KC} of the prologue's values, as f16",
+            f"{p}for (int e = threadIdx.x; e < {BM * KC}; e += VF_BLOCK) {{",
+            f"{p}  const int r = e / {KC}, k = k0 + e % {KC}, row = {clamp};",
+            f"{p}  mma_a[r * {stride} + e % {KC}] = vf_f2h({f'k < {m.k} ? {act} : 0.0f' if ragged_k else act});",
+            f"{p}}}"]
+    ccl = f"min(n0 + c, {g.n - 1})" if g.n % BN else "n0 + c"
+    staged = [_stage8(w, K) for w in g.weights]
+    vector = not ragged_k and all(staged)
+    names = ", ".join(g.accs)
+    if vector:
+        out += [f"{p}// the weight tiles ({names}): {BN} columns x {KC}, 16 bytes per load",
+                f"{p}for (int e = threadIdx.x; e < {BN * KC // 8}; e += VF_BLOCK) {{",
+                f"{p}  const int c = e / {KC // 8}, k = k0 + e % {KC // 8} * 8, col = {ccl};"]
+        for s, (buf, rowe) in enumerate(staged):
+            off = f"{s * BN * stride} + " if s else ""
+            out.append(f"{p}  vf_stage8(mma_b + {off}c * {stride} + e % {KC // 8} * 8, {buf} + {bare(rowe)} + k);")
+    else:
+        out += [f"{p}// the weight tiles ({names}): {BN} columns x {KC}, as f16",
+                f"{p}for (int e = threadIdx.x; e < {BN * KC}; e += VF_BLOCK) {{",
+                f"{p}  const int c = e / {KC}, k = k0 + e % {KC}, col = {ccl};"]
+        for s, w in enumerate(g.weights):
+            off = f"{s * BN * stride} + " if s else ""
+            v = bare(w)
+            out.append(f"{p}  mma_b[{off}c * {stride} + e % {KC}] = vf_f2h({f'k < {m.k} ? {v} : 0.0f' if ragged_k else v});")
+    out += [f"{p}}}", f"{p}__syncthreads();",
+            f"{p}#pragma unroll",
+            f"{p}for (int f = 0; f < {frags}; ++f) {{     // this wave's fragments: {BN // 16} per row of fragments",
+            f"{p}  const int frag = vf_wave * ({frags}) + f;"]
+    for s, a in enumerate(g.accs):
+        off = f"{s * BN * stride} + " if s else ""
+        out.append(f"{p}  vf_mma_tile({a}[f], mma_a + frag / {BN // 16} * {16 * stride}, {stride}, "
+                   f"mma_b + {off}frag % {BN // 16} * {16 * stride}, {stride}, {KC});")
+    out += [f"{p}}}", f"{p}__syncthreads();", f"{pad}}}"]
+    guard = [c for c, ragged in ((f"row < {m.t}", m.t % BM), (f"col < {g.n}", g.n % BN)) if ragged]
+    out += [f"{pad}#pragma unroll",
+            f"{pad}for (int f = 0; f < {frags}; ++f) {{",
+            f"{pad}  const int frag = vf_wave * ({frags}) + f;",
+            f"{pad}  #pragma unroll",
+            f"{pad}  for (int i = 0; i < VF_FRAG; ++i) {{   // the lane's elements of the fragment",
+            f"{pad}    const int row = m0 + frag / {BN // 16} * 16 + vf_frag_row(i), col = n0 + frag % {BN // 16} * 16 + vf_frag_col(i);"]
+    epi = L.substitute(g.epilogue, {a: L.Sym(a + "[f][i]", "f32") for a in g.accs})
+    if guard:
+        out.append(f"{pad}    if ({' && '.join(guard)}) {{")
+        out += stmts(epi, pad + "      ")
+        out.append(f"{pad}    }}")
+    else:
+        out += stmts(epi, pad + "    ")
+    out += [f"{pad}  }}", f"{pad}}}"]
+    return out
