@@ -288,9 +288,9 @@ __device__ __forceinline__ void vf_mma_tile(float* acc, const vf_half* a, int as
 __device__ __forceinline__ void vf_stage8(vf_half* dst, const vf_half* __restrict__ w) {{ *(uint4*)dst = *(const uint4*)w; }}
 __device__ __forceinline__ void vf_stage8(vf_half* dst, const float* __restrict__ w) {{
   const float4 lo = *(const float4*)w, hi = *(const float4*)(w + 4);
-  __half2 h[4] = {{__floats2half2_rn(lo.x, lo.y), __floats2half2_rn(lo.z, lo.w), __floats2half2_rn(hi.x, hi.y),
-                  __floats2half2_rn(hi.z, hi.w)}};
-  *(uint4*)dst = *(const uint4*)h;
+  __half2* d = (__half2*)dst;
+  d[0] = __floats2half2_rn(lo.x, lo.y); d[1] = __floats2half2_rn(lo.z, lo.w);
+  d[2] = __floats2half2_rn(hi.x, hi.y); d[3] = __floats2half2_rn(hi.z, hi.w);
 }}
 """
 _MMA_NV32 = dict(how="a warp computes both n8 halves of a 16 x 16 fragment", frag=8, col="(i & 4) * 2 + ",
