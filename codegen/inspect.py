@@ -271,6 +271,11 @@ def main(argv=None):
         print(f"{len(items)} kernels in {step}, target {target.name} (wave{target.wave}); "
               f"main-loop instruction counts; identical layers listed once")
         print(table(items, not args.all))
+        if args.prefill > 1:                    # what each contraction chose (the tiled matmul or not)
+            print("\nmappings of the contractions (identical layers once):")
+            for name, how in dict.fromkeys((re.sub(r"^layers_\d+_", "layers_N_", it.kernel.name), it.hip.kernel.launch.how)
+                                           for it in items if it.kernel.family == "contract"):
+                print(f"  {name}: {how}")
         return 0
     except (HipUnavailable, HipCompileError, ModelError, ValueError, DSLError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -193,7 +193,8 @@ def _tidy(m: MatmulTiles) -> MatmulTiles:
                                   else L.Load(new[x.buf[:-5]] + "_rows", x.index, x.dtype)
                                   if isinstance(x, L.Load) and x.buf.endswith("_rows") and x.buf[:-5] in new else None)
     name = lambda n: new.get(n, n)  # noqa: E731
-    segs = tuple(replace(g, accs=tuple(new[a] for a in g.accs), epilogue=L.rewrite(g.epilogue, ex, name))
+    segs = tuple(replace(g, accs=tuple(new[a] for a in g.accs), weights=tuple(ex(w) for w in g.weights),
+                         epilogue=L.rewrite(g.epilogue, ex, name))
                  for g in m.segments)
     return replace(m, decls=L.rewrite(m.decls, ex, name), prologue=L.rewrite(m.prologue, ex, name),
                    row_values=tuple((new[n], d) for n, d in m.row_values), act=ex(m.act), segments=segs)
@@ -209,12 +210,13 @@ def lds_arrays(m: MatmulTiles):
 def mma_tiles(body, t: Target, lds_limit: int):
     """``(body, launch)`` of the tiled matmul for the matmul-form contraction ``body`` on ``t``, or
     None where it does not apply: switched off (``VEGAFUSE_MMA=0``), a target without the fragment
-    helper (AMD without ``v_dot2``), fewer than ``MMA_ROWS`` rows, a form it does not read (see
-    ``parse``), LDS beyond ``lds_limit`` or more workgroups than a grid takes."""
+    helper (AMD without ``v_dot2``), fewer than ``MMA_ROWS`` rows or ``KC`` columns of k, a form it
+    does not read (see ``parse``: K = 1 has no fill loop), LDS beyond ``lds_limit`` or more
+    workgroups than a grid takes."""
     if not enabled() or (t.vendor == "amd" and not t.dot2):
         return None
     m = parse(body)
-    if m is None or m.t < MMA_ROWS:
+    if m is None or m.t < MMA_ROWS or m.k < KC:
         return None
     arrays = lds_arrays(m)
     lds = sum(a.size * ITEMSIZE[a.dtype] for a in arrays)
