@@ -64,6 +64,7 @@ class MatmulTiles:
     act: L.Expr
     segments: tuple
     siblings: int                 # the most accumulators of a segment: B tiles in LDS
+    threads: int = 256            # of the workgroup (VF_BLOCK): each loads BM * KC / threads activation values
 
     @property
     def row_tiles(self):
@@ -78,8 +79,15 @@ def enabled() -> bool:
     return os.environ.get("VEGAFUSE_MMA", "1") != "0"
 
 
+def prefetch() -> bool:
+    """Each chunk's tiles are loaded into registers at the end of the previous chunk's products (the
+    loads in flight across the barrier; ptxas hoists them into the products); ``VEGAFUSE_MMA_PREFETCH=0``
+    loads each chunk right before storing it (A/B)."""
+    return os.environ.get("VEGAFUSE_MMA_PREFETCH", "1") != "0"
+
+
 ROW, COL, K, R = (L.Sym(n, "i32") for n in ("row", "col", "k", "r"))
-TEMPLATE_NAMES = ("row", "col", "k", "r", "c", "e", "f", "i", "k0", "m0", "n0", "frag", "tile_n", "mma_a", "mma_b")
+TEMPLATE_NAMES = ("row", "col", "k", "r", "c", "e", "f", "i", "j", "a_next", "b_next", "load_tiles", "k0", "m0", "n0", "frag", "tile_n", "mma_a", "mma_b")
 
 
 def _factor(v, act):
@@ -216,8 +224,9 @@ def mma_tiles(body, t: Target, lds_limit: int):
     if not enabled() or (t.vendor == "amd" and not t.dot2):
         return None
     m = parse(body)
-    if m is None or m.t < MMA_ROWS or m.k < KC:
+    if m is None or m.t < MMA_ROWS or m.k < KC or (BN * KC // 8) % t.block:
         return None
+    m = replace(m, threads=t.block)
     arrays = lds_arrays(m)
     lds = sum(a.size * ITEMSIZE[a.dtype] for a in arrays)
     grid = m.row_tiles * sum(m.col_tiles(g) for g in m.segments)
@@ -294,61 +303,80 @@ def render(m: MatmulTiles, stmts, bare, pad="  "):
 
 
 def _segment(m, g, lo, stmts, bare, pad, stride, frags):
-    """One segment's main loop and epilogue."""
+    """One segment's main loop and epilogue.  Each chunk's tiles are loaded into registers after the
+    previous chunk's products (``prefetch``), then stored into LDS."""
     out = stmts(g.comments, pad)
     out.append(f"{pad}const int n0 = {'tile_n' if not lo else f'(tile_n - {lo})'} * {BN};")
     out.append(f"{pad}float {', '.join(f'{a}[{frags}][VF_FRAG] = {{}}' for a in g.accs)};")
     ragged_k = m.k % KC != 0
-    out.append(f"{pad}for (int k0 = 0; k0 < {m.k}; k0 += {KC}) {{")
-    p = pad + "  "
-    clamp = f"min(m0 + r, {m.t - 1})" if m.t % BM else "m0 + r"
-    act = bare(m.act)
-    out += [f"{p}// the activation tile: {BM} rows x {KC} of the prologue's values, as f16",
-            f"{p}for (int e = threadIdx.x; e < {BM * KC}; e += VF_BLOCK) {{",
-            f"{p}  const int r = e / {KC}, k = k0 + e % {KC}, row = {clamp};",
-            f"{p}  mma_a[r * {stride} + e % {KC}] = vf_f2h({f'k < {m.k} ? {act} : 0.0f' if ragged_k else act});",
-            f"{p}}}"]
-    ccl = f"min(n0 + c, {g.n - 1})" if g.n % BN else "n0 + c"
     staged = [_stage8(w, K) for w in g.weights]
     vector = not ragged_k and all(staged)
-    names = ", ".join(g.accs)
-    if vector:
-        out += [f"{p}// the weight tiles ({names}): {BN} columns x {KC}, 16 bytes per load",
-                f"{p}for (int e = threadIdx.x; e < {BN * KC // 8}; e += VF_BLOCK) {{",
-                f"{p}  const int c = e / {KC // 8}, k = k0 + e % {KC // 8} * 8, col = {ccl};"]
-        for s, (buf, rowe) in enumerate(staged):
-            off = f"{s * BN * stride} + " if s else ""
-            out.append(f"{p}  vf_stage8(mma_b + {off}c * {stride} + e % {KC // 8} * 8, {buf} + {bare(rowe)} + k);")
-    else:
-        out += [f"{p}// the weight tiles ({names}): {BN} columns x {KC}, as f16",
-                f"{p}for (int e = threadIdx.x; e < {BN * KC}; e += VF_BLOCK) {{",
-                f"{p}  const int c = e / {KC}, k = k0 + e % {KC}, col = {ccl};"]
-        for s, w in enumerate(g.weights):
-            off = f"{s * BN * stride} + " if s else ""
+    na, nb = BM * KC // m.threads, BN * KC // (8 if vector else 1) // m.threads
+    per = KC // 8 if vector else KC                      # a column's loads in a chunk
+    S = len(g.accs)
+    clamp = f"min(m0 + r, {m.t - 1})" if m.t % BM else "m0 + r"
+    ccl = f"min(n0 + c, {g.n - 1})" if g.n % BN else "n0 + c"
+    act = bare(m.act)
+    p, q = pad + "  ", pad + "    "
+
+    def each(n, first, lines, at):                       # the n elements of a thread: a loop over j, or one
+        if n == 1:
+            return [f"{at}{{", f"{at}  const int e = threadIdx.x{first};"] + [f"{at}  {x.replace('[j]', '[0]')}" for x in lines] + [f"{at}}}"]
+        return ([f"{at}#pragma unroll", f"{at}for (int j = 0; j < {n}; ++j) {{", f"{at}  const int e = threadIdx.x + j * VF_BLOCK{first};"]
+                + [f"{at}  {x}" for x in lines] + [f"{at}}}"])
+    out += [f"{pad}vf_half a_next[{na}];",
+            f"{pad}{'vf_h8' if vector else 'vf_half'} b_next[{S}][{nb}];",
+            f"{pad}// chunk k0 into registers: the activation tile ({BM} rows x {KC} of the prologue's values, f16) "
+            f"and the weight tiles ({', '.join(g.accs)}: {BN} columns x {KC}{', 16 bytes per load' if vector else ', as f16'})",
+            f"{pad}const auto load_tiles = [&](int k0) {{"]
+    out += each(na, f", r = e / {KC}, k = k0 + e % {KC}, row = {clamp}",
+                [f"a_next[j] = vf_f2h({f'k < {m.k} ? {act} : 0.0f' if ragged_k else act});"], p)
+    loads = []
+    for s_, w in enumerate(g.weights):
+        if vector:
+            buf, rowe = staged[s_]
+            loads.append(f"b_next[{s_}][j] = vf_load8({buf} + {bare(rowe)} + k);")
+        else:
             v = bare(w)
-            out.append(f"{p}  mma_b[{off}c * {stride} + e % {KC}] = vf_f2h({f'k < {m.k} ? {v} : 0.0f' if ragged_k else v});")
-    out += [f"{p}}}", f"{p}__syncthreads();",
+            loads.append(f"b_next[{s_}][j] = vf_f2h({f'k < {m.k} ? {v} : 0.0f' if ragged_k else v});")
+    out += each(nb, f", c = e / {per}, k = k0 + e % {per}{' * 8' if vector else ''}, col = {ccl}", loads, p)
+    ahead = prefetch()
+    out += [f"{pad}}};"] + ([f"{pad}load_tiles(0);"] if ahead else []) + [f"{pad}for (int k0 = 0; k0 < {m.k}; k0 += {KC}) {{"]
+    if not ahead:
+        out.append(f"{p}load_tiles(k0);")
+    out += each(na, "", [f"mma_a[e / {KC} * {stride} + e % {KC}] = a_next[j];"], p)
+    stores = []
+    for s_ in range(S):
+        off = f"{s_ * BN * stride} + " if s_ else ""
+        stores.append(f"vf_store8(mma_b + {off}e / {per} * {stride} + e % {per} * 8, b_next[{s_}][j]);" if vector
+                      else f"mma_b[{off}e / {per} * {stride} + e % {per}] = b_next[{s_}][j];")
+    out += each(nb, "", stores, p)
+    nxt = f"k0 + {KC}" if ragged_k else f"k0 + {KC} < {m.k} ? k0 + {KC} : 0"
+    out += [f"{p}__syncthreads();",
             f"{p}#pragma unroll",
             f"{p}for (int f = 0; f < {frags}; ++f) {{     // this wave's fragments: {BN // 16} per row of fragments",
-            f"{p}  const int frag = vf_wave * ({frags}) + f;"]
-    for s, a in enumerate(g.accs):
-        off = f"{s * BN * stride} + " if s else ""
-        out.append(f"{p}  vf_mma_tile({a}[f], mma_a + frag / {BN // 16} * {16 * stride}, {stride}, "
+            f"{q}const int frag = vf_wave * ({frags}) + f;"]
+    for s_, a in enumerate(g.accs):
+        off = f"{s_ * BN * stride} + " if s_ else ""
+        out.append(f"{q}vf_mma_tile({a}[f], mma_a + frag / {BN // 16} * {16 * stride}, {stride}, "
                    f"mma_b + {off}frag % {BN // 16} * {16 * stride}, {stride}, {KC});")
-    out += [f"{p}}}", f"{p}__syncthreads();", f"{pad}}}"]
+    out.append(f"{p}}}")
+    if ahead:                                            # the next chunk, in flight until the stores after the barrier
+        out.append(f"{p}load_tiles({nxt});   // the next chunk" + ("" if ragged_k else " (after the last: chunk 0 again, unused)"))
+    out += [f"{p}__syncthreads();", f"{pad}}}"]
     guard = [c for c, ragged in ((f"row < {m.t}", m.t % BM), (f"col < {g.n}", g.n % BN)) if ragged]
     out += [f"{pad}#pragma unroll",
             f"{pad}for (int f = 0; f < {frags}; ++f) {{",
-            f"{pad}  const int frag = vf_wave * ({frags}) + f;",
-            f"{pad}  #pragma unroll",
-            f"{pad}  for (int i = 0; i < VF_FRAG; ++i) {{   // the lane's elements of the fragment",
-            f"{pad}    const int row = m0 + frag / {BN // 16} * 16 + vf_frag_row(i), col = n0 + frag % {BN // 16} * 16 + vf_frag_col(i);"]
+            f"{p}const int frag = vf_wave * ({frags}) + f;",
+            f"{p}#pragma unroll",
+            f"{p}for (int i = 0; i < VF_FRAG; ++i) {{   // the lane's elements of the fragment",
+            f"{q}const int row = m0 + frag / {BN // 16} * 16 + vf_frag_row(i), col = n0 + frag % {BN // 16} * 16 + vf_frag_col(i);"]
     epi = L.substitute(g.epilogue, {a: L.Sym(a + "[f][i]", "f32") for a in g.accs})
     if guard:
-        out.append(f"{pad}    if ({' && '.join(guard)}) {{")
-        out += stmts(epi, pad + "      ")
-        out.append(f"{pad}    }}")
+        out.append(f"{q}if ({' && '.join(guard)}) {{")
+        out += stmts(epi, q + "  ")
+        out.append(f"{q}}}")
     else:
-        out += stmts(epi, pad + "    ")
-    out += [f"{pad}  }}", f"{pad}}}"]
+        out += stmts(epi, q)
+    out += [f"{p}}}", f"{pad}}}"]
     return out

@@ -232,8 +232,8 @@ __device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ 
 
 # the tiled matmul (codegen/mma.py): vf_mma_tile(acc, a, as, b, bs, kc) adds A[16 x kc] * B[16 x kc]^T (f16 rows
 # in LDS, strides as / bs halves) into the calling wave's 16 x 16 fragment, VF_FRAG = 256 / VF_WAVE elements
-# per lane; the lane's element i sits at (vf_frag_row(i), vf_frag_col(i)) of the fragment.  vf_stage8 copies
-# 8 weight elements (one 16-byte load of f16, two of f32) into LDS as f16.
+# per lane; the lane's element i sits at (vf_frag_row(i), vf_frag_col(i)) of the fragment.  vf_load8 loads 8
+# weight elements (one 16-byte load of f16, two of f32) as 8 halves (vf_h8), vf_store8 puts them in LDS.
 _MMA_AMD = r"""// tiled matmul fragments (gfx906, no matrix cores): lane l owns row l % 16, columns l / 16 * 4 .. + 3;
 // 16-byte LDS reads (a row's 8 halves: 8 consecutive rows of 80 bytes meet no bank twice; the 16 lanes of
 // a column read one address) and v_dot2_f32_f16
@@ -256,14 +256,16 @@ __device__ __forceinline__ void vf_mma_tile(float* acc, const vf_half* a, int as
     }
   }
 }
-__device__ __forceinline__ void vf_stage8(vf_half* dst, const vf_half* __restrict__ w) { *(vf_half8*)dst = *(const vf_half8*)w; }
-__device__ __forceinline__ void vf_stage8(vf_half* dst, const float* __restrict__ w) {
+typedef vf_half8 vf_h8;
+__device__ __forceinline__ vf_h8 vf_load8(const vf_half* __restrict__ w) { return *(const vf_half8*)w; }
+__device__ __forceinline__ vf_h8 vf_load8(const float* __restrict__ w) {
   const vf_float4 lo = *(const vf_float4*)w, hi = *(const vf_float4*)(w + 4);
   vf_half8 h;
   h.s0 = (vf_half)lo.x; h.s1 = (vf_half)lo.y; h.s2 = (vf_half)lo.z; h.s3 = (vf_half)lo.w;
   h.s4 = (vf_half)hi.x; h.s5 = (vf_half)hi.y; h.s6 = (vf_half)hi.z; h.s7 = (vf_half)hi.w;
-  *(vf_half8*)dst = h;
+  return h;
 }
+__device__ __forceinline__ void vf_store8(vf_half* dst, vf_h8 v) { *(vf_half8*)dst = v; }
 """
 
 _MMA_NV = r"""// tiled matmul fragments on tensor cores: mma.sync m16n8k16 (f16 x f16 -> f32), {how}
@@ -285,13 +287,17 @@ __device__ __forceinline__ void vf_mma_tile(float* acc, const vf_half* a, int as
   for (int k = 0; k < kc; k += 16) {{
 {body}  }}
 }}
-__device__ __forceinline__ void vf_stage8(vf_half* dst, const vf_half* __restrict__ w) {{ *(uint4*)dst = *(const uint4*)w; }}
-__device__ __forceinline__ void vf_stage8(vf_half* dst, const float* __restrict__ w) {{
+typedef uint4 vf_h8;
+__device__ __forceinline__ vf_h8 vf_load8(const vf_half* __restrict__ w) {{ return *(const uint4*)w; }}
+__device__ __forceinline__ vf_h8 vf_load8(const float* __restrict__ w) {{
   const float4 lo = *(const float4*)w, hi = *(const float4*)(w + 4);
-  __half2* d = (__half2*)dst;
-  d[0] = __floats2half2_rn(lo.x, lo.y); d[1] = __floats2half2_rn(lo.z, lo.w);
-  d[2] = __floats2half2_rn(hi.x, hi.y); d[3] = __floats2half2_rn(hi.z, hi.w);
+  const __half2 h[4] = {{__floats2half2_rn(lo.x, lo.y), __floats2half2_rn(lo.z, lo.w), __floats2half2_rn(hi.x, hi.y),
+                        __floats2half2_rn(hi.z, hi.w)}};
+  vf_h8 v;
+  v.x = *(const unsigned*)&h[0]; v.y = *(const unsigned*)&h[1]; v.z = *(const unsigned*)&h[2]; v.w = *(const unsigned*)&h[3];
+  return v;
 }}
+__device__ __forceinline__ void vf_store8(vf_half* dst, vf_h8 v) {{ *(uint4*)dst = v; }}
 """
 _MMA_NV32 = dict(how="a warp computes both n8 halves of a 16 x 16 fragment", frag=8, col="(i & 4) * 2 + ",
                  body="    vf_mma_n8(acc, a + k, as, b + k, bs);\n    vf_mma_n8(acc + 4, a + k, as, b + 8 * bs + k, bs);\n")

@@ -86,8 +86,10 @@ static inline void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_ha
     for (int k = 0; k < kc; ++k) acc[i] += (float)ar[k] * (float)br[k];
   }
 }
-static inline void vf_stage8(vf_half* dst, const vf_half* w) { std::memcpy(dst, w, 16); }
-static inline void vf_stage8(vf_half* dst, const float* w) { for (int i = 0; i < 8; ++i) dst[i] = (vf_half)w[i]; }
+struct vf_h8 { vf_half h[8]; };
+static inline vf_h8 vf_load8(const vf_half* w) { vf_h8 v; std::memcpy(v.h, w, 16); return v; }
+static inline vf_h8 vf_load8(const float* w) { vf_h8 v; for (int i = 0; i < 8; ++i) v.h[i] = (vf_half)w[i]; return v; }
+static inline void vf_store8(vf_half* dst, vf_h8 v) { std::memcpy(dst, v.h, 16); }
 // run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads
 #define VF_EMULATE(KERNEL, ...)                                                                    \
   extern "C" void emulate(void** a, int grid) {                                                     \
