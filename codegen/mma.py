@@ -329,7 +329,8 @@ def _segment(m, g, lo, stmts, bare, pad, stride, frags):
             f"{pad}// chunk k0 into registers: the activation tile ({BM} rows x {KC} of the prologue's values, f16) "
             f"and the weight tiles ({', '.join(g.accs)}: {BN} columns x {KC}{', 16 bytes per load' if vector else ', as f16'})",
             f"{pad}const auto load_tiles = [&](int k0) {{"]
-    out += each(na, f", r = e / {KC}, k = k0 + e % {KC}, row = {clamp}",
+    reads_row = ROW in set(L.walk_exprs(m.act))
+    out += each(na, f", r = e / {KC}, k = k0 + e % {KC}" + (f", row = {clamp}" if reads_row else ""),
                 [f"a_next[j] = vf_f2h({f'k < {m.k} ? {act} : 0.0f' if ragged_k else act});"], p)
     loads = []
     for s_, w in enumerate(g.weights):

@@ -183,3 +183,19 @@ def test_gfx906_isa_gates(wdtype):
     if wdtype != "q4_0":
         assert load_widths(instructions(isa)).get(16, 0) >= 1
     assert lds_banks(it) == "ok"
+
+
+@needs_gxx
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+def test_gathered_rows_and_an_expert_weight(target, tmp_path_factory):
+    """A MoE-style matmul: the activation's rows gathered by token ids, the weight rows of one expert
+    chosen by a runtime id (quantized), SiLU in the epilogue."""
+    T, K, N, E = 24, 64, 40, 3
+    x, ids = randn(50, K), rng.integers(0, 50, T).astype(np.int32)
+    w, eid = weight(E * N, K, "q4_1"), np.array([2], np.int32)
+
+    def f(x, ids, w, eid):
+        rows = dsl.take(w, eid[0] * N + dsl.arange(N))
+        return nn.silu(nn.linear(dsl.take(x, ids, axis=0), rows))
+    k = check(f, (x, ids, w, eid), target, str(tmp_path_factory.getbasetemp()))
+    assert tiled(k, target).siblings == 1
