@@ -31,6 +31,8 @@ from . import loopir as L
 from .loopir import ITEMSIZE
 from .targets import Target
 
+CTYPE = {"f32": "float", "i32": "int"}
+
 BM, BN = 64, 64            # a workgroup's output tile: 16 fragments of 16 x 16 (4 per wave at wave 64, 2 at 32)
 KC = 32                    # k per LDS chunk: two k16 steps of mma.sync, four 16-byte reads of v_dot2
 PAD = 8                    # halves after each LDS row: 80-byte rows, free of bank conflicts (see banks)
@@ -236,7 +238,7 @@ def mma_tiles(body, t: Target, lds_limit: int):
     how = (f"a tiled matmul: {BM} rows x {BN} output columns per workgroup ({m.row_tiles} x "
            f"{grid // m.row_tiles} tiles of {m.t} rows x {cols} columns), k in chunks of {KC} staged in LDS as "
            f"f16 ({m.siblings} weight tile{'s' if m.siblings > 1 else ''}), 16 x 16 fragments per wave through vf_mma_tile")
-    return arrays + (m,), L.Launch(grid, t.block, "VF_BLOCK", how, lds, "f16" if t.dot2 else "f32")
+    return (m,), L.Launch(grid, t.block, "VF_BLOCK", how, lds, "f16" if t.dot2 else "f32")
 
 
 # ------------------------------------------------------------------------------ render
@@ -265,7 +267,9 @@ def render(m: MatmulTiles, stmts, bare, pad="  "):
     expression functions)."""
     stride, mt = KC + PAD, m.row_tiles
     frags = "16 / VF_WAVES"
-    out = stmts(m.decls, pad)
+    out = [f"{pad}__shared__ {'vf_half' if a.dtype == 'f16' else CTYPE[a.dtype]} {a.name}[{a.size}] __attribute__((aligned(16)));"
+           + ("   // rows of 16-byte reads" if a.dtype == "f16" else "") for a in lds_arrays(m)]
+    out += stmts(m.decls, pad)
     out.append(f"{pad}// a tile of {BM} rows x {BN} columns per workgroup (rows fastest: the tiles of a weight tile run together)")
     if mt > 1:
         out.append(f"{pad}const int m0 = blockIdx.x % {mt} * {BM}, tile_n = blockIdx.x / {mt};")

@@ -17,6 +17,8 @@ unchanged on an NVIDIA GPU.  The helpers that lanes of one wave talk through:
 """
 from __future__ import annotations
 
+import os
+
 from .targets import Target
 _DEFINES = r"""#define VF_WAVE {wave}
 #define VF_BLOCK {block}
@@ -273,16 +275,14 @@ _MMA_NV = r"""// tiled matmul fragments on tensor cores: mma.sync m16n8k16 (f16 
 // mma.sync's C layout: lane g * 4 + t of a warp holds rows g and g + 8, columns 2t and 2t + 1 of an n8 half
 __device__ __forceinline__ int vf_frag_row(int i) {{ return threadIdx.x % 32 / 4 + (i & 2) * 4; }}
 __device__ __forceinline__ int vf_frag_col(int i) {{ return {col}threadIdx.x % 4 * 2 + (i & 1); }}
-// one n8 half: c[4] += A[16 x 16] (a, row-major) * B[8 x 16]^T (b: 8 rows of 16 k, "col" for mma)
-__device__ __forceinline__ void vf_mma_n8(float* c, const vf_half* a, int as, const vf_half* b, int bs) {{
-  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const unsigned a0 = *(const unsigned*)(a + g * as + 2 * t), a1 = *(const unsigned*)(a + (g + 8) * as + 2 * t);
-  const unsigned a2 = *(const unsigned*)(a + g * as + 8 + 2 * t), a3 = *(const unsigned*)(a + (g + 8) * as + 8 + 2 * t);
-  const unsigned b0 = *(const unsigned*)(b + g * bs + 2 * t), b1 = *(const unsigned*)(b + g * bs + 8 + 2 * t);
+// c[4] += A[16 x 16] * B[8 x 16]^T: a[4] is A's fragment (rows g, g + 8 x k 2t, 2t + 1, then k + 8), b0 / b1
+// B's (its row g, k 2t, 2t + 1 and k + 8)
+__device__ __forceinline__ void vf_mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {{
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }}
-__device__ __forceinline__ void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_half* b, int bs, int kc) {{
+{loads}__device__ __forceinline__ void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_half* b, int bs, int kc) {{
+  const int l = threadIdx.x % 32;
   #pragma unroll
   for (int k = 0; k < kc; k += 16) {{
 {body}  }}
@@ -299,11 +299,57 @@ __device__ __forceinline__ vf_h8 vf_load8(const float* __restrict__ w) {{
 }}
 __device__ __forceinline__ void vf_store8(vf_half* dst, vf_h8 v) {{ *(uint4*)dst = v; }}
 """
-_MMA_NV32 = dict(how="a warp computes both n8 halves of a 16 x 16 fragment", frag=8, col="(i & 4) * 2 + ",
-                 body="    vf_mma_n8(acc, a + k, as, b + k, bs);\n    vf_mma_n8(acc + 4, a + k, as, b + 8 * bs + k, bs);\n")
+# the fragments from LDS: ldmatrix (one instruction per 8 x 8 matrices, lane 8 * matrix + row addressing a
+# 16-byte row), or 4-byte loads where VEGAFUSE_MMA_LDMATRIX=0
+_LDSM = r"""// ldmatrix: 4 (2) 8 x 8 matrices of halves, row r of matrix m addressed by lane 8 m + r (16 bytes), element
+// (row, 2w, 2w + 1) of matrix m in r[m] of lane 4 row + w: the mma fragments' layout
+__device__ __forceinline__ void vf_ldsm4(unsigned* r, const vf_half* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
+}
+__device__ __forceinline__ void vf_ldsm2(unsigned* r, const vf_half* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1]) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
+}
+"""
+_LD32 = r"""// the fragments by 4-byte LDS loads: a[4] rows g, g + 8 of A at k 2t (and + 8); b[2] row g of B at k 2t (and + 8)
+__device__ __forceinline__ void vf_frag_a(unsigned* r, const vf_half* a, int as) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  r[0] = *(const unsigned*)(a + g * as + 2 * t); r[1] = *(const unsigned*)(a + (g + 8) * as + 2 * t);
+  r[2] = *(const unsigned*)(a + g * as + 8 + 2 * t); r[3] = *(const unsigned*)(a + (g + 8) * as + 8 + 2 * t);
+}
+__device__ __forceinline__ void vf_frag_b(unsigned* r, const vf_half* b, int bs) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  r[0] = *(const unsigned*)(b + g * bs + 2 * t); r[1] = *(const unsigned*)(b + g * bs + 8 + 2 * t);
+}
+"""
+# A: lane l addresses row l % 16 at k (l / 16) * 8 (matrices: rows 0-7 k 0-7, rows 8-15, then k 8-15)
+_A_LDSM = "    unsigned fa[4], fb[4];\n    vf_ldsm4(fa, a + (l % 16) * as + k + l / 16 * 8);\n"
+_A_LD32 = "    unsigned fa[4], fb[4];\n    vf_frag_a(fa, a + k, as);\n"
+_MMA_NV32 = dict(how="a warp computes both n8 halves of a 16 x 16 fragment", frag=8, col="(i & 4) * 2 + ", body={
+    # B: matrices n 0-7 k 0-7, n 0-7 k 8-15, n 8-15 k 0-7, n 8-15 k 8-15: lane l at n l % 8 + l / 16 * 8, k l / 8 % 2 * 8
+    True: _A_LDSM + "    vf_ldsm4(fb, b + (l % 8 + l / 16 * 8) * bs + k + l / 8 % 2 * 8);\n"
+          "    vf_mma16816(acc, fa, fb[0], fb[1]);\n    vf_mma16816(acc + 4, fa, fb[2], fb[3]);\n",
+    False: _A_LD32 + "    vf_frag_b(fb, b + k, bs);\n    vf_frag_b(fb + 2, b + 8 * bs + k, bs);\n"
+           "    vf_mma16816(acc, fa, fb[0], fb[1]);\n    vf_mma16816(acc + 4, fa, fb[2], fb[3]);\n"})
 _MMA_NV64 = dict(how="a 64-lane wave is two warps, each computing one n8 half", frag=4,
-                 col="threadIdx.x % 64 / 32 * 8 + ",
-                 body="    vf_mma_n8(acc, a + k, as, b + threadIdx.x % 64 / 32 * 8 * bs + k, bs);\n")
+                 col="threadIdx.x % 64 / 32 * 8 + ", body={
+    # B: this warp's n8 half h, matrices k 0-7 and 8-15: lane l at n h * 8 + l % 8, k l / 8 % 2 * 8
+    True: _A_LDSM + "    vf_ldsm2(fb, b + (threadIdx.x % 64 / 32 * 8 + l % 8) * bs + k + l / 8 % 2 * 8);\n"
+          "    vf_mma16816(acc, fa, fb[0], fb[1]);\n",
+    False: _A_LD32 + "    vf_frag_b(fb, b + threadIdx.x % 64 / 32 * 8 * bs + k, bs);\n    vf_mma16816(acc, fa, fb[0], fb[1]);\n"})
+
+
+def ldmatrix() -> bool:
+    """NVIDIA fragments loaded by ldmatrix; ``VEGAFUSE_MMA_LDMATRIX=0``: by 4-byte LDS loads (A/B)."""
+    return os.environ.get("VEGAFUSE_MMA_LDMATRIX", "1") != "0"
+
+
+def _mma_nv(t: Target) -> str:
+    """The NVIDIA fragment helpers for ``t``'s wave width."""
+    table, ldsm = (_MMA_NV64 if t.emulated_wave else _MMA_NV32), ldmatrix()
+    return _MMA_NV.format(how=table["how"], frag=table["frag"], col=table["col"], body=table["body"][ldsm],
+                          loads=_LDSM if ldsm else _LD32)
 
 
 def act_dtype(t: Target, K: int) -> str:
@@ -618,5 +664,5 @@ def prelude(t: Target, act: str | None = None, quant: bool = False, attention: b
     if attention:
         tail += (_AMD_ATTENTION if t.vendor == "amd" else _NV_ATTENTION) + _ATTENTION
     if mma:
-        tail += _MMA_AMD if t.vendor == "amd" else _MMA_NV.format(**(_MMA_NV64 if t.emulated_wave else _MMA_NV32))
+        tail += _MMA_AMD if t.vendor == "amd" else _mma_nv(t)
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format() + tail
