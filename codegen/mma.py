@@ -89,7 +89,7 @@ def prefetch() -> bool:
 
 
 ROW, COL, K, R = (L.Sym(n, "i32") for n in ("row", "col", "k", "r"))
-TEMPLATE_NAMES = ("row", "col", "k", "r", "c", "e", "f", "i", "j", "a_next", "b_next", "load_tiles", "k0", "m0", "n0", "frag", "tile_n", "mma_a", "mma_b")
+TEMPLATE_NAMES = ("row", "col", "k", "r", "c", "e", "f", "i", "j", "v", "a_next", "b_next", "load_tiles", "k0", "m0", "n0", "frag", "tile_n", "mma_a", "mma_b")
 
 
 def _factor(v, act):
@@ -254,6 +254,26 @@ def _stage8(w, k):
     return (w.buf, i.a) if ok else None
 
 
+def _act_vectors(act):
+    """The loads of the activation element ``act`` that move 8 consecutive k at once: every load
+    whose index reads k is ``buf[base + k]`` of f32 or f16 with ``base`` a k-free multiple of 8
+    (so that its 8 elements are whole 16-byte loads); None when one is not."""
+    out = []
+    for x in L.walk_exprs(act):
+        if not (isinstance(x, L.Load) and K in set(L.walk_exprs(x.index))):
+            continue
+        i = x.index
+        base = L.c(0) if i == K else i.a if isinstance(i, L.Bin) and i.op == "add" and i.b == K else None
+        aligned = base == L.c(0) or (isinstance(base, L.Bin) and base.op == "mul" and isinstance(base.b, L.Const)
+                                      and base.b.value % 8 == 0)
+        if base is None or not aligned or K in set(L.walk_exprs(base)) or x.dtype not in ("f32", "f16") \
+                or type(x) is not L.Load:
+            return None
+        if x not in out:
+            out.append(x)
+    return out
+
+
 def banks(m: MatmulTiles) -> str:
     """Whether the template's LDS reads are free of bank conflicts: rows of ``KC + PAD`` halves, whose
     byte stride is an odd multiple of 16 (a 16-byte read of 8 consecutive rows, or mma.sync's 4-byte
@@ -315,7 +335,9 @@ def _segment(m, g, lo, stmts, bare, pad, stride, frags):
     ragged_k = m.k % KC != 0
     staged = [_stage8(w, K) for w in g.weights]
     vector = not ragged_k and all(staged)
-    na, nb = BM * KC // m.threads, BN * KC // (8 if vector else 1) // m.threads
+    avec = None if ragged_k else _act_vectors(m.act)
+    na = BM * KC // (8 if avec is not None else 1) // m.threads
+    nb = BN * KC // (8 if vector else 1) // m.threads
     per = KC // 8 if vector else KC                      # a column's loads in a chunk
     S = len(g.accs)
     clamp = f"min(m0 + r, {m.t - 1})" if m.t % BM else "m0 + r"
@@ -328,14 +350,24 @@ def _segment(m, g, lo, stmts, bare, pad, stride, frags):
             return [f"{at}{{", f"{at}  const int e = threadIdx.x{first};"] + [f"{at}  {x.replace('[j]', '[0]')}" for x in lines] + [f"{at}}}"]
         return ([f"{at}#pragma unroll", f"{at}for (int j = 0; j < {n}; ++j) {{", f"{at}  const int e = threadIdx.x + j * VF_BLOCK{first};"]
                 + [f"{at}  {x}" for x in lines] + [f"{at}}}"])
-    out += [f"{pad}vf_half a_next[{na}];",
+    out += [f"{pad}{'vf_h8' if avec is not None else 'vf_half'} a_next[{na}];",
             f"{pad}{'vf_h8' if vector else 'vf_half'} b_next[{S}][{nb}];",
             f"{pad}// chunk k0 into registers: the activation tile ({BM} rows x {KC} of the prologue's values, f16) "
             f"and the weight tiles ({', '.join(g.accs)}: {BN} columns x {KC}{', 16 bytes per load' if vector else ', as f16'})",
             f"{pad}const auto load_tiles = [&](int k0) {{"]
     reads_row = ROW in set(L.walk_exprs(m.act))
-    out += each(na, f", r = e / {KC}, k = k0 + e % {KC}" + (f", row = {clamp}" if reads_row else ""),
-                [f"a_next[j] = vf_f2h({f'k < {m.k} ? {act} : 0.0f' if ragged_k else act});"], p)
+    if avec is not None:                                 # 8 consecutive k per thread, 16-byte loads
+        names = {x: f"{x.buf}8" for x in avec}
+        one = L.rewrite_expr(m.act, lambda x: L.Sym(names[x] + "[i]", "f32") if x in names else None)
+        one = L.substitute((L.Declare("v", "f32", one),), {"k": L.add(K, L.Sym("i", "i32"))})[0].init
+        lines = [f"float {', '.join(n + '[8]' for n in names.values())}, v[8];"]
+        lines += [f"vf_load8f({n}, {x.buf} + {bare(x.index)});" for x, n in names.items()]
+        lines += [f"for (int i = 0; i < 8; ++i) v[i] = {bare(one)};", "a_next[j] = vf_pack8(v);"]
+        out += each(na, f", r = e / {KC // 8}, k = k0 + e % {KC // 8} * 8" + (f", row = {clamp}" if reads_row else ""),
+                    lines, p)
+    else:
+        out += each(na, f", r = e / {KC}, k = k0 + e % {KC}" + (f", row = {clamp}" if reads_row else ""),
+                    [f"a_next[j] = vf_f2h({f'k < {m.k} ? {act} : 0.0f' if ragged_k else act});"], p)
     loads = []
     for s_, w in enumerate(g.weights):
         if vector:
@@ -349,7 +381,8 @@ def _segment(m, g, lo, stmts, bare, pad, stride, frags):
     out += [f"{pad}}};"] + ([f"{pad}load_tiles(0);"] if ahead else []) + [f"{pad}for (int k0 = 0; k0 < {m.k}; k0 += {KC}) {{"]
     if not ahead:
         out.append(f"{p}load_tiles(k0);")
-    out += each(na, "", [f"mma_a[e / {KC} * {stride} + e % {KC}] = a_next[j];"], p)
+    out += each(na, "", [f"vf_store8(mma_a + e / {KC // 8} * {stride} + e % {KC // 8} * 8, a_next[j]);" if avec is not None
+                         else f"mma_a[e / {KC} * {stride} + e % {KC}] = a_next[j];"], p)
     stores = []
     for s_ in range(S):
         off = f"{s_ * BN * stride} + " if s_ else ""

@@ -268,6 +268,21 @@ __device__ __forceinline__ vf_h8 vf_load8(const float* __restrict__ w) {
   return h;
 }
 __device__ __forceinline__ void vf_store8(vf_half* dst, vf_h8 v) { *(vf_half8*)dst = v; }
+// 8 consecutive activation values as floats (16-byte loads), and 8 floats as halves
+__device__ __forceinline__ void vf_load8f(float* v, const float* __restrict__ p) {
+  const vf_float4 lo = *(const vf_float4*)p, hi = *(const vf_float4*)(p + 4);
+  v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w; v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+}
+__device__ __forceinline__ void vf_load8f(float* v, const vf_half* __restrict__ p) {
+  const vf_half8 h = *(const vf_half8*)p;
+  v[0] = h.s0; v[1] = h.s1; v[2] = h.s2; v[3] = h.s3; v[4] = h.s4; v[5] = h.s5; v[6] = h.s6; v[7] = h.s7;
+}
+__device__ __forceinline__ vf_h8 vf_pack8(const float* v) {
+  vf_half8 h;
+  h.s0 = (vf_half)v[0]; h.s1 = (vf_half)v[1]; h.s2 = (vf_half)v[2]; h.s3 = (vf_half)v[3];
+  h.s4 = (vf_half)v[4]; h.s5 = (vf_half)v[5]; h.s6 = (vf_half)v[6]; h.s7 = (vf_half)v[7];
+  return h;
+}
 """
 
 _MMA_NV = r"""// tiled matmul fragments on tensor cores: mma.sync m16n8k16 (f16 x f16 -> f32), {how}
@@ -298,6 +313,23 @@ __device__ __forceinline__ vf_h8 vf_load8(const float* __restrict__ w) {{
   return v;
 }}
 __device__ __forceinline__ void vf_store8(vf_half* dst, vf_h8 v) {{ *(uint4*)dst = v; }}
+// 8 consecutive activation values as floats (16-byte loads), and 8 floats as halves
+__device__ __forceinline__ void vf_load8f(float* v, const float* __restrict__ p) {{
+  const float4 lo = *(const float4*)p, hi = *(const float4*)(p + 4);
+  v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w; v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+}}
+__device__ __forceinline__ void vf_load8f(float* v, const vf_half* __restrict__ p) {{
+  const uint4 raw = *(const uint4*)p;
+  const __half2* h = (const __half2*)&raw;
+  for (int i = 0; i < 4; ++i) {{ const float2 f = __half22float2(h[i]); v[2 * i] = f.x; v[2 * i + 1] = f.y; }}
+}}
+__device__ __forceinline__ vf_h8 vf_pack8(const float* v) {{
+  vf_h8 r;
+  const __half2 h0 = __floats2half2_rn(v[0], v[1]), h1 = __floats2half2_rn(v[2], v[3]);
+  const __half2 h2 = __floats2half2_rn(v[4], v[5]), h3 = __floats2half2_rn(v[6], v[7]);
+  r.x = *(const unsigned*)&h0; r.y = *(const unsigned*)&h1; r.z = *(const unsigned*)&h2; r.w = *(const unsigned*)&h3;
+  return r;
+}}
 """
 # the fragments from LDS: ldmatrix (one instruction per 8 x 8 matrices, lane 8 * matrix + row addressing a
 # 16-byte row), or 4-byte loads where VEGAFUSE_MMA_LDMATRIX=0

@@ -90,6 +90,9 @@ struct vf_h8 { vf_half h[8]; };
 static inline vf_h8 vf_load8(const vf_half* w) { vf_h8 v; std::memcpy(v.h, w, 16); return v; }
 static inline vf_h8 vf_load8(const float* w) { vf_h8 v; for (int i = 0; i < 8; ++i) v.h[i] = (vf_half)w[i]; return v; }
 static inline void vf_store8(vf_half* dst, vf_h8 v) { std::memcpy(dst, v.h, 16); }
+static inline void vf_load8f(float* v, const float* p) { for (int i = 0; i < 8; ++i) v[i] = p[i]; }
+static inline void vf_load8f(float* v, const vf_half* p) { for (int i = 0; i < 8; ++i) v[i] = (float)p[i]; }
+static inline vf_h8 vf_pack8(const float* v) { vf_h8 r; for (int i = 0; i < 8; ++i) r.h[i] = (vf_half)v[i]; return r; }
 // run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads
 #define VF_EMULATE(KERNEL, ...)                                                                    \
   extern "C" void emulate(void** a, int grid) {                                                     \

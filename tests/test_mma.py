@@ -159,7 +159,7 @@ def test_rule_and_switch(monkeypatch):
 
 
 try:
-    from codegen.inspect import Inspected, instructions, load_widths, lds_banks
+    from codegen.inspect import Inspected, counts, lds_banks, main_loop
     from engine.devices.rocm import find_hiprtc
     find_hiprtc()
     HIP = ""
@@ -180,8 +180,9 @@ def test_gfx906_isa_gates(wdtype):
     assert r["scratch_bytes"] == 0 and r["vgpr_spills"] == 0 and "flat_load" not in isa, r
     assert "v_dot2_f32_f16" in isa
     assert 1 <= r["waves_per_simd"] <= 9, r
-    if wdtype != "q4_0":
-        assert load_widths(instructions(isa)).get(16, 0) >= 1
+    if wdtype != "q4_0":                             # the activation's and the weights' rows: 16-byte loads only
+        c = counts(main_loop(isa))
+        assert c["dwordx4"] >= 2 and c["global_other"] == 0, c
     assert lds_banks(it) == "ok"
 
 
