@@ -243,15 +243,19 @@ def mma_tiles(body, t: Target, lds_limit: int):
 
 # ------------------------------------------------------------------------------ render
 def _stage8(w, k):
-    """``(buffer, row * K)`` when the weight element ``w`` is ``buf[row * K + k]`` of f16 or f32 (its
-    rows copied 8 elements per 16-byte load), else None."""
+    """``(buffer, row * K, fmt)`` when the weight element ``w`` is ``buf[row * K + k]`` of f16 or f32
+    (its rows copied 8 elements per 16-byte load: fmt "") or quantized with K a multiple of 32 (8
+    elements dequantized from an 8-byte load: fmt its format), else None."""
     w = w.x if isinstance(w, L.Cast) and w.dtype == "f32" else w
-    if not (type(w) is L.Load and w.dtype in ("f16", "f32")):
+    quant = isinstance(w, L.QLoad)
+    if not (type(w) is L.Load and w.dtype in ("f16", "f32") or quant):
         return None
     i = w.index
     ok = (isinstance(i, L.Bin) and i.op == "add" and i.b == K and isinstance(i.a, L.Bin) and i.a.op == "mul"
           and isinstance(i.a.b, L.Const) and K not in set(L.walk_exprs(i.a)))
-    return (w.buf, i.a) if ok else None
+    if quant and not (ok and i.a.b.value % 32 == 0):
+        return None
+    return (w.buf, i.a, w.fmt, w.count) if quant else (w.buf, i.a, "", 0) if ok else None
 
 
 def _act_vectors(act):
@@ -353,7 +357,7 @@ def _segment(m, g, lo, stmts, bare, pad, stride, frags):
     out += [f"{pad}{'vf_h8' if avec is not None else 'vf_half'} a_next[{na}];",
             f"{pad}{'vf_h8' if vector else 'vf_half'} b_next[{S}][{nb}];",
             f"{pad}// chunk k0 into registers: the activation tile ({BM} rows x {KC} of the prologue's values, f16) "
-            f"and the weight tiles ({', '.join(g.accs)}: {BN} columns x {KC}{', 16 bytes per load' if vector else ', as f16'})",
+            f"and the weight tiles ({', '.join(g.accs)}: {BN} columns x {KC}, {'8 elements' if vector else 'an element'} a load)",
             f"{pad}const auto load_tiles = [&](int k0) {{"]
     reads_row = ROW in set(L.walk_exprs(m.act))
     if avec is not None:                                 # 8 consecutive k per thread, 16-byte loads
@@ -371,8 +375,9 @@ def _segment(m, g, lo, stmts, bare, pad, stride, frags):
     loads = []
     for s_, w in enumerate(g.weights):
         if vector:
-            buf, rowe = staged[s_]
-            loads.append(f"b_next[{s_}][j] = vf_load8({buf} + {bare(rowe)} + k);")
+            buf, rowe, fmt, count = staged[s_]
+            loads.append(f"b_next[{s_}][j] = vf_dequant8_{fmt}({buf}, {bare(rowe)} + k, {count // 32});" if fmt
+                         else f"b_next[{s_}][j] = vf_load8({buf} + {bare(rowe)} + k);")
         else:
             v = bare(w)
             loads.append(f"b_next[{s_}][j] = vf_f2h({f'k < {m.k} ? {v} : 0.0f' if ragged_k else v});")

@@ -415,6 +415,45 @@ __device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, 
 }
 """
 
+_DEQUANT8 = r"""// 8 consecutive elements i .. i + 7 of a quantized weight (i a multiple of 8) as halves, for the tiled
+// matmul's weight tiles: one 8-byte load of quants (q4: bytes 0-7 or 8-15 of the block, low nibbles for elements
+// 0-15, high for 16-31) and the block's scales
+__device__ __forceinline__ unsigned long long vf_q4_nibbles8(const vf_byte* __restrict__ w, int i) {
+  const int b = i / 32, p = i % 32 / 8;
+  return *(const unsigned long long*)(w + 16 * b + 8 * (p % 2)) >> (p / 2 * 4);
+}
+__device__ __forceinline__ vf_h8 vf_dequant8_q4_0(const vf_byte* __restrict__ w, int i, int nb) {
+  const unsigned long long q = vf_q4_nibbles8(w, i);
+  const float d = vf_h2f(((const vf_half*)(w + 16 * nb))[i / 32]);
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = d * (float)((int)(q >> 8 * j & 15) - 8);
+  return vf_pack8(v);
+}
+__device__ __forceinline__ vf_h8 vf_dequant8_q4_1(const vf_byte* __restrict__ w, int i, int nb) {
+  const unsigned long long q = vf_q4_nibbles8(w, i);
+  const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * (i / 32);
+  const float d = vf_h2f(dm[0]), m = vf_h2f(dm[1]);
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = d * (float)(int)(q >> 8 * j & 15) + m;
+  return vf_pack8(v);
+}
+__device__ __forceinline__ vf_h8 vf_dequant8_gptq_int4(const vf_byte* __restrict__ w, int i, int nb) {
+  const unsigned long long q = vf_q4_nibbles8(w, i);
+  const vf_half* dz = (const vf_half*)(w + 16 * nb) + 2 * (i / 32);
+  const float d = vf_h2f(dz[0]), z = vf_h2f(dz[1]);
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = d * ((float)(int)(q >> 8 * j & 15) - z);
+  return vf_pack8(v);
+}
+__device__ __forceinline__ vf_h8 vf_dequant8_q8_0(const vf_byte* __restrict__ w, int i, int nb) {
+  const unsigned long long q = *(const unsigned long long*)(w + i);
+  const float d = vf_h2f(((const vf_half*)(w + 32 * nb))[i / 32]);
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = d * (float)(signed char)(q >> 8 * j & 255);
+  return vf_pack8(v);
+}
+"""
+
 _QUANT = r"""{activation}// the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i is byte j of
 // (w[i] & 0x0F0F0F0F), element 16 + j of ((w[i] >> 4) & 0x0F0F0F0F)
 __device__ __forceinline__ int vf_dot_q4_q8(vf_int4 w, const vf_q8_1& a) {{
@@ -696,5 +735,5 @@ def prelude(t: Target, act: str | None = None, quant: bool = False, attention: b
     if attention:
         tail += (_AMD_ATTENTION if t.vendor == "amd" else _NV_ATTENTION) + _ATTENTION
     if mma:
-        tail += _MMA_AMD if t.vendor == "amd" else _mma_nv(t)
+        tail += (_MMA_AMD if t.vendor == "amd" else _mma_nv(t)) + (_DEQUANT8 if quant else "")
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format() + tail

@@ -65,7 +65,7 @@ def emulate(k, target, arrays, tmp):
     h = render_hip(k, target)
     args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
     src = (f"#define VF_WAVE {h.target.wave}\n#define VF_BLOCK {h.block[0]}\n#define VF_WAVES (VF_BLOCK / VF_WAVE)\n"
-           f"#define VF_ATT_BLOCK VF_BLOCK\n" + open(EMULATION).read() + prelude._COMMON.format() + prelude._DEQUANT
+           f"#define VF_ATT_BLOCK VF_BLOCK\n" + open(EMULATION).read() + prelude._COMMON.format() + prelude._DEQUANT + prelude._DEQUANT8
            + h.body.replace('extern "C" __global__ void', "static void") + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
     name = os.path.join(tmp, hashlib.sha1(src.encode()).hexdigest()[:16])
     if not os.path.exists(name + ".so"):
@@ -108,7 +108,8 @@ needs_gxx = pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of 
 
 @needs_gxx
 @pytest.mark.parametrize("target", ["sm_90", "gfx906"])
-@pytest.mark.parametrize("T,N,dtype", [(64, 64, "f16"), (100, 37, "f16"), (40, 130, "f32"), (70, 64, "q4_1")])
+@pytest.mark.parametrize("T,N,dtype", [(64, 64, "f16"), (100, 37, "f16"), (40, 130, "f32"), (70, 64, "q4_1"),
+                                       (16, 50, "q4_0"), (20, 64, "gptq_int4"), (30, 20, "q8_0")])
 def test_rmsnorm_gate_up_silu_mul_residual(T, N, dtype, target, tmp_path_factory):
     """RMSNorm -> gate/up (two weight tiles) -> SiLU * mul -> residual; T and N whole tiles or
     ragged, f16 / f32 / quantized weights."""
