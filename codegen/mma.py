@@ -67,6 +67,7 @@ class MatmulTiles:
     segments: tuple
     siblings: int                 # the most accumulators of a segment: B tiles in LDS
     threads: int = 256            # of the workgroup (VF_BLOCK): each loads BM * KC / threads activation values
+    buffers: int = 2              # LDS buffers of the tiles: 2, the products of a chunk beside the next one's stores
 
     @property
     def row_tiles(self):
@@ -82,9 +83,9 @@ def enabled() -> bool:
 
 
 def prefetch() -> bool:
-    """Each chunk's tiles are loaded into registers at the end of the previous chunk's products (the
-    loads in flight across the barrier; ptxas hoists them into the products); ``VEGAFUSE_MMA_PREFETCH=0``
-    loads each chunk right before storing it (A/B)."""
+    """With one LDS buffer (``VEGAFUSE_MMA_DOUBLE=0``), each chunk's tiles are loaded into registers
+    at the end of the previous chunk's products (in flight across the barrier);
+    ``VEGAFUSE_MMA_PREFETCH=0`` loads each chunk right before storing it (A/B)."""
     return os.environ.get("VEGAFUSE_MMA_PREFETCH", "1") != "0"
 
 
@@ -213,7 +214,8 @@ def _tidy(m: MatmulTiles) -> MatmulTiles:
 def lds_arrays(m: MatmulTiles):
     """The LDS arrays of the template: the A tile, the B tiles of every sibling, the row values."""
     stride = KC + PAD
-    return (L.Array("mma_a", "f16", BM * stride, "lds"), L.Array("mma_b", "f16", m.siblings * BN * stride, "lds")) \
+    return (L.Array("mma_a", "f16", m.buffers * BM * stride, "lds"),
+            L.Array("mma_b", "f16", m.buffers * m.siblings * BN * stride, "lds")) \
         + tuple(L.Array(n + "_rows", d, BM, "lds") for n, d in m.row_values)
 
 
@@ -228,7 +230,7 @@ def mma_tiles(body, t: Target, lds_limit: int):
     m = parse(body)
     if m is None or m.t < MMA_ROWS or m.k < KC or (BN * KC // 8) % t.block:
         return None
-    m = replace(m, threads=t.block)
+    m = replace(m, threads=t.block, buffers=1 if os.environ.get("VEGAFUSE_MMA_DOUBLE", "1") == "0" else 2)
     arrays = lds_arrays(m)
     lds = sum(a.size * ITEMSIZE[a.dtype] for a in arrays)
     grid = m.row_tiles * sum(m.col_tiles(g) for g in m.segments)
@@ -382,31 +384,45 @@ def _segment(m, g, lo, stmts, bare, pad, stride, frags):
             v = bare(w)
             loads.append(f"b_next[{s_}][j] = vf_f2h({f'k < {m.k} ? {v} : 0.0f' if ragged_k else v});")
     out += each(nb, f", c = e / {per}, k = k0 + e % {per}{' * 8' if vector else ''}, col = {ccl}", loads, p)
-    ahead = prefetch()
-    out += [f"{pad}}};"] + ([f"{pad}load_tiles(0);"] if ahead else []) + [f"{pad}for (int k0 = 0; k0 < {m.k}; k0 += {KC}) {{"]
-    if not ahead:
-        out.append(f"{p}load_tiles(k0);")
-    out += each(na, "", [f"vf_store8(mma_a + e / {KC // 8} * {stride} + e % {KC // 8} * 8, a_next[j]);" if avec is not None
-                         else f"mma_a[e / {KC} * {stride} + e % {KC}] = a_next[j];"], p)
+    out.append(f"{pad}}};")
+    asz, bsz = BM * stride, S * BN * stride              # one buffer's halves
+    two = m.buffers == 2
+    ofs = lambda size: f"buf * {size} + " if two else ""  # noqa: E731
+    at = lambda base, size: f"{base} + {ofs(size)}"       # noqa: E731
+    st = [f"vf_store8({at('mma_a', asz)}e / {KC // 8} * {stride} + e % {KC // 8} * 8, a_next[j]);" if avec is not None
+          else f"mma_a[{ofs(asz)}e / {KC} * {stride} + e % {KC}] = a_next[j];"]
     stores = []
     for s_ in range(S):
         off = f"{s_ * BN * stride} + " if s_ else ""
-        stores.append(f"vf_store8(mma_b + {off}e / {per} * {stride} + e % {per} * 8, b_next[{s_}][j]);" if vector
-                      else f"mma_b[{off}e / {per} * {stride} + e % {per}] = b_next[{s_}][j];")
-    out += each(nb, "", stores, p)
+        stores.append(f"vf_store8({at('mma_b', bsz)}{off}e / {per} * {stride} + e % {per} * 8, b_next[{s_}][j]);" if vector
+                      else f"mma_b[{ofs(bsz)}{off}e / {per} * {stride} + e % {per}] = b_next[{s_}][j];")
+    out.append(f"{pad}// the registers into LDS" + (" buffer buf" if two else ""))
+    out.append(f"{pad}const auto store_tiles = [&]({'int buf' if two else ''}) {{")
+    out += each(na, "", st, p) + each(nb, "", stores, p)
+    out.append(f"{pad}}};")
     nxt = f"k0 + {KC}" if ragged_k else f"k0 + {KC} < {m.k} ? k0 + {KC} : 0"
-    out += [f"{p}__syncthreads();",
-            f"{p}#pragma unroll",
-            f"{p}for (int f = 0; f < {frags}; ++f) {{     // this wave's fragments: {BN // 16} per row of fragments",
-            f"{q}const int frag = vf_wave * ({frags}) + f;"]
+    again = "" if ragged_k else " (after the last: chunk 0 again, unused)"
+    prods = [f"{p}#pragma unroll",
+             f"{p}for (int f = 0; f < {frags}; ++f) {{     // this wave's fragments: {BN // 16} per row of fragments",
+             f"{q}const int frag = vf_wave * ({frags}) + f;"]
     for s_, a in enumerate(g.accs):
         off = f"{s_ * BN * stride} + " if s_ else ""
-        out.append(f"{q}vf_mma_tile({a}[f], mma_a + frag / {BN // 16} * {16 * stride}, {stride}, "
-                   f"mma_b + {off}frag % {BN // 16} * {16 * stride}, {stride}, {KC});")
-    out.append(f"{p}}}")
-    if ahead:                                            # the next chunk, in flight until the stores after the barrier
-        out.append(f"{p}load_tiles({nxt});   // the next chunk" + ("" if ragged_k else " (after the last: chunk 0 again, unused)"))
-    out += [f"{p}__syncthreads();", f"{pad}}}"]
+        prods.append(f"{q}vf_mma_tile({a}[f], {at('mma_a', asz)}frag / {BN // 16} * {16 * stride}, {stride}, "
+                     f"{at('mma_b', bsz)}{off}frag % {BN // 16} * {16 * stride}, {stride}, {KC});")
+    prods.append(f"{p}}}")
+    if two:                       # one barrier a chunk: the products read one buffer while the next chunk fills the other
+        out += [f"{pad}load_tiles(0);", f"{pad}store_tiles(0);", f"{pad}__syncthreads();",
+                f"{pad}for (int k0 = 0; k0 < {m.k}; k0 += {KC}) {{",
+                f"{p}const int buf = k0 / {KC} % 2;",
+                f"{p}load_tiles({nxt});   // the next chunk, in flight during the products{again}"]
+        out += prods + [f"{p}store_tiles(1 - buf);", f"{p}__syncthreads();", f"{pad}}}"]
+    elif prefetch():              # the next chunk in flight across the barrier, stored after it
+        out += [f"{pad}load_tiles(0);", f"{pad}for (int k0 = 0; k0 < {m.k}; k0 += {KC}) {{", f"{p}store_tiles();",
+                f"{p}__syncthreads();"]
+        out += prods + [f"{p}load_tiles({nxt});   // the next chunk{again}", f"{p}__syncthreads();", f"{pad}}}"]
+    else:
+        out += [f"{pad}for (int k0 = 0; k0 < {m.k}; k0 += {KC}) {{", f"{p}load_tiles(k0);", f"{p}store_tiles();",
+                f"{p}__syncthreads();"] + prods + [f"{p}__syncthreads();", f"{pad}}}"]
     guard = [c for c, ragged in ((f"row < {m.t}", m.t % BM), (f"col < {g.n}", g.n % BN)) if ragged]
     out += [f"{pad}#pragma unroll",
             f"{pad}for (int f = 0; f < {frags}; ++f) {{",

@@ -201,3 +201,18 @@ def test_gathered_rows_and_an_expert_weight(target, tmp_path_factory):
         return nn.silu(nn.linear(dsl.take(x, ids, axis=0), rows))
     k = check(f, (x, ids, w, eid), target, str(tmp_path_factory.getbasetemp()))
     assert tiled(k, target).siblings == 1
+
+
+@needs_gxx
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("env", [{"VEGAFUSE_MMA_DOUBLE": "0"}, {"VEGAFUSE_MMA_DOUBLE": "0", "VEGAFUSE_MMA_PREFETCH": "0"}],
+                         ids=["one_buffer", "no_prefetch"])
+def test_pipeline_switches(env, target, monkeypatch, tmp_path_factory):
+    """The A/B forms of the main loop (one LDS buffer with the next chunk in registers; no prefetch)
+    compute the same values."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    T, K, N = 70, 96, 40
+    args = (randn(T, K), rng.uniform(0.5, 1.5, K).astype(np.float32), weight(N, K, "f16"), weight(N, K, "q8_0"), randn(T, N))
+    k = check(gate_up, args, target, str(tmp_path_factory.getbasetemp()))
+    assert tiled(k, target).buffers == 1
