@@ -216,3 +216,16 @@ def test_pipeline_switches(env, target, monkeypatch, tmp_path_factory):
     args = (randn(T, K), rng.uniform(0.5, 1.5, K).astype(np.float32), weight(N, K, "f16"), weight(N, K, "q8_0"), randn(T, N))
     k = check(gate_up, args, target, str(tmp_path_factory.getbasetemp()))
     assert tiled(k, target).buffers == 1
+
+
+@needs_gxx
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+def test_random_shapes(target, tmp_path_factory):
+    """Fresh random T, K, N and weight formats (ragged tiles and chunks among them) through the
+    gate/up kernel."""
+    for _ in range(2):
+        dtype = str(rng.choice(["f16", "f32", "q4_0", "q8_0"]))
+        T, N = int(rng.integers(mma.MMA_ROWS, 150)), int(rng.integers(1, 150))
+        K = 32 * int(rng.integers(1, 6)) if dtype.startswith("q") else int(rng.integers(mma.KC, 200))
+        args = (randn(T, K), rng.uniform(0.5, 1.5, K).astype(np.float32), weight(N, K, dtype), weight(N, K, dtype), randn(T, N))
+        check(gate_up, args, target, str(tmp_path_factory.getbasetemp()))
