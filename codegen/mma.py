@@ -260,19 +260,19 @@ def _stage8(w, k):
     return (w.buf, i.a, w.fmt, w.count) if quant else (w.buf, i.a, "", 0) if ok else None
 
 
-def _act_vectors(act):
-    """The loads of the activation element ``act`` that move 8 consecutive k at once: every load
+def _act_vectors(act, k=K):
+    """The loads of the activation element ``act`` that move 8 consecutive ``k`` at once: every load
     whose index reads k is ``buf[base + k]`` of f32 or f16 with ``base`` a k-free multiple of 8
     (so that its 8 elements are whole 16-byte loads); None when one is not."""
     out = []
     for x in L.walk_exprs(act):
-        if not (isinstance(x, L.Load) and K in set(L.walk_exprs(x.index))):
+        if not (isinstance(x, L.Load) and k in set(L.walk_exprs(x.index))):
             continue
         i = x.index
-        base = L.c(0) if i == K else i.a if isinstance(i, L.Bin) and i.op == "add" and i.b == K else None
+        base = L.c(0) if i == k else i.a if isinstance(i, L.Bin) and i.op == "add" and i.b == k else None
         aligned = base == L.c(0) or (isinstance(base, L.Bin) and base.op == "mul" and isinstance(base.b, L.Const)
                                       and base.b.value % 8 == 0)
-        if base is None or not aligned or K in set(L.walk_exprs(base)) or x.dtype not in ("f32", "f16") \
+        if base is None or not aligned or k in set(L.walk_exprs(base)) or x.dtype not in ("f32", "f16") \
                 or type(x) is not L.Load:
             return None
         if x not in out:
@@ -306,8 +306,8 @@ def render(m: MatmulTiles, stmts, bare, pad="  "):
     if m.prologue:
         out.append(f"{pad}for (int r = vf_wave; r < {BM}; r += VF_WAVES) {{   // the prologue's row values, a wave per row")
         out.append(f"{pad}  const int row = {clamp};")
-        lane = tuple(replace(s, map="lane") if isinstance(s, L.Reduce) else s for s in m.prologue)
-        out += stmts(lane, pad + "  ")
+        for st in m.prologue:
+            out += _row_reduce(st, m.k, bare, pad + "  ") if isinstance(st, L.Reduce) else stmts((st,), pad + "  ")
         if m.row_values:
             out.append(f"{pad}  if (vf_lane == 0) {{")
             out += [f"{pad}    {n}_rows[r] = {n};" for n, _ in m.row_values]
@@ -330,6 +330,32 @@ def render(m: MatmulTiles, stmts, bare, pad="  "):
     if len(chain) > 1:
         out.append(f"{pad}}}")
     return out
+
+
+def _row_reduce(r: L.Reduce, K: int, bare, pad):
+    """A prologue reduction over k by the lanes of a wave: 8 consecutive k per lane step from 16-byte
+    loads where its loads allow (see ``_act_vectors``), else one; then the wave's sum or max."""
+    k = L.Sym(r.var, "i32")
+    each = [_act_vectors(a.value, k) for a in r.accs] if K % 8 == 0 else [None]
+    vec = None if any(v is None for v in each) else list(dict.fromkeys(x for v in each for x in v))
+    out = [f"{pad}float {a.name} = {'0.0f' if a.op == 'add' else '-VF_INF'};" for a in r.accs]
+    fold = {"add": "{a} += {v};", "max": "{a} = vf_max({a}, {v});"}
+    if vec is None:
+        out.append(f"{pad}for (int {r.var} = vf_lane; {r.var} < {K}; {r.var} += VF_WAVE) {{")
+        out += [f"{pad}  " + fold[a.op].format(a=a.name, v=bare(a.value)) for a in r.accs]
+    else:
+        names = {x: f"{x.buf}8" for x in vec}
+        out += [f"{pad}for (int {r.var} = vf_lane * 8; {r.var} < {K}; {r.var} += VF_WAVE * 8) {{   // 8 elements a lane step",
+                f"{pad}  float {', '.join(n + '[8]' for n in names.values())};"]
+        out += [f"{pad}  vf_load8f({n}, {x.buf} + {bare(x.index)});" for x, n in names.items()]
+        out.append(f"{pad}  for (int i = 0; i < 8; ++i) {{")
+        for a in r.accs:
+            one = L.rewrite_expr(a.value, lambda x: L.Sym(names[x] + "[i]", "f32") if x in names else None)
+            one = L.substitute((L.Declare("v", "f32", one),), {r.var: L.add(k, L.Sym("i", "i32"))})[0].init
+            out.append(f"{pad}    " + fold[a.op].format(a=a.name, v=bare(one)))
+        out.append(f"{pad}  }}")
+    out.append(f"{pad}}}")
+    return out + [f"{pad}{a.name} = vf_wave_{'sum' if a.op == 'add' else 'max'}({a.name});" for a in r.accs]
 
 
 def _segment(m, g, lo, stmts, bare, pad, stride, frags):
