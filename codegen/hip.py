@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from . import attention
 from . import loopir as L
+from . import mma
 from .mapping import map_kernel
 from .prelude import act_dtype, prelude  # noqa: F401  (prelude is re-exported)
 from .targets import Target, get_target, occupancy_lds
@@ -281,6 +282,7 @@ STMT = {
     L.Comment: lambda s, pad: [f"{pad}// {s.text}".rstrip()],
     L.Attention: lambda s, pad: _attention(s, pad),
     L.QuantizeQ8: _quantize,
+    mma.MatmulTiles: lambda s, pad: mma.render(s, stmts, bare, pad),
 }
 
 
@@ -331,7 +333,7 @@ def _signature(k: L.Kernel) -> str:
 def _uses_waves(body):
     """Does the kernel text name ``vf_lane``/``vf_wave`` (outside the attention template)?"""
     for s in L.walk_stmts(body):
-        if getattr(s, "map", "") in ("wave", "lane"):
+        if getattr(s, "map", "") in ("wave", "lane") or isinstance(s, mma.MatmulTiles):
             return True
         if any(isinstance(x, L.Hw) and x.name in ("lane", "wave") for e in L.stmt_exprs(s) for x in L.walk_exprs(e)):
             return True
@@ -364,7 +366,8 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     m = L.tidy_names(map_kernel(k, t), reserved=("vf_lane", "vf_wave"))
     quant = any(p.dtype in L.QUANT_DTYPES for p in k.params)
     att = any(isinstance(s, L.Attention) for s in m.body)
-    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act, quant, att)
+    tiled = any(isinstance(s, mma.MatmulTiles) for s in m.body)
+    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act, quant, att, tiled)
     src = head + "\n" + render_kernel(m)
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

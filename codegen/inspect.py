@@ -179,10 +179,14 @@ def lds_banks(it) -> str:
     consecutive addresses, at most 16 bytes each: conflict-free on gfx906's 32 banks of 4 bytes)
     "ok"; a wider or irregular stride "check"; "-" without LDS reads there."""
     from . import loopir as L
+    from .mma import MatmulTiles, banks
     m = it.hip.kernel
     if m.family == "attention":
         from .attention import lds_banks as attention_banks
         return attention_banks(m)
+    tiled = [s for s in m.body if isinstance(s, MatmulTiles)]
+    if tiled:                                  # the tiled matmul's padded rows (codegen/mma.py)
+        return banks(tiled[0])
     lds = {s.name: s.dtype for s in L.walk_stmts(m.body) if isinstance(s, L.Array) and s.space == "lds"}
     seen = False
     for r in L.walk_stmts(m.body):
@@ -270,6 +274,11 @@ def main(argv=None):
         print(f"{len(items)} kernels in {step}, target {target.name} (wave{target.wave}); "
               f"main-loop instruction counts; identical layers listed once")
         print(table(items, not args.all))
+        if args.prefill > 1:                    # what each contraction chose (the tiled matmul or not)
+            print("\nmappings of the contractions (identical layers once):")
+            for name, how in dict.fromkeys((re.sub(r"^layers_\d+_", "layers_N_", it.kernel.name), it.hip.kernel.launch.how)
+                                           for it in items if it.kernel.family == "contract"):
+                print(f"  {name}: {how}")
         return 0
     except (HipUnavailable, HipCompileError, ModelError, ValueError, DSLError) as e:
         print(f"error: {e}", file=sys.stderr)

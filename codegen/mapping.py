@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from . import loopir as L
 from .loopir import ITEMSIZE
+from .mma import mma_tiles
 from .prelude import act_dtype
 from .targets import Target, get_target
 
@@ -471,6 +472,9 @@ def _int8_path(body, t, lds_limit) -> bool:
 def _contract(body, t, lds_limit):
     """Map the body of a contraction kernel (see the module docstring)."""
     matmul = _is_matmul(body)
+    tiled = mma_tiles(body, t, lds_limit) if matmul else None
+    if tiled:                                              # many rows: the tiled matmul (codegen/mma.py)
+        return tiled
     info = {"q8": not matmul and _int8_path(body, t, lds_limit)}
     body = _matmul_rows(body, t, info, lds_limit) if matmul else _contract_rows(body, t, info)
     if info.get("act_dtype") == "f16":                     # the activation is read back as f16

@@ -17,6 +17,8 @@ unchanged on an NVIDIA GPU.  The helpers that lanes of one wave talk through:
 """
 from __future__ import annotations
 
+import os
+
 from .targets import Target
 _DEFINES = r"""#define VF_WAVE {wave}
 #define VF_BLOCK {block}
@@ -230,6 +232,157 @@ __device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ 
 }
 """
 
+# the tiled matmul (codegen/mma.py): vf_mma_tile(acc, a, as, b, bs, kc) adds A[16 x kc] * B[16 x kc]^T (f16 rows
+# in LDS, strides as / bs halves) into the calling wave's 16 x 16 fragment, VF_FRAG = 256 / VF_WAVE elements
+# per lane; the lane's element i sits at (vf_frag_row(i), vf_frag_col(i)) of the fragment.  vf_load8 loads 8
+# weight elements (one 16-byte load of f16, two of f32) as 8 halves (vf_h8), vf_store8 puts them in LDS.
+_MMA_AMD = r"""// tiled matmul fragments (gfx906, no matrix cores): lane l owns row l % 16, columns l / 16 * 4 .. + 3;
+// 16-byte LDS reads (a row's 8 halves: 8 consecutive rows of 80 bytes meet no bank twice; the 16 lanes of
+// a column read one address) and v_dot2_f32_f16
+#define VF_FRAG 4
+__device__ __forceinline__ int vf_frag_row(int i) { return threadIdx.x % 16; }
+__device__ __forceinline__ int vf_frag_col(int i) { return threadIdx.x % 64 / 16 * 4 + i; }
+__device__ __forceinline__ void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_half* b, int bs, int kc) {
+  const vf_half* ar = a + vf_frag_row(0) * as;
+  const vf_half* br = b + vf_frag_col(0) * bs;
+  #pragma unroll
+  for (int k = 0; k < kc; k += 8) {
+    const vf_half8 av = *(const vf_half8*)(ar + k);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const vf_half8 bv = *(const vf_half8*)(br + i * bs + k);
+      float c = __builtin_amdgcn_fdot2(av.s01, bv.s01, acc[i], false);
+      c = __builtin_amdgcn_fdot2(av.s23, bv.s23, c, false);
+      c = __builtin_amdgcn_fdot2(av.s45, bv.s45, c, false);
+      acc[i] = __builtin_amdgcn_fdot2(av.s67, bv.s67, c, false);
+    }
+  }
+}
+typedef vf_half8 vf_h8;
+__device__ __forceinline__ vf_h8 vf_load8(const vf_half* __restrict__ w) { return *(const vf_half8*)w; }
+__device__ __forceinline__ vf_h8 vf_load8(const float* __restrict__ w) {
+  const vf_float4 lo = *(const vf_float4*)w, hi = *(const vf_float4*)(w + 4);
+  vf_half8 h;
+  h.s0 = (vf_half)lo.x; h.s1 = (vf_half)lo.y; h.s2 = (vf_half)lo.z; h.s3 = (vf_half)lo.w;
+  h.s4 = (vf_half)hi.x; h.s5 = (vf_half)hi.y; h.s6 = (vf_half)hi.z; h.s7 = (vf_half)hi.w;
+  return h;
+}
+__device__ __forceinline__ void vf_store8(vf_half* dst, vf_h8 v) { *(vf_half8*)dst = v; }
+// 8 consecutive activation values as floats (16-byte loads), and 8 floats as halves
+__device__ __forceinline__ void vf_load8f(float* v, const float* __restrict__ p) {
+  const vf_float4 lo = *(const vf_float4*)p, hi = *(const vf_float4*)(p + 4);
+  v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w; v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+}
+__device__ __forceinline__ void vf_load8f(float* v, const vf_half* __restrict__ p) {
+  const vf_half8 h = *(const vf_half8*)p;
+  v[0] = h.s0; v[1] = h.s1; v[2] = h.s2; v[3] = h.s3; v[4] = h.s4; v[5] = h.s5; v[6] = h.s6; v[7] = h.s7;
+}
+__device__ __forceinline__ vf_h8 vf_pack8(const float* v) {
+  vf_half8 h;
+  h.s0 = (vf_half)v[0]; h.s1 = (vf_half)v[1]; h.s2 = (vf_half)v[2]; h.s3 = (vf_half)v[3];
+  h.s4 = (vf_half)v[4]; h.s5 = (vf_half)v[5]; h.s6 = (vf_half)v[6]; h.s7 = (vf_half)v[7];
+  return h;
+}
+"""
+
+_MMA_NV = r"""// tiled matmul fragments on tensor cores: mma.sync m16n8k16 (f16 x f16 -> f32), {how}
+#define VF_FRAG {frag}
+// mma.sync's C layout: lane g * 4 + t of a warp holds rows g and g + 8, columns 2t and 2t + 1 of an n8 half
+__device__ __forceinline__ int vf_frag_row(int i) {{ return threadIdx.x % 32 / 4 + (i & 2) * 4; }}
+__device__ __forceinline__ int vf_frag_col(int i) {{ return {col}threadIdx.x % 4 * 2 + (i & 1); }}
+// c[4] += A[16 x 16] * B[8 x 16]^T: a[4] is A's fragment (rows g, g + 8 x k 2t, 2t + 1, then k + 8), b0 / b1
+// B's (its row g, k 2t, 2t + 1 and k + 8)
+__device__ __forceinline__ void vf_mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {{
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}}
+{loads}__device__ __forceinline__ void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_half* b, int bs, int kc) {{
+  const int l = threadIdx.x % 32;
+  #pragma unroll
+  for (int k = 0; k < kc; k += 16) {{
+{body}  }}
+}}
+typedef uint4 vf_h8;
+__device__ __forceinline__ vf_h8 vf_load8(const vf_half* __restrict__ w) {{ return *(const uint4*)w; }}
+__device__ __forceinline__ vf_h8 vf_load8(const float* __restrict__ w) {{
+  const float4 lo = *(const float4*)w, hi = *(const float4*)(w + 4);
+  const __half2 h[4] = {{__floats2half2_rn(lo.x, lo.y), __floats2half2_rn(lo.z, lo.w), __floats2half2_rn(hi.x, hi.y),
+                        __floats2half2_rn(hi.z, hi.w)}};
+  vf_h8 v;
+  v.x = *(const unsigned*)&h[0]; v.y = *(const unsigned*)&h[1]; v.z = *(const unsigned*)&h[2]; v.w = *(const unsigned*)&h[3];
+  return v;
+}}
+__device__ __forceinline__ void vf_store8(vf_half* dst, vf_h8 v) {{ *(uint4*)dst = v; }}
+// 8 consecutive activation values as floats (16-byte loads), and 8 floats as halves
+__device__ __forceinline__ void vf_load8f(float* v, const float* __restrict__ p) {{
+  const float4 lo = *(const float4*)p, hi = *(const float4*)(p + 4);
+  v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w; v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+}}
+__device__ __forceinline__ void vf_load8f(float* v, const vf_half* __restrict__ p) {{
+  const uint4 raw = *(const uint4*)p;
+  const __half2* h = (const __half2*)&raw;
+  for (int i = 0; i < 4; ++i) {{ const float2 f = __half22float2(h[i]); v[2 * i] = f.x; v[2 * i + 1] = f.y; }}
+}}
+__device__ __forceinline__ vf_h8 vf_pack8(const float* v) {{
+  vf_h8 r;
+  const __half2 h0 = __floats2half2_rn(v[0], v[1]), h1 = __floats2half2_rn(v[2], v[3]);
+  const __half2 h2 = __floats2half2_rn(v[4], v[5]), h3 = __floats2half2_rn(v[6], v[7]);
+  r.x = *(const unsigned*)&h0; r.y = *(const unsigned*)&h1; r.z = *(const unsigned*)&h2; r.w = *(const unsigned*)&h3;
+  return r;
+}}
+"""
+# the fragments from LDS: ldmatrix (one instruction per 8 x 8 matrices, lane 8 * matrix + row addressing a
+# 16-byte row), or 4-byte loads where VEGAFUSE_MMA_LDMATRIX=0
+_LDSM = r"""// ldmatrix: 4 (2) 8 x 8 matrices of halves, row r of matrix m addressed by lane 8 m + r (16 bytes), element
+// (row, 2w, 2w + 1) of matrix m in r[m] of lane 4 row + w: the mma fragments' layout
+__device__ __forceinline__ void vf_ldsm4(unsigned* r, const vf_half* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
+}
+__device__ __forceinline__ void vf_ldsm2(unsigned* r, const vf_half* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1]) : "r"((unsigned)__cvta_generic_to_shared(p)) : "memory");
+}
+"""
+_LD32 = r"""// the fragments by 4-byte LDS loads: a[4] rows g, g + 8 of A at k 2t (and + 8); b[2] row g of B at k 2t (and + 8)
+__device__ __forceinline__ void vf_frag_a(unsigned* r, const vf_half* a, int as) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  r[0] = *(const unsigned*)(a + g * as + 2 * t); r[1] = *(const unsigned*)(a + (g + 8) * as + 2 * t);
+  r[2] = *(const unsigned*)(a + g * as + 8 + 2 * t); r[3] = *(const unsigned*)(a + (g + 8) * as + 8 + 2 * t);
+}
+__device__ __forceinline__ void vf_frag_b(unsigned* r, const vf_half* b, int bs) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  r[0] = *(const unsigned*)(b + g * bs + 2 * t); r[1] = *(const unsigned*)(b + g * bs + 8 + 2 * t);
+}
+"""
+# A: lane l addresses row l % 16 at k (l / 16) * 8 (matrices: rows 0-7 k 0-7, rows 8-15, then k 8-15)
+_A_LDSM = "    unsigned fa[4], fb[4];\n    vf_ldsm4(fa, a + (l % 16) * as + k + l / 16 * 8);\n"
+_A_LD32 = "    unsigned fa[4], fb[4];\n    vf_frag_a(fa, a + k, as);\n"
+_MMA_NV32 = dict(how="a warp computes both n8 halves of a 16 x 16 fragment", frag=8, col="(i & 4) * 2 + ", body={
+    # B: matrices n 0-7 k 0-7, n 0-7 k 8-15, n 8-15 k 0-7, n 8-15 k 8-15: lane l at n l % 8 + l / 16 * 8, k l / 8 % 2 * 8
+    True: _A_LDSM + "    vf_ldsm4(fb, b + (l % 8 + l / 16 * 8) * bs + k + l / 8 % 2 * 8);\n"
+          "    vf_mma16816(acc, fa, fb[0], fb[1]);\n    vf_mma16816(acc + 4, fa, fb[2], fb[3]);\n",
+    False: _A_LD32 + "    vf_frag_b(fb, b + k, bs);\n    vf_frag_b(fb + 2, b + 8 * bs + k, bs);\n"
+           "    vf_mma16816(acc, fa, fb[0], fb[1]);\n    vf_mma16816(acc + 4, fa, fb[2], fb[3]);\n"})
+_MMA_NV64 = dict(how="a 64-lane wave is two warps, each computing one n8 half", frag=4,
+                 col="threadIdx.x % 64 / 32 * 8 + ", body={
+    # B: this warp's n8 half h, matrices k 0-7 and 8-15: lane l at n h * 8 + l % 8, k l / 8 % 2 * 8
+    True: _A_LDSM + "    vf_ldsm2(fb, b + (threadIdx.x % 64 / 32 * 8 + l % 8) * bs + k + l / 8 % 2 * 8);\n"
+          "    vf_mma16816(acc, fa, fb[0], fb[1]);\n",
+    False: _A_LD32 + "    vf_frag_b(fb, b + threadIdx.x % 64 / 32 * 8 * bs + k, bs);\n    vf_mma16816(acc, fa, fb[0], fb[1]);\n"})
+
+
+def ldmatrix() -> bool:
+    """NVIDIA fragments loaded by ldmatrix; ``VEGAFUSE_MMA_LDMATRIX=0``: by 4-byte LDS loads (A/B)."""
+    return os.environ.get("VEGAFUSE_MMA_LDMATRIX", "1") != "0"
+
+
+def _mma_nv(t: Target) -> str:
+    """The NVIDIA fragment helpers for ``t``'s wave width."""
+    table, ldsm = (_MMA_NV64 if t.emulated_wave else _MMA_NV32), ldmatrix()
+    return _MMA_NV.format(how=table["how"], frag=table["frag"], col=table["col"], body=table["body"][ldsm],
+                          loads=_LDSM if ldsm else _LD32)
+
 
 def act_dtype(t: Target, K: int) -> str:
     """The dtype of a GEMV's activation in LDS: f16 where the target has fp16 dot products
@@ -237,30 +390,71 @@ def act_dtype(t: Target, K: int) -> str:
     return "f16" if t.dot2 or 4 * K > t.max_static_lds - 1024 else "f32"
 
 
-_QUANT = r"""// quantized weights (dsl/quant.py): every block's quants, then every block's f16 scales (nb blocks)
+_DEQUANT = r"""// quantized weights (dsl/quant.py): every block's quants, then every block's f16 scales (nb blocks)
 typedef unsigned char vf_byte;
 // element i of a quantized weight: its block's scale times its quant
-__device__ __forceinline__ float vf_dequant_q4_0(const vf_byte* __restrict__ w, int i, int nb) {{
+__device__ __forceinline__ float vf_dequant_q4_0(const vf_byte* __restrict__ w, int i, int nb) {
   const int b = i / 32, j = i % 32;
   const int q = (w[16 * b + j % 16] >> (j / 16 * 4)) & 15;        // low nibbles: elements 0..15, high: 16..31
   return vf_h2f(((const vf_half*)(w + 16 * nb))[b]) * (float)(q - 8);
-}}
-__device__ __forceinline__ float vf_dequant_q4_1(const vf_byte* __restrict__ w, int i, int nb) {{
+}
+__device__ __forceinline__ float vf_dequant_q4_1(const vf_byte* __restrict__ w, int i, int nb) {
   const int b = i / 32, j = i % 32;
   const int q = (w[16 * b + j % 16] >> (j / 16 * 4)) & 15;
   const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * b;      // d, m
   return vf_h2f(dm[0]) * (float)q + vf_h2f(dm[1]);
-}}
-__device__ __forceinline__ float vf_dequant_gptq_int4(const vf_byte* __restrict__ w, int i, int nb) {{
+}
+__device__ __forceinline__ float vf_dequant_gptq_int4(const vf_byte* __restrict__ w, int i, int nb) {
   const int b = i / 32, j = i % 32;
   const int q = (w[16 * b + j % 16] >> (j / 16 * 4)) & 15;
   const vf_half* dz = (const vf_half*)(w + 16 * nb) + 2 * b;      // d, z (the zero point)
   return vf_h2f(dz[0]) * ((float)q - vf_h2f(dz[1]));
-}}
-__device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, int i, int nb) {{
+}
+__device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, int i, int nb) {
   return vf_h2f(((const vf_half*)(w + 32 * nb))[i / 32]) * (float)(signed char)w[i];
-}}
-{activation}// the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i is byte j of
+}
+"""
+
+_DEQUANT8 = r"""// 8 consecutive elements i .. i + 7 of a quantized weight (i a multiple of 8) as halves, for the tiled
+// matmul's weight tiles: one 8-byte load of quants (q4: bytes 0-7 or 8-15 of the block, low nibbles for elements
+// 0-15, high for 16-31) and the block's scales
+__device__ __forceinline__ unsigned long long vf_q4_nibbles8(const vf_byte* __restrict__ w, int i) {
+  const int b = i / 32, p = i % 32 / 8;
+  return *(const unsigned long long*)(w + 16 * b + 8 * (p % 2)) >> (p / 2 * 4);
+}
+__device__ __forceinline__ vf_h8 vf_dequant8_q4_0(const vf_byte* __restrict__ w, int i, int nb) {
+  const unsigned long long q = vf_q4_nibbles8(w, i);
+  const float d = vf_h2f(((const vf_half*)(w + 16 * nb))[i / 32]);
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = d * (float)((int)(q >> 8 * j & 15) - 8);
+  return vf_pack8(v);
+}
+__device__ __forceinline__ vf_h8 vf_dequant8_q4_1(const vf_byte* __restrict__ w, int i, int nb) {
+  const unsigned long long q = vf_q4_nibbles8(w, i);
+  const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * (i / 32);
+  const float d = vf_h2f(dm[0]), m = vf_h2f(dm[1]);
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = d * (float)(int)(q >> 8 * j & 15) + m;
+  return vf_pack8(v);
+}
+__device__ __forceinline__ vf_h8 vf_dequant8_gptq_int4(const vf_byte* __restrict__ w, int i, int nb) {
+  const unsigned long long q = vf_q4_nibbles8(w, i);
+  const vf_half* dz = (const vf_half*)(w + 16 * nb) + 2 * (i / 32);
+  const float d = vf_h2f(dz[0]), z = vf_h2f(dz[1]);
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = d * ((float)(int)(q >> 8 * j & 15) - z);
+  return vf_pack8(v);
+}
+__device__ __forceinline__ vf_h8 vf_dequant8_q8_0(const vf_byte* __restrict__ w, int i, int nb) {
+  const unsigned long long q = *(const unsigned long long*)(w + i);
+  const float d = vf_h2f(((const vf_half*)(w + 32 * nb))[i / 32]);
+  float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = d * (float)(signed char)(q >> 8 * j & 255);
+  return vf_pack8(v);
+}
+"""
+
+_QUANT = r"""{activation}// the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i is byte j of
 // (w[i] & 0x0F0F0F0F), element 16 + j of ((w[i] >> 4) & 0x0F0F0F0F)
 __device__ __forceinline__ int vf_dot_q4_q8(vf_int4 w, const vf_q8_1& a) {{
   const int n[8] = {{w.x & 0x0F0F0F0F, w.y & 0x0F0F0F0F, w.z & 0x0F0F0F0F, w.w & 0x0F0F0F0F,
@@ -543,11 +737,11 @@ def _nv_wave(t: Target) -> str:
     return _NV_WAVE64.format(slots=max(t.block, t.attention_block))
 
 
-def prelude(t: Target, act: str | None = None, quant: bool = False, attention: bool = False) -> str:
+def prelude(t: Target, act: str | None = None, quant: bool = False, attention: bool = False, mma: bool = False) -> str:
     """Everything target-specific in a kernel's source, from the target table
     (``act``: the GEMV activation dtype in LDS, see ``act_dtype``; ``quant``: the kernel reads
     quantized weights, so the helpers that read them are included; ``attention``: the helpers of
-    the attention template)."""
+    the attention template; ``mma``: the tiled matmul's fragment helpers)."""
     act, int8 = (act_dtype(t, 0), act) if act in (None, "q8_1", "q8_1r") else (act, None)
     if t.vendor == "amd":
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
@@ -557,7 +751,9 @@ def prelude(t: Target, act: str | None = None, quant: bool = False, attention: b
                               pdl=_NV_PDL if t.pdl else _NV_NO_PDL) + _NV_WAVE_SUM
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
     activation = _OVER_STEP + (_Q8_1 if int8 == "q8_1" else _Q8_1R)   # the int8 GEMV's activation blocks
-    tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _QUANT.format(activation=activation)) if quant else ""
+    tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _DEQUANT + _QUANT.format(activation=activation)) if quant else ""
     if attention:
         tail += (_AMD_ATTENTION if t.vendor == "amd" else _NV_ATTENTION) + _ATTENTION
+    if mma:
+        tail += (_MMA_AMD if t.vendor == "amd" else _mma_nv(t)) + (_DEQUANT8 if quant else "")
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format() + tail

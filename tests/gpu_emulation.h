@@ -60,6 +60,41 @@ static inline float vf_dot_qk(float acc, const float* q, const float* k) {
   for (int i = 0; i < 4; ++i) acc += q[i] * k[i];
   return acc;
 }
+static inline int vf_shfl_xor_i(int v, int m) {
+  float f;
+  std::memcpy(&f, &v, 4);
+  f = vf_shfl_xor(f, m);
+  std::memcpy(&v, &f, 4);
+  return v;
+}
+static inline float vf_wave_sum(float v) {
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
+  return v;
+}
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+// the tiled matmul's fragments (codegen/mma.py), each lane computing its own elements: at wave 32 the
+// layout of mma.sync (two n8 halves), at 64 gfx906's (lane l: row l % 16, columns l / 16 * 4 .. + 3)
+#define VF_FRAG (256 / VF_WAVE)
+static inline int vf_frag_row(int i) {
+  return VF_WAVE == 32 ? threadIdx.x % 32 / 4 + (i & 2) * 4 : threadIdx.x % 16;
+}
+static inline int vf_frag_col(int i) {
+  return VF_WAVE == 32 ? (i & 4) * 2 + threadIdx.x % 4 * 2 + (i & 1) : threadIdx.x % 64 / 16 * 4 + i;
+}
+static inline void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_half* b, int bs, int kc) {
+  for (int i = 0; i < VF_FRAG; ++i) {
+    const vf_half* ar = a + vf_frag_row(i) * as;
+    const vf_half* br = b + vf_frag_col(i) * bs;
+    for (int k = 0; k < kc; ++k) acc[i] += (float)ar[k] * (float)br[k];
+  }
+}
+struct vf_h8 { vf_half h[8]; };
+static inline vf_h8 vf_load8(const vf_half* w) { vf_h8 v; std::memcpy(v.h, w, 16); return v; }
+static inline vf_h8 vf_load8(const float* w) { vf_h8 v; for (int i = 0; i < 8; ++i) v.h[i] = (vf_half)w[i]; return v; }
+static inline void vf_store8(vf_half* dst, vf_h8 v) { std::memcpy(dst, v.h, 16); }
+static inline void vf_load8f(float* v, const float* p) { for (int i = 0; i < 8; ++i) v[i] = p[i]; }
+static inline void vf_load8f(float* v, const vf_half* p) { for (int i = 0; i < 8; ++i) v[i] = (float)p[i]; }
+static inline vf_h8 vf_pack8(const float* v) { vf_h8 r; for (int i = 0; i < 8; ++i) r.h[i] = (vf_half)v[i]; return r; }
 // run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads
 #define VF_EMULATE(KERNEL, ...)                                                                    \
   extern "C" void emulate(void** a, int grid) {                                                     \

@@ -16,6 +16,7 @@ except Exception as e:                                   # no driver, no GPU, no
 
 import dsl  # noqa: E402
 from codegen.hip import render_hip  # noqa: E402
+from codegen.mma import MMA_ROWS  # noqa: E402
 from codegen.prelude import act_dtype, prelude  # noqa: E402
 from codegen.targets import get_target  # noqa: E402
 from stdlib import nn  # noqa: E402
@@ -47,8 +48,9 @@ def check(f, *args, rtol=1e-3, atol=1e-3, donate=(), gemv_k=None):
     want = low.program.run(*dsl.tree_flatten(list(args))[0], compute_dtype="f64")
     got = [np.asarray(g) for g in dsl.tree_flatten(jf(*args))[0]]
     c = jf.compile(*args)
-    if gemv_k and act_dtype(get_target(c.device.target.maps_like or "sm_90"), gemv_k) == "f16":
-        rtol, atol = max(rtol, 1e-2), max(atol, 1e-2)
+    tiled = any(ck.hip.kernel.launch.how.startswith("a tiled matmul") for ck in c.kernels)
+    if tiled or gemv_k and act_dtype(get_target(c.device.target.maps_like or "sm_90"), gemv_k) == "f16":
+        rtol, atol = max(rtol, 1e-2), max(atol, 1e-2)     # the tiled matmul holds activation and weights as f16
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.astype(np.float64), w, rtol=rtol, atol=atol)
     if c.device.target.emulated_wave:                    # what ran is gfx906's kernel text
@@ -345,7 +347,8 @@ def test_matmul_rmsnorm_gate_up_silu_mul_residual(T, dtype, K, N):
     x, g, r = randn(T, K), rng.uniform(0.5, 1.5, K).astype(np.float32), randn(T, N)
     c = check(gate_up, x, g, matmul_weight(N, K, dtype), matmul_weight(N, K, dtype), r, gemv_k=K)
     assert [ck.kernel.family for ck in c.kernels] == ["contract"]
-    assert ("a matmul" in c.kernels[0].hip.kernel.launch.how) == (T >= 4)
+    how = c.kernels[0].hip.kernel.launch.how
+    assert ("a matmul" in how) == (4 <= T < MMA_ROWS) and how.startswith("a tiled matmul") == (T >= MMA_ROWS), how
 
 
 @pytest.mark.parametrize("T", [17, 64])
@@ -365,10 +368,53 @@ def test_matmul_qkv_with_bias_and_in_place_residual(T):
 def test_matmul_long_rows_one_at_a_time_split_over_waves(dtype):
     """K = 8960 (Qwen2.5-1.5B's down projection): one activation row in LDS at a time, the few
     output columns split over waves (partial sums combined through LDS), several row tiles."""
-    T, K, N = 20, 8960, 64
+    T, K, N = 12, 8960, 64                            # fewer than MMA_ROWS: the GEMV-style matmul
     x, w, res = randn(T, K, scale=0.5), matmul_weight(N, K, dtype), randn(T, N)
     c = check(lambda x, w, res: res + nn.linear(x, w), x, w, res, gemv_k=K)
     assert "a matmul" in c.kernels[0].hip.kernel.launch.how
+
+
+# ------------------------------------------------------------------------------ the tiled matmul
+@pytest.mark.parametrize("T", [16, 100, 512])
+@pytest.mark.parametrize("dtype,K,N", [("f16", 1536, 1000), ("f16", 99, 37), ("f32", 256, 200), ("q4_0", 576, 96),
+                                         ("q8_0", 256, 64)])
+def test_mma_rmsnorm_gate_up_silu_mul_residual(T, dtype, K, N):
+    """The tiled matmul (``codegen/mma.py``: mma.sync at wave 32, each warp one n8 half at the emulated
+    wave 64): RMSNorm -> gate/up -> SiLU * mul -> residual over T rows; T, N and K whole tiles or
+    ragged, f16 / f32 / quantized weights, against the float64 interpreter."""
+    from tests.test_matmul import gate_up
+    x, g, r = randn(T, K), rng.uniform(0.5, 1.5, K).astype(np.float32), randn(T, N)
+    c = check(gate_up, x, g, matmul_weight(N, K, dtype), matmul_weight(N, K, dtype), r)
+    assert c.kernels[0].hip.kernel.launch.how.startswith("a tiled matmul")
+
+
+@pytest.mark.parametrize("T", [16, 300])
+@pytest.mark.parametrize("wdtype", ["f16", "q4_1"])
+def test_mma_qkv_with_rope_pairs_and_kv_write(T, wdtype):
+    """Qwen2.5-1.5B's Q/K/V with bias, RoPE pairs as sibling accumulators and the KV-cache write, as
+    one tiled-matmul kernel of three segments, at a prompt of T tokens written at pos."""
+    from tests.test_quant_kernels import quantized
+    D, hq, hkv, hd, theta, S = 1536, 12, 2, 128, 1e6, 1024
+    pos = int(rng.integers(0, S - T))
+    x, g = randn(T, D), rng.uniform(0.5, 1.5, D).astype(np.float32)
+    ws = [quantized((n, D), wdtype) if wdtype != "f16" else randn(n, D, dtype=np.float16, scale=D ** -0.5)
+          for n in (hq * hd, hkv * hd, hkv * hd)]
+    bs = [randn(n) for n in (hq * hd, hkv * hd, hkv * hd)]
+    kc, vc = randn(hkv, S, hd, dtype=np.float16), randn(hkv, S, hd, dtype=np.float16)
+
+    def qkv_rope(x, g, ws, bs, kc, vc, pos):
+        h = nn.rms_norm(x, g, 1e-6)
+        q, k, v = (nn.linear(h, w, b).reshape(T, -1, hd).transpose(1, 0, 2) for w, b in zip(ws, bs))
+        kc, vc = nn.kv_write(kc, vc, nn.rope(k, pos, theta), v, pos)
+        return nn.rope(q, pos, theta), kc, vc
+    jf = dsl.jit(qkv_rope, backend="cuda", donate_argnums=(4, 5))
+    args = (x, g, ws, bs, kc, vc, pos)
+    want = jf.lower(*args).program.run(*dsl.tree_flatten(list(args))[0], compute_dtype="f64")
+    got = [np.asarray(a, np.float64) for a in dsl.tree_flatten(jf(x, g, ws, bs, kc.copy(), vc.copy(), pos))[0]]
+    for a, w in zip(got, want):
+        np.testing.assert_allclose(a, w, rtol=0, atol=3e-2 * np.abs(w).max())
+    (kern,) = jf.compile(*args).kernels
+    assert kern.hip.kernel.launch.how.startswith("a tiled matmul")
 
 
 @pytest.mark.parametrize("hq,hkv,t,pos,S,D", [(28, 4, 1, 4000, 4096, 128), (9, 3, 1, 2000, 2048, 64),

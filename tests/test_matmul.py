@@ -134,9 +134,11 @@ def gfx906_matmuls(f, *args):
 
 
 @pytest.mark.parametrize("T,K,N", [(17, 576, 1536), (128, 1536, 8960), (64, 8960, 1536)])
-def test_gfx906_matmul_isa(T, K, N):
-    """gfx906's gates: no scratch, no flat loads, 16-byte weight loads and v_dot2 in the main loop,
-    at most one LDS read per weight byte... and at most 9 waves per SIMD."""
+def test_gfx906_matmul_isa(T, K, N, monkeypatch):
+    """gfx906's gates for the GEMV-style matmul (``VEGAFUSE_MMA=0``; the tiled matmul's are in
+    ``tests/test_mma.py``): no scratch, no flat loads, 16-byte weight loads and v_dot2 in the main
+    loop, at most one LDS read per weight byte... and at most 9 waves per SIMD."""
+    monkeypatch.setenv("VEGAFUSE_MMA", "0")
     from engine.devices.rocm import HipUnavailable, find_hiprtc
     try:
         find_hiprtc()
