@@ -12,7 +12,7 @@
 using std::max;
 using std::min;
 struct vf_dim { unsigned x; };
-static thread_local vf_dim threadIdx, blockIdx;
+static thread_local vf_dim threadIdx, blockIdx, gridDim;
 static std::barrier<>* vf_emu_block;
 static std::vector<std::unique_ptr<std::barrier<>>> vf_emu_waves;
 static float vf_emu_lanes[1024];
@@ -52,6 +52,22 @@ static inline float vf_shfl_xor(float v, int m) {          // every lane of the 
   wave.arrive_and_wait();
   return other;
 }
+static inline int vf_shfl_xor_i(int v, int m) {            // the same for ints (the int8 GEMV's helpers)
+  float f, o;
+  std::memcpy(&f, &v, 4);
+  o = vf_shfl_xor(f, m);
+  std::memcpy(&v, &o, 4);
+  return v;
+}
+// what the int8 GEMV's NVIDIA helpers use (codegen/prelude.py _NV_INT8)
+struct int4 { int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+static inline float4 __ldcg(const float4* p) { float4 r; std::memcpy(&r, p, 16); return r; }
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+static inline int __dp4a(int a, int b, int c) {
+  for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+  return c;
+}
 static inline float vf_dot_qk(float acc, const float* q, const vf_half* k) {
   for (int i = 0; i < 8; ++i) acc += q[i] * (float)k[i];
   return acc;
@@ -60,8 +76,11 @@ static inline float vf_dot_qk(float acc, const float* q, const float* k) {
   for (int i = 0; i < 4; ++i) acc += q[i] * k[i];
   return acc;
 }
-// run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads
+// run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads, in order or (after emulate_reversed(1))
+// from the last to the first
+static int vf_emu_reversed = 0;
 #define VF_EMULATE(KERNEL, ...)                                                                    \
+  extern "C" void emulate_reversed(int r) { vf_emu_reversed = r; }                                  \
   extern "C" void emulate(void** a, int grid) {                                                     \
     std::barrier<> block(VF_ATT_BLOCK);                                                             \
     vf_emu_block = &block;                                                                          \
@@ -70,8 +89,12 @@ static inline float vf_dot_qk(float acc, const float* q, const float* k) {
     std::vector<std::thread> threads;                                                               \
     for (unsigned t = 0; t < VF_ATT_BLOCK; ++t)                                                     \
       threads.emplace_back([=, &block] {                                                            \
-        threadIdx.x = t;                                                                            \
-        for (int b = 0; b < grid; ++b) { blockIdx.x = b; KERNEL(__VA_ARGS__); block.arrive_and_wait(); } \
+        threadIdx.x = t; gridDim.x = grid;                                                          \
+        for (int b = 0; b < grid; ++b) {                                                           \
+          blockIdx.x = vf_emu_reversed ? grid - 1 - b : b;                                          \
+          KERNEL(__VA_ARGS__);                                                                      \
+          block.arrive_and_wait();                                                                  \
+        }                                                                                           \
       });                                                                                           \
     for (auto& t : threads) t.join();                                                               \
   }
