@@ -1122,6 +1122,7 @@ def buffer_traffic(k: Kernel) -> dict:
             elif isinstance(s, QuantizeQ8):
                 for v in s.values:
                     visit_expr(v, extent)
+                touch(s.arr, None)                         # a buffer's q8_1 blocks (fusion/q8.py)
             elif isinstance(s, CopyQ8):
                 touch(s.src, None)
             elif isinstance(s, QuantizeStored):
