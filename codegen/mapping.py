@@ -538,8 +538,7 @@ def _contract_rows(body, t, info):
             early.append(s)                                    # next segment (a clamped position): computed
             continue                                           # before the wave loop, which stays one
         if segs:
-            info["offsets"] = _row_offsets(segs)
-            out += early + list(_wave_loop(segs, t, info))
+            out += early + _rows_of(segs, t, info)
             segs, early = [], []
         out += comments
         comments = []
@@ -578,9 +577,18 @@ def _contract_rows(body, t, info):
         else:
             out.append(s)
     if segs:
-        info["offsets"] = _row_offsets(segs)
-        out += early + list(_wave_loop(segs, t, info))
+        out += early + _rows_of(segs, t, info)
     return tuple(out + comments)
+
+
+def _rows_of(segs, t, info):
+    """``_wave_loop`` of ``segs``, noting for each buffer a segment stores at its row where the buffer's
+    rows lie in the loop's row space and the rows a workgroup's trip takes (``_quantize_stored``)."""
+    loop = list(_wave_loop(segs, t, info))
+    rows = t.waves_per_block // info["split"] * info.get("rows_per_wave", 1)
+    for buf, off in _row_offsets(segs).items():
+        info.setdefault("stores", {})[buf] = (off, rows, info["total"])
+    return loop
 
 
 def _q8_source(fill):
@@ -615,14 +623,13 @@ def _row_offsets(segs) -> dict:
 def _quantize_stored(loop, t, info, grid):
     """The producer's ``_stored_q8`` loop as ``QuantizeStored``, with its LDS list of the blocks the
     workgroup completes: trip j of workgroup b stores the wave loop's rows (b + j grid) R .. + R - 1,
-    R = the rows of the workgroup's waves (``rows_per_wave`` each, ``split`` waves sharing a row)."""
+    R = the rows of the workgroup's waves (``rows_per_wave`` each, ``split`` waves sharing a row), and
+    ``src`` lies at row ``off`` of them (``_rows_of``)."""
     st = loop.body[0]
     src, dst, n = st.values[0].buf, st.arr, 32 * loop.stop.value
-    first = -info["offsets"][src]
-    rows = t.waves_per_block // info["split"] * info.get("rows_per_wave", 1)
-    trips = -(-info["total"] // (grid * rows))
-    per_trip = 1
-    for r in range(0, info["total"], rows):                 # the most blocks one trip's rows touch
+    off, rows, total = info["stores"][src]
+    first, trips, per_trip = -off, -(-total // (grid * rows)), 1
+    for r in range(0, total, rows):                         # the most blocks one trip's rows touch
         lo, hi = max(r + first, 0), min(r + first + rows, n)
         if lo < hi:
             per_trip = max(per_trip, (hi - 1) // 32 - lo // 32 + 1)

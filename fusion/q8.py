@@ -72,7 +72,7 @@ def row_store(k: L.Kernel, buf: str, n: int):
         return False
     (seg,) = segs
     return (stores[0].index == L.Sym(seg.var, "i32") and seg.start == L.c(0) and seg.stop == L.c(n)
-            and isinstance(seg.body[0], L.Reduce))
+            and isinstance(seg.body[0], L.Reduce) and seg.body[0].order == "inner")
 
 
 def quantize_at_producers(plan, dtype: str):
@@ -107,8 +107,9 @@ def quantize_at_producers(plan, dtype: str):
             blk = L.Sym(f"{buf}_blk", "i32")
             vals = tuple(L.Load(buf, L.add(L.mul(blk, L.c(32)), L.c(j)), "f32") for j in range(32))
             quant = L.Loop(blk.name, L.c(0), L.c(K // 32), (L.QuantizeQ8(name, blk, vals, L.Const(True, "bool")),))
+            note = L.Comment(f"{buf} as q8_1 blocks, for {k.name}")
             kernels[w[0]] = replace(p, params=p.params + (L.Param(name, dtype, shape=(K,), role="out"),),
-                                    body=p.body + (L.Comment(f"{buf} as q8_1 blocks, for the GEMV that reads it"), quant))
+                                    body=p.body + (note, quant))
         name = q8[buf]
         value = L.QLoad(name, fill.body[0].index, "f32", dtype, K)
         body = tuple(replace(s, body=(replace(s.body[0], value=value),)) if s is fill else s for s in k.body)
