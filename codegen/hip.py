@@ -261,13 +261,19 @@ def _array(s, pad):
     shared = "__shared__ " if s.space == "lds" else ""
     if s.dtype in L.ACT_Q8:                        # one vf_q8_1 per block of 32
         what = "q8_1 blocks with a residual plane" if s.dtype == "q8_1r" else "q8_1 blocks"
-        return [f"{pad}{shared}vf_q8_1 {s.name}[{s.size // 32}];  // {s.size} values in {what}"]
+        align = " __attribute__((aligned(16)))" if shared else ""     # copied 16 bytes at a time (vf_copy_q8_1)
+        return [f"{pad}{shared}vf_q8_1 {s.name}[{s.size // 32}]{align};  // {s.size} values in {what}"]
     return [f"{pad}{shared}{CTYPE[s.dtype]} {s.name}[{s.size}];"]
 
 
 def _quantize(s, pad):
     vals = ", ".join(bare(v) for v in s.values)
     return [f"{pad}vf_quantize_q8_1({s.arr}, {bare(s.group)}, {vals}, {bare(s.active)});"]
+
+
+def _quantize_stored(s, pad):
+    return [f"{pad}vf_quantize_stored({s.src}, {s.dst}, {s.dst}_count, {s.n}, {s.first}, {s.rows}, {s.trips}, "
+            f"{s.per_trip}, {s.done});"]
 
 
 STMT = {
@@ -283,6 +289,8 @@ STMT = {
     L.Attention: lambda s, pad: _attention(s, pad),
     L.QuantizeQ8: _quantize,
     mma.MatmulTiles: lambda s, pad: mma.render(s, stmts, bare, pad),
+    L.CopyQ8: lambda s, pad: [f"{pad}vf_copy_q8_1({s.dst}, {s.src}, {s.blocks});"],
+    L.QuantizeStored: _quantize_stored,
 }
 
 
@@ -346,6 +354,8 @@ def render_kernel(k: L.Kernel) -> str:
     lines = [f"// {k.name}: {k.family} kernel, {k.bytes} bytes moved, {k.flops} flops per call",
              f"// mapping: {launch.how}"]
     lines += [x for s in k.body if isinstance(s, L.Attention) for x in attention.globals_of(s)]
+    lines += [f"__device__ unsigned int {s.dst}_count[{s.n // 32}];   // arrivals per q8_1 block of {s.src}, zero "
+              "between launches" for s in k.body if isinstance(s, L.QuantizeStored)]
     lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
     arrays = [s for s in k.body if isinstance(s, L.Array)]
     lines += stmts(arrays)
@@ -364,10 +374,12 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     comes from ``target``)."""
     t = get_target(target) if isinstance(target, str) else target
     m = L.tidy_names(map_kernel(k, t), reserved=("vf_lane", "vf_wave"))
-    quant = any(p.dtype in L.QUANT_DTYPES for p in k.params)
+    q8 = next((p.dtype for p in k.params if p.dtype in L.ACT_Q8), None)          # a producer's q8_1 blocks
+    quant = q8 is not None or any(p.dtype in L.QUANT_DTYPES for p in k.params)
     att = any(isinstance(s, L.Attention) for s in m.body)
     tiled = any(isinstance(s, mma.MatmulTiles) for s in m.body)
-    head = f"// vegafuse kernel for {t.name}; prelude generated from the target table\n" + prelude(t, m.launch.act, quant, att, tiled)
+    head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
+            + prelude(t, m.launch.act, quant, att, tiled, q8))
     src = head + "\n" + render_kernel(m)
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

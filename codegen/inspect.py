@@ -164,7 +164,15 @@ def decode_plan(model=None, context=512, dtype="native", tokens=1):
     if tokens > context:
         raise ValueError(f"--prefill {tokens} does not fit the context of {context} positions")
     low = dsl.jit(step, donate_argnums=(4,)).lower(params, np.zeros(tokens, np.int32), 0, 0, cache)
-    return lower_program(low)
+    return gpu_plan(lower_program(low))
+
+
+def gpu_plan(plan):
+    """``plan`` as a GPU with int8 dot products runs it (``fusion.q8``: activations quantized by
+    the kernels that produce them; ``VEGAFUSE_Q8_PRODUCER=0``: not)."""
+    from codegen.loopir import int8_activation
+    from fusion.q8 import quantize_at_producers
+    return quantize_at_producers(plan, int8_activation())
 
 
 def widths(it) -> str:

@@ -273,6 +273,33 @@ class QuantizeQ8:
 
 
 @dataclass(frozen=True)
+class CopyQ8:
+    """GPU, made by the mapping: the threads of the workgroup copy the ``blocks`` q8_1 blocks of the
+    buffer ``src`` (written by an earlier kernel) into the LDS array ``dst``, 16 bytes at a time."""
+    dst: str
+    src: str
+    blocks: int
+
+
+@dataclass(frozen=True)
+class QuantizeStored:
+    """GPU, made by the mapping, after a GEMV's wave loop (every thread of the workgroup runs it): the
+    q8_1 blocks of the ``n`` f32 values of ``src`` into the buffer ``dst``.  Trip j of workgroup b stored
+    ``src[first + (b + j * grid) * rows .. + rows)`` (clipped to [0, n)), for j < ``trips``; a trip
+    touches at most ``per_trip`` blocks.  The workgroup adds what it stored to each block's arrival count
+    (``{dst}_count``, a file-scope counter per block) and quantizes the blocks it completes; ``done`` is
+    its LDS list of them (``trips * per_trip`` slots)."""
+    src: str
+    dst: str
+    n: int
+    first: int
+    rows: int
+    trips: int
+    per_trip: int
+    done: str
+
+
+@dataclass(frozen=True)
 class Store:
     buf: str
     index: Expr
@@ -385,7 +412,8 @@ class AttentionTiles:
                                   # group's query heads a workgroup takes; (): the tiled template
 
 
-Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8]
+Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8,
+             CopyQ8, QuantizeStored]
 
 
 @dataclass(frozen=True)
@@ -572,6 +600,10 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
             return replace(s, q=name(s.q), k=name(s.k), v=name(s.v), out=name(s.out), pos=ex(s.pos))
         if isinstance(s, QuantizeQ8):
             return QuantizeQ8(name(s.arr), ex(s.group), tuple(ex(v) for v in s.values), ex(s.active))
+        if isinstance(s, CopyQ8):
+            return CopyQ8(name(s.dst), name(s.src), s.blocks)
+        if isinstance(s, QuantizeStored):
+            return replace(s, src=name(s.src), dst=name(s.dst), done=name(s.done))
         return s
     return tuple(st(s) for s in body)
 
@@ -967,6 +999,11 @@ def format_kernel(k: Kernel) -> str:
             elif isinstance(s, QuantizeQ8):
                 vals = ", ".join(format_expr(v) for v in s.values)
                 lines.append(f"{pad}{s.arr}.group[{format_expr(s.group)}] = q8_1({vals}) if {format_expr(s.active)}")
+            elif isinstance(s, CopyQ8):
+                lines.append(f"{pad}{s.dst}[0:{s.blocks}] = {s.src}[0:{s.blocks}]  # q8_1 blocks")
+            elif isinstance(s, QuantizeStored):
+                lines.append(f"{pad}{s.dst} = q8_1({s.src}[0:{s.n}]) by arrival (rows {s.rows} per trip from "
+                             f"{s.first}, {s.trips} trips)")
             elif isinstance(s, Attention):
                 lines.append(f"{pad}{s.out} = attention({s.q}, {s.k}, {s.v}, pos={format_expr(s.pos)}, "
                              f"heads={s.hq}/{s.hkv}, t={s.t}, s={s.s}, d={s.d}, scale={s.scale!r})")
@@ -1085,6 +1122,12 @@ def buffer_traffic(k: Kernel) -> dict:
             elif isinstance(s, QuantizeQ8):
                 for v in s.values:
                     visit_expr(v, extent)
+                touch(s.arr, None)                         # a buffer's q8_1 blocks (fusion/q8.py)
+            elif isinstance(s, CopyQ8):
+                touch(s.src, None)
+            elif isinstance(s, QuantizeStored):
+                touch(s.src, None)
+                touch(s.dst, None)
             elif isinstance(s, Attention):
                 for name in (s.q, s.k, s.v, s.out):
                     touch(name, None)

@@ -486,11 +486,18 @@ def _contract(body, t, lds_limit):
     per_wave = info.get("rows_per_wave", 1)
     per_cu = _blocks_per_cu(t, K, info["q8"])
     grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * per_cu))
+    stored = ""
+    if "stored_q8" in info:                                # the trailing loop, now that the grid is known
+        done, q = _quantize_stored(info["stored_q8"], t, info, grid)
+        body = (done,) + tuple(q if s is info["stored_q8"] else s for s in body)
+        stored = (f"; {q.src} also in q8_1 blocks ({q.dst}), each quantized by the workgroup that completes it "
+                  f"({q.rows} rows a trip)")
     if info["q8"]:
         lanes, per = info["lanes"], info["rows_per_lane"]
-        how = (f"{K}-element activation quantized to q8_1 in LDS; {'a wave' if lanes == t.wave else f'{lanes} lanes'} "
+        fill = "copied in q8_1 blocks into LDS" if info.get("copied") else "quantized to q8_1 in LDS"
+        how = (f"{K}-element activation {fill}; {'a wave' if lanes == t.wave else f'{lanes} lanes'} "
                f"per {f'{per} output rows' if per > 1 else 'output row'} ({total} rows); each lane takes whole weight blocks of its rows "
-               f"(16-byte loads, int8 dot products)")
+               f"(16-byte loads, int8 dot products){stored}")
         return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info["act_dtype"])
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
@@ -505,7 +512,7 @@ def _contract(body, t, lds_limit):
         cols = (f"a thread per output column of a (K, N) weight ({info['columns']} columns), each folding k "
                 f"alone, consecutive lanes reading consecutive columns")
         how = f"{K}-element activation in LDS; {cols}" if info.get("only_columns") else f"{how}; {cols}"
-    return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info.get("act_dtype", "f32"))
+    return body, L.Launch(grid, t.block, "VF_BLOCK", how + stored, _lds_bytes(body), info.get("act_dtype", "f32"))
 
 
 def _blocks_per_cu(t: Target, K: int, int8: bool) -> int:
@@ -535,7 +542,7 @@ def _contract_rows(body, t, info):
             early.append(s)                                    # next segment (a clamped position): computed
             continue                                           # before the wave loop, which stays one
         if segs:
-            out += early + list(_wave_loop(segs, t, info))
+            out += early + _rows_of(segs, t, info)
             segs, early = [], []
         out += comments
         comments = []
@@ -544,9 +551,16 @@ def _contract_rows(body, t, info):
         if isinstance(s, L.Loop) and isinstance(s.body[-1], L.Store) and s.body[-1].buf in arrays \
                 and all(isinstance(d, L.Declare) for d in s.body[:-1]):
             s = replace(s, body=(_inlined(s.body),))           # a fill with locals (a gathered activation)
-        if isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays and info["q8"]:
+        if isinstance(s, L.QuantizeQ8) and len(s.values) == 32:   # one block: its loop dropped
+            s = L.Loop(f"{s.arr}_blk", L.c(0), L.c(1), (s,))
+        if _stored_q8(s):                                       # the q8_1 form of a buffer this GEMV stores
+            info["stored_q8"] = s                              # (fusion.q8): after the wave loop, in _contract
+            out.append(s)
+        elif isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays and info["q8"]:
             info["act"], info["K"], info["act_dtype"] = s.body[0].buf, s.stop.value, L.int8_activation()
-            out += [_quantize_fill(s, t), L.Barrier()]
+            src = _q8_source(s)
+            out += [L.CopyQ8(s.body[0].buf, src.buf, src.count // 32) if src else _quantize_fill(s, t), L.Barrier()]
+            info["copied"] = src is not None
         elif isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays:
             info["act"], K = s.body[0].buf, s.stop.value
             dt = act_dtype(t, K)
@@ -567,8 +581,64 @@ def _contract_rows(body, t, info):
         else:
             out.append(s)
     if segs:
-        out += early + list(_wave_loop(segs, t, info))
+        out += early + _rows_of(segs, t, info)
     return tuple(out + comments)
+
+
+def _rows_of(segs, t, info):
+    """``_wave_loop`` of ``segs``, noting for each buffer a segment stores at its row where the buffer's
+    rows lie in the loop's row space and the rows a workgroup's trip takes (``_quantize_stored``)."""
+    loop = list(_wave_loop(segs, t, info))
+    rows = t.waves_per_block // info["split"] * info.get("rows_per_wave", 1)
+    for buf, off in _row_offsets(segs).items():
+        info.setdefault("stores", {})[buf] = (off, rows, info["total"])
+    return loop
+
+
+def _q8_source(fill):
+    """The producer's q8_1 buffer that a GEMV fill ``act[k] = src.block[k / 32][k % 32]`` reads
+    (``fusion.q8``: a ``QLoad`` of the int8 activation's format at k), else None."""
+    v = fill.body[0].value
+    ok = isinstance(v, L.QLoad) and v.fmt == L.int8_activation() and v.index == L.Sym(fill.var, "i32")
+    return v if ok else None
+
+
+def _stored_q8(s) -> bool:
+    """Is ``s`` the loop ``for b: dst.block[b] = q8_1(src[32 b .. 32 b + 31])`` that ``fusion.q8`` appends
+    to the GEMV storing ``src``?"""
+    return (isinstance(s, L.Loop) and not s.parallel and len(s.body) == 1 and isinstance(s.body[0], L.QuantizeQ8)
+            and len(s.body[0].values) == 32 and all(isinstance(v, L.Load) for v in s.body[0].values))
+
+
+def _row_offsets(segs) -> dict:
+    """{buffer: its first row in the wave loop's row space} for each buffer a segment stores at its
+    row (the segments side by side in order; those of order "outer" are column loops, not rows)."""
+    out, off = {}, 0
+    for _, s in segs:
+        if any(isinstance(x, L.Reduce) and x.order == "outer" for x in s.body):
+            continue
+        for st in L.walk_stmts(s.body):
+            if isinstance(st, L.Store) and st.index == L.Sym(s.var, "i32"):
+                out.setdefault(st.buf, off)
+        off += s.stop.value
+    return out
+
+
+def _quantize_stored(loop, t, info, grid):
+    """The producer's ``_stored_q8`` loop as ``QuantizeStored``, with its LDS list of the blocks the
+    workgroup completes: trip j of workgroup b stores the wave loop's rows (b + j grid) R .. + R - 1,
+    R = the rows of the workgroup's waves (``rows_per_wave`` each, ``split`` waves sharing a row), and
+    ``src`` lies at row ``off`` of them (``_rows_of``)."""
+    st = loop.body[0]
+    src, dst, n = st.values[0].buf, st.arr, 32 * loop.stop.value
+    off, rows, total = info["stores"][src]
+    first, trips, per_trip = -off, -(-total // (grid * rows)), 1
+    for r in range(0, total, rows):                         # the most blocks one trip's rows touch
+        lo, hi = max(r + first, 0), min(r + first + rows, n)
+        if lo < hi:
+            per_trip = max(per_trip, (hi - 1) // 32 - lo // 32 + 1)
+    done = L.Array("vf_done", "i32", trips * per_trip, "lds")
+    return done, L.QuantizeStored(src, dst, n, first, rows, trips, per_trip, done.name)
 
 
 def matmul_rows(s: L.Loop):

@@ -454,7 +454,7 @@ __device__ __forceinline__ vf_h8 vf_dequant8_q8_0(const vf_byte* __restrict__ w,
 }
 """
 
-_QUANT = r"""{activation}// the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i is byte j of
+_QUANT = r"""{activation}{stored}// the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i is byte j of
 // (w[i] & 0x0F0F0F0F), element 16 + j of ((w[i] >> 4) & 0x0F0F0F0F)
 __device__ __forceinline__ int vf_dot_q4_q8(vf_int4 w, const vf_q8_1& a) {{
   const int n[8] = {{w.x & 0x0F0F0F0F, w.y & 0x0F0F0F0F, w.z & 0x0F0F0F0F, w.w & 0x0F0F0F0F,
@@ -527,6 +527,12 @@ __device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, fl
     if (g % 8 == 0) { a[g / 8].d = step * 0.0078125f; a[g / 8].s = step * 0.0078125f * (float)sum; }
   }
 }
+// element i of q8_1 blocks with a residual plane (a producer's, read as floats): d * (128 q + r)
+__device__ __forceinline__ float vf_dequant_q8_1r(const vf_q8_1* __restrict__ a, int i, int nb) {
+  const vf_q8_1& b = a[i / 32];
+  const int j = i % 32, shift = 8 * (j % 4);
+  return b.d * (float)(128 * (int)(signed char)(b.q[j / 4] >> shift) + (int)(signed char)(b.r[j / 4] >> shift));
+}
 // sum_j n_j (128 q_j + r_j) over a block's 32 weight integers n (4 per int, as the quants)
 __device__ __forceinline__ int vf_dot_q8(const int* n, const vf_q8_1& a) {
   int q = 0, r = 0;
@@ -550,11 +556,58 @@ __device__ __forceinline__ void vf_quantize_q8_1(vf_q8_1* a, int g, float x0, fl
     if (g % 8 == 0) { a[g / 8].d = d; a[g / 8].s = d * (float)sum; }
   }
 }
+// element i of q8_1 blocks (a producer's, read as floats): d q
+__device__ __forceinline__ float vf_dequant_q8_1(const vf_q8_1* __restrict__ a, int i, int nb) {
+  const vf_q8_1& b = a[i / 32];
+  return b.d * (float)(int)(signed char)(b.q[i % 32 / 4] >> (8 * (i % 4)));
+}
 // sum_j n_j q_j over a block's 32 weight integers n (4 per int, as the quants)
 __device__ __forceinline__ int vf_dot_q8(const int* n, const vf_q8_1& a) {
   int q = 0;
   for (int i = 0; i < 8; ++i) q = vf_dot4_i8(n[i], a.q[i], q);
   return q;
+}
+"""
+
+_STORED = r"""// a GEMV activation quantized once, by the kernel that stores it (fusion/q8.py):
+// the q8_1 blocks of the n values x (n / 32 blocks) that a GEMV's workgroups store, trip j of workgroup b storing
+// x[first + (b + j gridDim.x) rows .. + rows) (clipped to [0, n)); every thread of the workgroup runs it after its
+// last store.  The workgroup adds the values each trip stored to their blocks' arrival counts, and quantizes the
+// blocks it completes (one its trip stored whole at once); the one that completes a block sets its count back
+// to zero for the next launch.  done: LDS for trips * per_trip block numbers
+__device__ __forceinline__ void vf_quantize_stored(const float* x, vf_q8_1* __restrict__ q, unsigned int* count, int n,
+                                                   int first, int rows, int trips, int per_trip, int* done) {
+  __threadfence();                       // this thread's stores reach the device before the counts below
+  __syncthreads();
+  const int slots = trips * per_trip;
+  for (int i = threadIdx.x; i < slots; i += VF_BLOCK) {
+    const int r = first + ((int)blockIdx.x + i / per_trip * (int)gridDim.x) * rows;
+    const int lo = max(r, 0), hi = min(r + rows, n), b = lo / 32 + i % per_trip;
+    const int mine = min(hi, 32 * b + 32) - max(lo, 32 * b);          // the values of block b this trip stored
+    bool complete = mine == 32;
+    if (mine > 0 && mine < 32 && atomicAdd(count + b, (unsigned int)mine) + mine == 32) {
+      atomicExch(count + b, 0u);
+      complete = true;
+    }
+    done[i] = complete ? b : -1;
+  }
+  __syncthreads();
+  __threadfence();                       // the values other workgroups stored are seen after it
+  for (int g = threadIdx.x; g < (8 * slots + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; g += VF_BLOCK) {
+    const int b = done[min(g / 8, slots - 1)];
+    const bool active = g < 8 * slots && b >= 0;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) vf_load_stored4(x + 32 * b + 4 * (g % 8), v);
+    vf_quantize_q8_1(q, 8 * max(b, 0) + g % 8, v[0], v[1], v[2], v[3], active);
+  }
+}
+// the n q8_1 blocks that an earlier kernel wrote, copied into LDS by the threads of the workgroup 16 bytes at
+// a time (both arrays 16-byte aligned; an odd count of blocks leaves 8 bytes, copied by thread 0)
+__device__ __forceinline__ void vf_copy_q8_1(vf_q8_1* dst, const vf_q8_1* __restrict__ src, int n) {
+  const int bytes = n * (int)sizeof(vf_q8_1);
+  #pragma unroll 8
+  for (int i = threadIdx.x; i < bytes / 16; i += VF_BLOCK) ((vf_int4*)dst)[i] = ((const vf_int4*)src)[i];
+  if (bytes % 16 && threadIdx.x == 0) ((long long*)dst)[bytes / 8 - 1] = ((const long long*)src)[bytes / 8 - 1];
 }
 """
 
@@ -573,6 +626,11 @@ __device__ __forceinline__ int vf_sum8(int v) {
   v += VF_DPP_I(v, 0x4E, 0xF);
   return v + VF_DPP_I(v, 0x141, 0xF);
 }
+// 4 floats other workgroups of this launch stored, after a __threadfence (it invalidated this CU's cache)
+__device__ __forceinline__ void vf_load_stored4(const float* p, float* v) {
+  const vf_float4 x = *(const vf_float4*)p;
+  v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
+}
 """
 
 _NV_INT8 = r"""typedef int4 vf_int4;
@@ -586,6 +644,11 @@ __device__ __forceinline__ float vf_max8(float v) {
 __device__ __forceinline__ int vf_sum8(int v) {
   for (int m = 1; m < 8; m <<= 1) v += vf_shfl_xor_i(v, m);
   return v;
+}
+// 4 floats other workgroups of this launch stored: read from L2, past this SM's L1
+__device__ __forceinline__ void vf_load_stored4(const float* p, float* v) {
+  const float4 x = __ldcg((const float4*)p);
+  v[0] = x.x; v[1] = x.y; v[2] = x.z; v[3] = x.w;
 }
 // the sum over each group of n lanes (n a power of two), held by the group's last lane (here: by all)
 __device__ __forceinline__ float vf_lanes_sum(float v, int n) {
@@ -737,12 +800,14 @@ def _nv_wave(t: Target) -> str:
     return _NV_WAVE64.format(slots=max(t.block, t.attention_block))
 
 
-def prelude(t: Target, act: str | None = None, quant: bool = False, attention: bool = False, mma: bool = False) -> str:
+def prelude(t: Target, act: str | None = None, quant: bool = False, attention: bool = False, mma: bool = False,
+            q8: str | None = None) -> str:
     """Everything target-specific in a kernel's source, from the target table
     (``act``: the GEMV activation dtype in LDS, see ``act_dtype``; ``quant``: the kernel reads
     quantized weights, so the helpers that read them are included; ``attention``: the helpers of
-    the attention template; ``mma``: the tiled matmul's fragment helpers)."""
-    act, int8 = (act_dtype(t, 0), act) if act in (None, "q8_1", "q8_1r") else (act, None)
+    the attention template; ``mma``: the tiled matmul's fragment helpers; ``q8``: the dtype of q8_1
+    buffers the kernel reads or writes, "q8_1r" or "q8_1", when its own activation is not one)."""
+    act, int8 = (act_dtype(t, 0), act) if act in (None, "q8_1", "q8_1r") else (act, q8)
     if t.vendor == "amd":
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
         head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
@@ -751,7 +816,8 @@ def prelude(t: Target, act: str | None = None, quant: bool = False, attention: b
                               pdl=_NV_PDL if t.pdl else _NV_NO_PDL) + _NV_WAVE_SUM
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
     activation = _OVER_STEP + (_Q8_1 if int8 == "q8_1" else _Q8_1R)   # the int8 GEMV's activation blocks
-    tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _DEQUANT + _QUANT.format(activation=activation)) if quant else ""
+    tail = ((_AMD_INT8 if t.vendor == "amd" else _NV_INT8) + _DEQUANT
+            + _QUANT.format(activation=activation, stored=_STORED)) if quant else ""
     if attention:
         tail += (_AMD_ATTENTION if t.vendor == "amd" else _NV_ATTENTION) + _ATTENTION
     if mma:

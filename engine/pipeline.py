@@ -40,11 +40,23 @@ def compile_program(f, args=(), traced=None) -> Executable:
     traced = traced or f.lower(*args)                                      # trace
     plan = lower_program(traced, f.fusion)                                 # typecheck, partition, lower, simplify
     device = get_device(f.backend)                                         # None: the reference interpreter
+    plan = for_device(plan, device)                                        # GPU: activations quantized by producers
     sources = render(plan.kernels, device.compiler) if device else []      # LLVM IR / HIP C++
     binaries = build(sources, device.compiler) if device else []           # compile + code cache
     kernels = device.load(sources, binaries) if device else []
     debug_print(plan, sources, binaries, device)                           # VEGAFUSE_DEBUG=1..4
     return Executable(traced.program, traced.out_tree, plan, device, kernels, f.backend, traced.spec)
+
+
+def for_device(plan, device):
+    """``plan`` as ``device`` runs it: on a GPU with int8 dot products, each GEMV activation that an
+    earlier GEMV stores is quantized there once (``fusion.q8.quantize_at_producers``)."""
+    target = getattr(device.compiler, "target", None) if device is not None else None
+    if target is None or not getattr(target, "int8_dot", False):
+        return plan
+    from codegen.loopir import int8_activation
+    from fusion.q8 import quantize_at_producers
+    return quantize_at_producers(plan, int8_activation())
 
 
 def lower_program(traced, fusion=None):

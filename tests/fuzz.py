@@ -80,6 +80,9 @@ OPS += ["rows_matmul", "rows_matmul"]
 # rows of a contraction, written into an f16 or f32 KV cache at a runtime position, then attended:
 # the paired_epilogue rule's KV write, over 1 to 9 rows (the matmul family from 4)
 OPS += ["rope_cache", "rope_cache"]
+# an int8 GEMV reading, as they are, the rows another GEMV stores (on GPUs the producer writes their q8_1
+# blocks: fusion/q8.py); the rows are integers clipped to +-127 (times 2^-6), which q8_1 holds exactly
+OPS += ["qchain"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -124,6 +127,14 @@ class Writer:
         shape = tuple(int(d) for d in shape)
         if kind == "ids":
             make = f"rng.integers({lo}, {hi + 1}, {shape}).astype('i4')"
+        elif kind in ("q8small", "q8w"):
+            # q8small: integers in [-2, 2] with 127 at each block's first column, times 2^-6 (held exactly by
+            # q8_1); q8w: q8_0 weights of integers in [-1, 1] with 127 at each block's second column, times 2^-7
+            # (quantized exactly): their products are exact and small
+            at, lim, e = (0, 2, 6) if kind == "q8small" else (1, 1, 7)
+            cols = f"np.arange({shape[-1]}) % 32 == {at}"
+            make = f"(rng.integers({-lim}, {lim + 1}, {shape}) * np.where({cols}, 0, 1) + np.where({cols}, 127, 0)).astype('f4') * 2.0 ** -{e}"
+            make = make if kind == "q8small" else f"dsl.QArray.quantize({make}, 'q8_0')"
         elif dtype in QUANT:                  # weights quantized by our quantizer
             make = f"dsl.QArray.quantize(rng.standard_normal({shape}).astype('f4') * 0.5, '{dtype}')"
         elif kind == "q8":
@@ -264,6 +275,14 @@ class Writer:
             xq = self.new_input(rows + (k,), "f32", "q8")
             w = self.new_input((n, k), fmt)
             return self.emit(f"dsl.dot_t({xq}, {w}) * {round(1 / np.sqrt(k), 4)}")
+        if name == "qchain":            # xq @ w1 is exact (small integers times 2^-13), so the clipped rows are too
+            k, n = 32 * (1 + int(p[2] * 3)), 32 * (1 + int(p[3] * 3))
+            fmt = QUANT[int(p[1] * len(QUANT))]
+            xq = self.new_input((1, k), "f32", "q8small")
+            w1 = self.new_input((n, k), "q8_0", "q8w")
+            w2 = self.new_input(([1, 3, 8, 40][int(p[0] * 4)], n), fmt)
+            rows = f"dsl.clip(dsl.dot_t({xq}, {w1}) * 8192.0, -127.0, 127.0) * 0.015625"
+            return self.emit(f"dsl.dot_t({rows}, {w2}) * {round(1 / np.sqrt(n), 4)}")
         if name == "rows_matmul":
             T = [4, 5, 17, 40][int(p[0] * 4)]
             fmt = (["f16", "f32"] + list(QUANT))[int(p[1] * (2 + len(QUANT)))]
@@ -603,7 +622,10 @@ def _compile_gfx906(kernels):
     from codegen.inspect import compiler_for
     from codegen.targets import get_target
     from engine.build import build, render
+    from codegen.inspect import gpu_plan
+    from fusion.schedule import Plan
     compiler = compiler_for(get_target("gfx906"))
+    kernels = gpu_plan(Plan(list(kernels), {}, [], [], [])).kernels       # as a GPU runs them (fusion/q8.py)
     build(render(kernels, compiler), compiler)
 
 

@@ -12,7 +12,7 @@
 using std::max;
 using std::min;
 struct vf_dim { unsigned x; };
-static thread_local vf_dim threadIdx, blockIdx;
+static thread_local vf_dim threadIdx, blockIdx, gridDim;
 static std::barrier<>* vf_emu_block;
 static std::vector<std::unique_ptr<std::barrier<>>> vf_emu_waves;
 static float vf_emu_lanes[1024];
@@ -52,6 +52,22 @@ static inline float vf_shfl_xor(float v, int m) {          // every lane of the 
   wave.arrive_and_wait();
   return other;
 }
+static inline int vf_shfl_xor_i(int v, int m) {            // the same for ints (the int8 GEMV's helpers)
+  float f, o;
+  std::memcpy(&f, &v, 4);
+  o = vf_shfl_xor(f, m);
+  std::memcpy(&v, &o, 4);
+  return v;
+}
+// what the int8 GEMV's NVIDIA helpers use (codegen/prelude.py _NV_INT8)
+struct int4 { int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+static inline float4 __ldcg(const float4* p) { float4 r; std::memcpy(&r, p, 16); return r; }
+static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+static inline int __dp4a(int a, int b, int c) {
+  for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+  return c;
+}
 static inline float vf_dot_qk(float acc, const float* q, const vf_half* k) {
   for (int i = 0; i < 8; ++i) acc += q[i] * (float)k[i];
   return acc;
@@ -60,18 +76,10 @@ static inline float vf_dot_qk(float acc, const float* q, const float* k) {
   for (int i = 0; i < 4; ++i) acc += q[i] * k[i];
   return acc;
 }
-static inline int vf_shfl_xor_i(int v, int m) {
-  float f;
-  std::memcpy(&f, &v, 4);
-  f = vf_shfl_xor(f, m);
-  std::memcpy(&v, &f, 4);
-  return v;
-}
 static inline float vf_wave_sum(float v) {
   for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
   return v;
 }
-static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 // the tiled matmul's fragments (codegen/mma.py), each lane computing its own elements: at wave 32 the
 // layout of mma.sync (two n8 halves), at 64 gfx906's (lane l: row l % 16, columns l / 16 * 4 .. + 3)
 #define VF_FRAG (256 / VF_WAVE)
@@ -95,8 +103,11 @@ static inline void vf_store8(vf_half* dst, vf_h8 v) { std::memcpy(dst, v.h, 16);
 static inline void vf_load8f(float* v, const float* p) { for (int i = 0; i < 8; ++i) v[i] = p[i]; }
 static inline void vf_load8f(float* v, const vf_half* p) { for (int i = 0; i < 8; ++i) v[i] = (float)p[i]; }
 static inline vf_h8 vf_pack8(const float* v) { vf_h8 r; for (int i = 0; i < 8; ++i) r.h[i] = (vf_half)v[i]; return r; }
-// run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads
+// run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads, in order or (after emulate_reversed(1))
+// from the last to the first
+static int vf_emu_reversed = 0;
 #define VF_EMULATE(KERNEL, ...)                                                                    \
+  extern "C" void emulate_reversed(int r) { vf_emu_reversed = r; }                                  \
   extern "C" void emulate(void** a, int grid) {                                                     \
     std::barrier<> block(VF_ATT_BLOCK);                                                             \
     vf_emu_block = &block;                                                                          \
@@ -105,8 +116,12 @@ static inline vf_h8 vf_pack8(const float* v) { vf_h8 r; for (int i = 0; i < 8; +
     std::vector<std::thread> threads;                                                               \
     for (unsigned t = 0; t < VF_ATT_BLOCK; ++t)                                                     \
       threads.emplace_back([=, &block] {                                                            \
-        threadIdx.x = t;                                                                            \
-        for (int b = 0; b < grid; ++b) { blockIdx.x = b; KERNEL(__VA_ARGS__); block.arrive_and_wait(); } \
+        threadIdx.x = t; gridDim.x = grid;                                                          \
+        for (int b = 0; b < grid; ++b) {                                                           \
+          blockIdx.x = vf_emu_reversed ? grid - 1 - b : b;                                          \
+          KERNEL(__VA_ARGS__);                                                                      \
+          block.arrive_and_wait();                                                                  \
+        }                                                                                           \
       });                                                                                           \
     for (auto& t : threads) t.join();                                                               \
   }

@@ -249,6 +249,37 @@ def test_quantized_mlp_and_embedding_on_the_gpu(fmt):
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=0, atol=3e-2 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "gptq_int4"])
+@pytest.mark.parametrize("D,F", [(3584, 18944), (1536, 8960), (576, 1568)])
+def test_the_down_projection_reads_the_q8_1_blocks_the_gate_up_kernel_wrote(fmt, D, F, monkeypatch):
+    """fusion/q8.py: the gate/up kernel also writes SiLU * up as q8_1 blocks (each quantized by the
+    workgroup that completes it) and the down projection copies them instead of quantizing: the same
+    q8_1 values as every workgroup's own fill (VEGAFUSE_Q8_PRODUCER=0), so the same result bit for bit,
+    over several launches (the arrival counts set back to zero); and the float64 interpreter's within
+    the activation's quantization error."""
+    from tests.test_quant_kernels import quantized
+    x, g = randn(1, D), rng.uniform(0.5, 1.5, D).astype(np.float32)
+    wg, wu, wd = (quantized(s, fmt, 0.05) for s in ((F, D), (F, D), (D, F)))
+
+    def mlp(x, g, w_gate, w_up, w_down):
+        h = nn.rms_norm(x, g, 1e-5)
+        return x + nn.linear(nn.silu(nn.linear(h, w_gate)) * nn.linear(h, w_up), w_down)
+    outs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("VEGAFUSE_Q8_PRODUCER", on)
+        jf = dsl.jit(mlp, backend="cuda")
+        c = jf.compile(x, g, wg, wu, wd)
+        up, down = [ck.hip.body for ck in c.kernels if ck.kernel.family == "contract"]
+        assert ("vf_quantize_stored(" in up and "vf_copy_q8_1(" in down) == (on == "1")
+        runs = [np.asarray(jf(x, g, wg, wu, wd), np.float64) for _ in range(3)]
+        for r in runs[1:]:
+            np.testing.assert_array_equal(r, runs[0])
+        outs[on] = runs[0]
+    np.testing.assert_array_equal(outs["1"], outs["0"])
+    want = jf.lower(x, g, wg, wu, wd).program.run(x, g, wg, wu, wd, compute_dtype="f64")[0]
+    np.testing.assert_allclose(outs["1"], want, rtol=0, atol=2e-2 * np.abs(want - x).max())
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_quantized_qkv_segments_with_bias(fmt):
     """Q, K and V as three segments of one kernel (the wave loop's tiles split between them), with

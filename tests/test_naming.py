@@ -167,7 +167,8 @@ def test_buffers_are_named_after_the_model_variables(plan):
     params = {k.name: [p.name for p in k.params if not p.name.startswith("params_")] for k in plan.kernels}
     assert params["layers_3_rms_norm_linear_wq_wk_wv_rope_kv_write"][-3:] == ["layers_3_q", "cache_3_0", "cache_3_1"]
     assert "layers_3_attention" in params["layers_3_causal_attention"]
-    assert params["layers_3_linear_w_down_add"] == ["layers_3_mul", "layers_3_x", "layers_3_x_2"]
+    # (the GPU plan: the down projection reads the q8_1 blocks of layers_3_mul, fusion/q8.py)
+    assert params["layers_3_linear_w_down_add"] == ["layers_3_x", "layers_3_x_2", "layers_3_mul_q8"]
     assert params["rms_norm_linear_embed"][-1] == "logits"
     names = [p.name for k in plan.kernels for p in k.params]
     assert not [n for n in names if re.fullmatch(r"[a-z_]+_\d{3,}", n)]          # no add_400-style counters

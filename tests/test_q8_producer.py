@@ -1,0 +1,217 @@
+"""A GEMV activation quantized once, by the GEMV that produces it (``fusion/q8.py``; on GPUs): the plan
+step, the kernel text of the producer (per-block arrivals, ``vf_quantize_stored``) and of the consumer
+(its q8_1 blocks copied into LDS), run on the CPU through ``tests/gpu_emulation.h`` at wave 32 (sm_90's
+text) and 64 (gfx906's) against the q8_1 arithmetic modelled in numpy and the float64 interpreter, and
+the gfx906 compile with its ISA gates.  ``tests/test_cuda.py`` runs the same on an NVIDIA GPU."""
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import dsl
+from codegen import loopir as L
+from codegen import prelude
+from codegen.hip import CTYPE, render_hip
+from codegen.targets import get_target
+from engine.pipeline import lower_program
+from fusion.q8 import quantize_at_producers
+from tests.test_quant_kernels import q8_1, quantized, rms_norm
+
+rng = np.random.default_rng()
+
+
+def mlp(x, g, w_gate, w_up, w_down):
+    """A Llama MLP: RMSNorm, gate/up with SiLU * up, down with the residual."""
+    h = rms_norm(x, g)
+    a = dsl.dot_t(h, w_gate)
+    return x + dsl.dot_t(a * dsl.sigmoid(a) * dsl.dot_t(h, w_up), w_down)
+
+
+def two_segments(x, w_side, w_gate, w_down):
+    """A producer whose quantized output is its second segment (rows after another weight's)."""
+    a = dsl.dot_t(x, w_gate)
+    return dsl.dot_t(x, w_side), dsl.dot_t(a * dsl.sigmoid(a), w_down)
+
+
+def case(name, fmt="q4_0"):
+    """(function, inputs) of a test program: ``mlp`` with D = 1088 (a wave per row) and F = 416 (not a
+    multiple of a round of workgroup trips), or ``two_segments`` with the quantized buffer after 48 rows."""
+    if name == "mlp":
+        D, F = 1088, 416
+        args = (rng.standard_normal((1, D)).astype(np.float32), rng.uniform(0.5, 1.5, D).astype(np.float32),
+                quantized((F, D), fmt), quantized((F, D), fmt), quantized((D, F), fmt))
+        return mlp, args
+    D, F = 1088, 352
+    args = (rng.standard_normal((1, D)).astype(np.float32), quantized((48, D), fmt), quantized((F, D), fmt),
+            quantized((40, F), fmt))
+    return two_segments, args
+
+
+def gpu_plan(f, args):
+    return quantize_at_producers(lower_program(dsl.jit(f).lower(*args)), L.int8_activation())
+
+
+def test_the_plan_quantizes_the_down_projections_activation_in_the_gate_up_kernel(monkeypatch):
+    f, args = case("mlp")
+    plan = gpu_plan(f, args)
+    up, down = [k for k in plan.kernels if k.family == "contract"]
+    (q8,) = [p for p in up.params if p.dtype == "q8_1r"]
+    assert q8.role == "out" and [p.name for p in down.params if p.dtype == "q8_1r"] == [q8.name]
+    assert plan.buffers[q8.name][0] == (416 * 72 // 32,)
+    (mul,) = [p.name for p in up.params if p.role == "out" and p.dtype == "f32"]
+    assert mul not in {p.name for p in down.params}          # the consumer reads only the q8_1 blocks
+    fills = [s for s in L.walk_stmts(down.body) if isinstance(s, L.Store) and isinstance(s.value, L.QLoad)]
+    assert len(fills) == 1 and fills[0].value.buf == q8.name
+    monkeypatch.setenv("VEGAFUSE_Q8_PRODUCER", "0")
+    base = lower_program(dsl.jit(f).lower(*args))
+    assert quantize_at_producers(base, "q8_1r") is base
+
+
+def test_a_consumer_with_a_prologue_or_a_reader_besides_it_keeps_its_own_quantization():
+    """RMSNorm before the GEMV (a row reduction) and a buffer that is also a program output
+    (read back after the plan) are left alone."""
+    x, g = rng.standard_normal((1, 64)).astype(np.float32), rng.uniform(0.5, 1.5, 64).astype(np.float32)
+    w1, w2 = quantized((64, 64), "q4_0"), quantized((32, 64), "q4_0")
+
+    def f(x, g, w1, w2):
+        y = x + dsl.dot_t(x, w1)
+        return dsl.dot_t(rms_norm(y, g), w2)
+    plan = gpu_plan(f, (x, g, w1, w2))
+    assert not any(p.dtype in L.ACT_Q8 for k in plan.kernels for p in k.params)
+
+
+GXX = shutil.which("g++")
+EMULATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_emulation.h")
+
+
+def emulate(k, target, arrays, tmp, reversed_=False):
+    """Run the kernel text of ``k`` (mapped for ``target``) on the CPU: ``gpu_emulation.h`` with the
+    portable int8 helpers of the NVIDIA prelude; ``arrays`` in the order of the parameters; the
+    workgroups one after another, from the last when ``reversed_``."""
+    h = render_hip(k, target)
+    q8 = next(p.dtype for p in k.params if p.dtype in L.ACT_Q8 or p.dtype in L.QUANT_DTYPES)
+    act = "q8_1" if L.int8_activation() == "q8_1" else "q8_1r"
+    helpers = (prelude._NV_WAVE_SUM + prelude._COMMON.format() + prelude._NV_INT8
+               + prelude._QUANT.format(activation=prelude._OVER_STEP + (prelude._Q8_1 if act == "q8_1" else prelude._Q8_1R),
+                                       stored=prelude._STORED))
+    assert q8
+    args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
+    src = (f"#define VF_WAVE {h.target.wave}\n#define VF_BLOCK {h.block[0]}\n#define VF_ATT_BLOCK {h.block[0]}\n"
+           "#define VF_WAVES (VF_BLOCK / VF_WAVE)\n#define VF_UNROLL_K\ntypedef unsigned char vf_byte;\n"
+           + open(EMULATION).read() + helpers + h.body.replace('extern "C" __global__ void', "static void")
+           + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
+    name = os.path.join(tmp, hashlib.sha1(src.encode()).hexdigest()[:16])
+    if not os.path.exists(name + ".so"):
+        with open(name + ".cpp", "w") as f:
+            f.write(src)
+        r = subprocess.run([GXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", name + ".cpp", "-o", name + ".so"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[:3000]
+    lib = ctypes.CDLL(name + ".so")
+    lib.emulate_reversed(int(reversed_))
+    lib.emulate((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), h.grid[0])
+    return h
+
+
+def q8_blocks(raw, n):
+    """The values of n / 32 q8_1 blocks with a residual plane (72 bytes each: 32 int8 quants, 32 int8
+    residuals, f32 d and s) in float64, and each block's s."""
+    b = raw.reshape(n // 32, 72)
+    q, r = b[:, :32].view(np.int8).astype(np.float64), b[:, 32:64].view(np.int8).astype(np.float64)
+    d, s = (b[:, 64:72].copy().view(np.float32).astype(np.float64)[:, i] for i in (0, 1))
+    return (d[:, None] * (128 * q + r)).reshape(-1), s, d[:, None] * (128 * q + r)
+
+
+def host_arrays(k, named, outputs):
+    """numpy arrays in the order of ``k``'s parameters: inputs by name, outputs (f32, or q8_1 bytes)
+    filled with NaN / garbage so that anything left unwritten shows."""
+    out = []
+    for p in k.params:
+        if p.name in named:
+            out.append(named[p.name])
+        elif p.dtype in L.ACT_Q8:
+            outputs[p.name] = np.full(int(p.size * L.ITEMSIZE[p.dtype]), 0x7f, np.uint8)
+            out.append(outputs[p.name])
+        elif p.dtype in L.QUANT_DTYPES:
+            raise AssertionError(p)
+        else:
+            outputs[p.name] = np.full(p.shape, np.nan, np.float32)
+            out.append(outputs[p.name])
+    return out
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("name", ["mlp", "two"])
+def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(name, target, tmp_path_factory,
+                                                                               monkeypatch):
+    """Few compute units (workgroups take several trips, the last round ragged, blocks completed by
+    the last of the workgroups that store into them), run twice (the counts set back to zero), the
+    workgroups in order, then from the last to the first (a block completed early would show): the
+    producer's q8_1 blocks are the numpy model of the fill's arithmetic of its float output, bit for
+    bit; the consumer's output is the q8_1 GEMV of them and the float64 interpreter's within the
+    activation's quantization error."""
+    if L.int8_activation() != "q8_1r":
+        pytest.skip("the residual plane is off")
+    t = get_target(target, compute_units=3)
+    tmp = str(tmp_path_factory.getbasetemp())
+    for run in range(2):
+        f, args = case(name)
+        prog = dsl.jit(f).lower(*args)
+        plan = quantize_at_producers(lower_program(prog), "q8_1r")
+        named = {n: a.device_bytes() if isinstance(a, dsl.QArray) else a for n, a in zip(plan.inputs, args)}
+        bufs = {}
+        contracts = [k for k in plan.kernels if k.family == "contract"]
+        assert len(contracts) == len(plan.kernels)
+        for k in plan.kernels:
+            outs = {}
+            arrays = host_arrays(k, {**named, **bufs}, outs)
+            h = emulate(k, t, arrays, tmp, reversed_=run == 1)
+            bufs.update(outs)
+        q8name = next(n for n in bufs if n.endswith("_q8"))
+        (src,) = [p.name for p in plan.kernels[0].params if p.role == "out" and p.dtype == "f32" and q8name == p.name + "_q8"]
+        x = bufs[src].reshape(-1)
+        got, s, blocks = q8_blocks(bufs[q8name], x.size)
+        np.testing.assert_array_equal(got, q8_1(x), err_msg=f"{target} run {run}")
+        np.testing.assert_allclose(s, blocks.sum(axis=1), rtol=1e-6, atol=1e-30)
+        want = prog.program.run(*args, compute_dtype="f64")
+        final = bufs[plan.outputs[-1][1]].reshape(-1)
+        w_down = args[-1]
+        deq = w_down.dequantize().astype(np.float64)
+        model = q8_1(x) @ deq.T + (args[0].astype(np.float64).reshape(-1) if name == "mlp" else 0.0)
+        scale = np.abs(x.astype(np.float64)) @ np.abs(deq).T
+        np.testing.assert_allclose(final, model, rtol=0, atol=1e-5 * scale.max() + 1e-6, err_msg=h.kernel.launch.how)
+        np.testing.assert_allclose(final, np.asarray(want[-1]).reshape(-1), rtol=0, atol=2e-3 * scale.max() + 1e-5)
+
+
+try:
+    from codegen.inspect import Inspected, counts, main_loop
+    from engine.devices.rocm import find_hiprtc
+    find_hiprtc()
+    HIP = ""
+except Exception as e:                                 # pragma: no cover - depends on the host
+    HIP = str(e)
+
+
+@pytest.mark.skipif(bool(HIP), reason=f"gfx906 compile skipped: {HIP}")
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "gptq_int4"])
+def test_producer_and_consumer_compile_for_gfx906_and_pass_the_isa_gates(fmt):
+    """Qwen2.5-7B's MLP shapes: the gate/up kernel that also writes the down projection's q8_1 blocks,
+    and the down projection that copies them: int8 dot products and 16-byte weight loads in the main
+    loop, no scratch or generic loads, at most 9 waves per SIMD, LDS per weight byte within the gate."""
+    x, g = rng.standard_normal((1, 3584)).astype(np.float32), rng.uniform(0.5, 1.5, 3584).astype(np.float32)
+    ws = [quantized((18944, 3584), fmt, 0.05), quantized((18944, 3584), fmt, 0.05), quantized((3584, 18944), fmt, 0.05)]
+    plan = gpu_plan(mlp, (x, g, *ws))
+    up, down = plan.kernels
+    for k, text in ((up, "vf_quantize_stored("), (down, "vf_copy_q8_1(")):
+        it = Inspected(k, get_target("gfx906"))
+        isa, c = it.isa(), counts(main_loop(it.isa()))
+        assert text in it.source, k.name
+        assert c["dot4"] >= 8 and c["dwordx4"] >= 1 and c["flat"] == 0 and "flat_load" not in isa, (k.name, c)
+        assert it.res["scratch_bytes"] == 0 and it.res["vgpr_spills"] == 0, (k.name, it.res)
+        assert 1 <= it.res["waves_per_simd"] <= 9 and c["lds_per_byte"] <= 0.056, (k.name, it.res, c)
+    assert "vf_quantize_q8_1(act" not in Inspected(down, get_target("gfx906")).source
