@@ -76,10 +76,6 @@ static inline float vf_dot_qk(float acc, const float* q, const float* k) {
   for (int i = 0; i < 4; ++i) acc += q[i] * k[i];
   return acc;
 }
-static inline float vf_wave_sum(float v) {
-  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
-  return v;
-}
 // the tiled matmul's fragments (codegen/mma.py), each lane computing its own elements: at wave 32 the
 // layout of mma.sync (two n8 halves), at 64 gfx906's (lane l: row l % 16, columns l / 16 * 4 .. + 3)
 #define VF_FRAG (256 / VF_WAVE)

@@ -65,7 +65,7 @@ def emulate(k, target, arrays, tmp):
     h = render_hip(k, target)
     args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
     src = (f"#define VF_WAVE {h.target.wave}\n#define VF_BLOCK {h.block[0]}\n#define VF_WAVES (VF_BLOCK / VF_WAVE)\n"
-           f"#define VF_ATT_BLOCK VF_BLOCK\n" + open(EMULATION).read() + prelude._COMMON.format() + prelude._DEQUANT + prelude._DEQUANT8
+           f"#define VF_ATT_BLOCK VF_BLOCK\n" + open(EMULATION).read() + prelude._NV_WAVE_SUM + prelude._COMMON.format() + prelude._DEQUANT + prelude._DEQUANT8
            + h.body.replace('extern "C" __global__ void', "static void") + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
     name = os.path.join(tmp, hashlib.sha1(src.encode()).hexdigest()[:16])
     if not os.path.exists(name + ".so"):

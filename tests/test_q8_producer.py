@@ -215,3 +215,20 @@ def test_producer_and_consumer_compile_for_gfx906_and_pass_the_isa_gates(fmt):
         assert it.res["scratch_bytes"] == 0 and it.res["vgpr_spills"] == 0, (k.name, it.res)
         assert 1 <= it.res["waves_per_simd"] <= 9 and c["lds_per_byte"] <= 0.056, (k.name, it.res, c)
     assert "vf_quantize_q8_1(act" not in Inspected(down, get_target("gfx906")).source
+
+
+def test_the_gpu_device_checks_a_q8_1_buffer_against_the_bytes_the_plan_allocates():
+    """Every kernel parameter of the GPU plan that names an intermediate buffer agrees with the buffer's
+    (shape, dtype), the producer's q8_1 blocks included (the device checks each launch's arguments
+    this way: ``engine.devices.gpu._storage``)."""
+    from engine.devices.gpu import NP_DTYPES, _storage
+    f, args = case("mlp")
+    plan = gpu_plan(f, args)
+    seen = 0
+    for k in plan.kernels:
+        for p in k.params:
+            if p.kind != "scalar" and p.name in plan.buffers and p.name not in plan.inputs:
+                shape, dt = plan.buffers[p.name]
+                assert _storage(p) == (tuple(shape), NP_DTYPES[dt] if isinstance(dt, str) else dt), (k.name, p.name)
+                seen += p.dtype in L.ACT_Q8
+    assert seen == 2                                    # written by gate/up, read by down

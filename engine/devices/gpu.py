@@ -34,9 +34,19 @@ import ctypes
 
 import numpy as np
 
+from codegen import loopir as L
 from dsl.quant import storage
 
 from engine.build import build, render
+
+
+def _storage(p) -> tuple:
+    """(shape, numpy dtype) of the device memory behind kernel parameter ``p``: a weight's or a
+    producer's q8_1 activation blocks (``fusion/q8.py``) are bytes, others their own shape and dtype."""
+    if p.dtype in L.ACT_Q8:
+        return (int(int(np.prod(p.shape)) * L.ITEMSIZE[p.dtype]),), np.dtype(np.uint8)
+    return storage(p.dtype, p.shape)
+
 
 NP_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32),
              "bool": np.dtype(np.bool_)}
@@ -314,7 +324,7 @@ class GPUDevice:
                 b = buffers.get(p.name)
                 if b is None:
                     raise self.Error(f"kernel {ck.kernel.name}: buffer {p.name!r} missing")
-                want = storage(p.dtype, p.shape)
+                want = _storage(p)
                 if (tuple(b.shape), b.dtype) != want:
                     raise self.Error(f"kernel {ck.kernel.name}: buffer {p.name!r} is {b.dtype}{list(b.shape)}, "
                                      f"expected {want[1]}{list(want[0])}")
