@@ -142,9 +142,12 @@ class Template:
         if self.tiled:
             at = f"blockIdx.x / {NS} % {self.nqt}" if NS > 1 else f"blockIdx.x % {self.nqt}"
             out.append(f"const int tile = {self.nqt - 1} - {at}, first = tile * {m.rows_q};   // the longest tiles start first")
-        last = "1" if self.T1 else (f"min(first + {m.rows_q}, T)" if self.tiled else "T")
-        out += ["const int p = @pos@;", f"const int end = p + {last};    // the tile reads positions 0..pos+t of its last row t"]
-        if NS > 1:
+        return out + self.span("1" if self.T1 else (f"min(first + {m.rows_q}, T)" if self.tiled else "T"))
+
+    def span(self, last):
+        """The positions the workgroup reads: 0..pos plus its last row (``last``), or its split of them."""
+        out = ["const int p = @pos@;", f"const int end = p + {last};    // the tile reads positions 0..pos+t of its last row t"]
+        if self.NS > 1:
             return out + ["const int split = blockIdx.x % NS, lo = split * CH, hi = min(lo + CH, end);",
                           "if (lo >= hi) return;        // a split past the position: nothing to read"]
         return out + ["const int lo = 0, hi = end;"]
@@ -308,7 +311,7 @@ class Blocked(Template):
         self.kcol = "tk"
         self.srow = "tr" if self.RM == 1 else f"tr * {self.RM} + i"
         self.out_row = "tr" if self.RM == 1 else f"tr * {self.RM} + i / {self.DC}"
-        self.out_col = f"4 * tk + i % 4" if self.CG == 1 else f"4 * tk + {4 * self.TK} * (i % {self.DC} / 4) + i % 4"
+        self.out_col = "4 * tk + i % 4" if self.CG == 1 else f"4 * tk + {4 * self.TK} * (i % {self.DC} / 4) + i % 4"
         self.row_ok = " && ".join(c for c in ("r < R" if self.RP > self.R else "", "d < D" if self.ragged_d else "") if c)
         self.stored = " && ".join(c for c in (self.row_ok, f"{self.t_of('r')} < T" if self.partial_t else "") if c)
         self.group, self.groups = "blockIdx.x / NS" if self.NS > 1 else "blockIdx.x", a.hkv * self.NRT * self.nqt
@@ -365,12 +368,7 @@ class Blocked(Template):
         if self.tiled:
             out.append(f"const int tile = {self.nqt - 1} - {at} % {self.nqt}, first = tile * {m.rows_q};   "
                        "// the longest tiles start first")
-        last = f"min(first + {m.rows_q}, T)" if self.tiled else "T"
-        out += ["const int p = @pos@;", f"const int end = p + {last};    // the tile reads positions 0..pos+t of its last row t"]
-        if NS > 1:
-            return out + ["const int split = blockIdx.x % NS, lo = split * CH, hi = min(lo + CH, end);",
-                          "if (lo >= hi) return;        // a split past the position: nothing to read"]
-        return out + ["const int lo = 0, hi = end;"]
+        return out + self.span(f"min(first + {m.rows_q}, T)" if self.tiled else "T")
 
     def queries(self):
         qv = self.h2f(self.qd, f"@q@[{self.row_index('r')} + i % D]") + f" * {self.a.scale * LOG2E!r}f"
@@ -416,18 +414,6 @@ class Blocked(Template):
         body += _loop(4, "jj", step)
         return ([f"// outputs: a lane's {RM} row{'s' if RM > 1 else ''} x {DC} columns plus the probabilities times the values"]
                 + ["for (int j = 0; j < KT; j += 4) {"] + _indent(body) + ["}", "__syncthreads();"])
-
-    def main(self):
-        """The state, then the loop over the workgroup's tiles."""
-        out = [f"{self.units(self.kd)[2]} k_next[{-(-self.KT * self.units(self.kd)[1] // self.NT)}];",
-               f"{self.units(self.vd)[2]} v_next[{-(-self.KT * self.units(self.vd)[1] // self.NT)}];"]
-        out += self.fetch("lo", "the first tile's K and V rows into registers (zeros past hi), in flight with the queries'")
-        out += self.queries()
-        out += [f"float m[{self.RM}], l[{self.RM}], o[{self.OI}];"]
-        out += _loop(self.RM, "i", ["m[i] = -VF_INF;"]) + _loop(self.RM, "i", ["l[i] = 0.0f;"]) + _loop(self.OI, "i", ["o[i] = 0.0f;"])
-        tile = self.stash() + ["__syncthreads();"] + self.fetch("start + KT", "the next tile's rows: in flight while this one is computed")
-        tile += self.scores() + self.values()
-        return out + ["for (int start = lo; start < hi; start += KT) {"] + _indent(tile) + ["}"]
 
 
 class Decode:
@@ -495,8 +481,8 @@ class Decode:
         out += [f"const int g = vf_lane / {self.LK}, c = vf_lane % {self.LK};   // the lane's key of a wave's "
                 f"{self.KPW}, its first 16 bytes of the row",
                 f"const int key0 = vf_wave * {self.U * self.KPW} + g;          // its first key of a step",
-                f"const vf_vec16* k_row = (const vf_vec16*)(@k@ + (size_t)kv_head * S * D) + c;",
-                f"const vf_vec16* v_row = (const vf_vec16*)(@v@ + (size_t)kv_head * S * D) + c;"]
+                "const vf_vec16* k_row = (const vf_vec16*)(@k@ + (size_t)kv_head * S * D) + c;",
+                "const vf_vec16* v_row = (const vf_vec16*)(@v@ + (size_t)kv_head * S * D) + c;"]
         return out
 
     def fetch(self, start, what):
@@ -593,7 +579,7 @@ class Decode:
         level1 = ["const int base = group * NS + block * B, count = min(B, splits - block * B);"] + \
             self.merge(part, "base", "count", "blocks == 1", blk, f"group * {self.NB} + block") + \
             [f"if (blocks > 1 && vf_last_to_arrive(&{arrived}[group], blocks, &last_flag)) {{"] + _indent(level2) + ["}"]
-        return out + [f"const int group = blockIdx.x / NS, block = split / B, blocks = (splits + B - 1) / B;   // blocks of B splits",
+        return out + ["const int group = blockIdx.x / NS, block = split / B, blocks = (splits + B - 1) / B;   // blocks of B splits",
                       f"if (splits > 1 && vf_last_to_arrive(&{arrived}[{self.a.hkv * self.NRT} + group * {self.NB} + block], "
                       "min(B, splits - block * B), &last_flag)) {"] + _indent(level1) + ["}"]
 

@@ -4,11 +4,6 @@ the ISA gates (no scratch, 16-byte K/V loads, at most 9 waves per SIMD, the LDS 
 kernel text is one for gfx906 and the emulated wave 64; the text at wave 32 and 64, run on the CPU
 by an emulation of the GPU's threads (``tests/gpu_emulation.h``), matches the float64 interpreter.
 ``tests/test_cuda.py`` runs it on an NVIDIA GPU."""
-import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -16,10 +11,12 @@ import pytest
 import dsl
 from codegen import loopir as L
 from codegen import prelude
-from codegen.hip import CTYPE, render_hip
+from codegen.hip import render_hip
+from codegen.inspect import Inspected, instructions, load_widths
 from codegen.mapping import attention_lds, attention_tiles, map_kernel, prefill_lds
 from codegen.targets import get_target
 from fusion import build_plan
+from tests.emulation import GXX, HIP, emulated, launch
 
 # (query heads, KV heads, query rows, cache positions, head dim, cache dtype)
 VARIANTS = [
@@ -98,13 +95,6 @@ def test_a_buffer_named_like_a_local_of_the_template_is_still_read():
     assert "p[" in body and "(lo + (size_t)" in body and "(d + (size_t)" in body and "const int p_ =" in body
 
 
-try:
-    from codegen.inspect import Inspected, instructions, load_widths
-    from engine.devices.rocm import find_hiprtc
-    find_hiprtc()
-    HIP = ""
-except Exception as e:                                 # pragma: no cover - depends on the host
-    HIP = str(e)
 
 
 @pytest.mark.skipif(bool(HIP), reason=f"gfx906 compile skipped: {HIP}")
@@ -135,28 +125,12 @@ def test_lds_budget_error_is_one_clear_line(monkeypatch):
         attention_tiles(a, get_target("gfx906"))
 
 
-GXX = shutil.which("g++")
-EMULATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_emulation.h")
-
-
 def emulate(k, target, arrays, tmp):
-    """Run the kernel text of ``k`` rendered for ``target`` on the CPU (``gpu_emulation.h``: a thread
-    per GPU thread, the prelude's target helpers in plain C++, its attention helpers as they are);
-    ``arrays``: numpy arrays in the order of the parameters."""
+    """Run the kernel text of ``k`` rendered for ``target`` on the CPU (``tests/emulation.py``: the
+    prelude's target helpers in plain C++, its attention helpers as they are); ``arrays``: numpy
+    arrays in the order of the parameters."""
     h = render_hip(k, target)
-    args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
-    src = (f"#define VF_WAVE {h.target.wave}\n#define VF_ATT_BLOCK {h.block[0]}\n" + open(EMULATION).read()
-           + prelude._ATTENTION + h.body.replace('extern "C" __global__ void', "static void")
-           + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
-    name = os.path.join(tmp, hashlib.sha1(src.encode()).hexdigest()[:16])
-    if not os.path.exists(name + ".so"):
-        with open(name + ".cpp", "w") as f:
-            f.write(src)
-        r = subprocess.run([GXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", name + ".cpp", "-o", name + ".so"],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[:2000]
-    lib = ctypes.CDLL(name + ".so")
-    lib.emulate((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), h.grid[0])
+    launch(emulated(h, tmp, f"#define VF_ATT_BLOCK {h.block[0]}\n", prelude._ATTENTION), h, arrays)
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")

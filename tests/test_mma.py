@@ -4,28 +4,22 @@ whose 16 x 16 fragments go through the prelude's ``vf_mma_tile``.  The kernel te
 the CPU by an emulation of the GPU's threads (``tests/gpu_emulation.h``), matches the float64
 interpreter on fresh random inputs; every kernel compiles for gfx906 and passes the ISA gates.
 ``tests/test_cuda.py`` runs them on an NVIDIA GPU (``test_mma_*``)."""
-import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
 import dsl
-from codegen import loopir as L
 from codegen import mma, prelude
-from codegen.hip import CTYPE, render_hip
+from codegen.hip import render_hip
+from codegen.inspect import Inspected, counts, lds_banks, main_loop
 from codegen.mapping import map_kernel
 from codegen.targets import get_target
 from engine.pipeline import lower_program
 from stdlib import nn
 from tests.test_quant_kernels import quantized
+from tests.emulation import GXX, HIP, emulated, launch
 
 rng = np.random.default_rng()
-GXX = shutil.which("g++")
-EMULATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_emulation.h")
 
 
 def randn(*shape, dtype=np.float32, scale=1.0):
@@ -60,22 +54,12 @@ def tiled(k, target):
 
 
 def emulate(k, target, arrays, tmp):
-    """Run the kernel text of ``k`` rendered for ``target`` on the CPU: a std::thread per GPU thread
-    (``gpu_emulation.h``); ``arrays``: numpy arrays in the order of the parameters."""
+    """Run the kernel text of ``k`` rendered for ``target`` on the CPU (``tests/emulation.py``);
+    ``arrays``: numpy arrays in the order of the parameters."""
     h = render_hip(k, target)
-    args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
-    src = (f"#define VF_WAVE {h.target.wave}\n#define VF_BLOCK {h.block[0]}\n#define VF_WAVES (VF_BLOCK / VF_WAVE)\n"
-           f"#define VF_ATT_BLOCK VF_BLOCK\n" + open(EMULATION).read() + prelude._NV_WAVE_SUM + prelude._COMMON.format() + prelude._DEQUANT + prelude._DEQUANT8
-           + h.body.replace('extern "C" __global__ void', "static void") + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
-    name = os.path.join(tmp, hashlib.sha1(src.encode()).hexdigest()[:16])
-    if not os.path.exists(name + ".so"):
-        with open(name + ".cpp", "w") as f:
-            f.write(src)
-        r = subprocess.run([GXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", name + ".cpp", "-o", name + ".so"],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[:3000]
-    lib = ctypes.CDLL(name + ".so")
-    lib.emulate((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), h.grid[0])
+    defines = f"#define VF_BLOCK {h.block[0]}\n#define VF_WAVES (VF_BLOCK / VF_WAVE)\n#define VF_ATT_BLOCK VF_BLOCK\n"
+    helpers = prelude._NV_WAVE_SUM + prelude._COMMON.format() + prelude._DEQUANT + prelude._DEQUANT8
+    launch(emulated(h, tmp, defines, helpers), h, arrays)
 
 
 def check(f, args, target, tmp, donate=(), tol=2e-2):
@@ -159,13 +143,6 @@ def test_rule_and_switch(monkeypatch):
     assert tiled(k, "sm_90") is None and "a matmul" in map_kernel(k, get_target("sm_90")).launch.how
 
 
-try:
-    from codegen.inspect import Inspected, counts, lds_banks, main_loop
-    from engine.devices.rocm import find_hiprtc
-    find_hiprtc()
-    HIP = ""
-except Exception as e:                                 # pragma: no cover - depends on the host
-    HIP = str(e)
 
 
 @pytest.mark.skipif(bool(HIP), reason=f"gfx906 compile skipped: {HIP}")

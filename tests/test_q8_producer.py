@@ -3,11 +3,6 @@ step, the kernel text of the producer (per-block arrivals, ``vf_quantize_stored`
 (its q8_1 blocks copied into LDS), run on the CPU through ``tests/gpu_emulation.h`` at wave 32 (sm_90's
 text) and 64 (gfx906's) against the q8_1 arithmetic modelled in numpy and the float64 interpreter, and
 the gfx906 compile with its ISA gates.  ``tests/test_cuda.py`` runs the same on an NVIDIA GPU."""
-import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -15,11 +10,13 @@ import pytest
 import dsl
 from codegen import loopir as L
 from codegen import prelude
-from codegen.hip import CTYPE, render_hip
+from codegen.hip import render_hip
+from codegen.inspect import Inspected, counts, main_loop
 from codegen.targets import get_target
 from engine.pipeline import lower_program
 from fusion.q8 import quantize_at_producers
 from tests.test_quant_kernels import q8_1, quantized, rms_norm
+from tests.emulation import GXX, HIP, emulated, launch
 
 rng = np.random.default_rng()
 
@@ -84,8 +81,6 @@ def test_a_consumer_with_a_prologue_or_a_reader_besides_it_keeps_its_own_quantiz
     assert not any(p.dtype in L.ACT_Q8 for k in plan.kernels for p in k.params)
 
 
-GXX = shutil.which("g++")
-EMULATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_emulation.h")
 
 
 def emulate(k, target, arrays, tmp, reversed_=False):
@@ -99,21 +94,9 @@ def emulate(k, target, arrays, tmp, reversed_=False):
                + prelude._QUANT.format(activation=prelude._OVER_STEP + (prelude._Q8_1 if act == "q8_1" else prelude._Q8_1R),
                                        stored=prelude._STORED))
     assert q8
-    args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
-    src = (f"#define VF_WAVE {h.target.wave}\n#define VF_BLOCK {h.block[0]}\n#define VF_ATT_BLOCK {h.block[0]}\n"
-           "#define VF_WAVES (VF_BLOCK / VF_WAVE)\n#define VF_UNROLL_K\ntypedef unsigned char vf_byte;\n"
-           + open(EMULATION).read() + helpers + h.body.replace('extern "C" __global__ void', "static void")
-           + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
-    name = os.path.join(tmp, hashlib.sha1(src.encode()).hexdigest()[:16])
-    if not os.path.exists(name + ".so"):
-        with open(name + ".cpp", "w") as f:
-            f.write(src)
-        r = subprocess.run([GXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", name + ".cpp", "-o", name + ".so"],
-                           capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[:3000]
-    lib = ctypes.CDLL(name + ".so")
-    lib.emulate_reversed(int(reversed_))
-    lib.emulate((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), h.grid[0])
+    defines = (f"#define VF_BLOCK {h.block[0]}\n#define VF_ATT_BLOCK {h.block[0]}\n#define VF_WAVES (VF_BLOCK / VF_WAVE)\n"
+               "#define VF_UNROLL_K\ntypedef unsigned char vf_byte;\n")
+    launch(emulated(h, tmp, defines, helpers), h, arrays, reversed_)
     return h
 
 
@@ -188,13 +171,6 @@ def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(
         np.testing.assert_allclose(final, np.asarray(want[-1]).reshape(-1), rtol=0, atol=2e-3 * scale.max() + 1e-5)
 
 
-try:
-    from codegen.inspect import Inspected, counts, main_loop
-    from engine.devices.rocm import find_hiprtc
-    find_hiprtc()
-    HIP = ""
-except Exception as e:                                 # pragma: no cover - depends on the host
-    HIP = str(e)
 
 
 @pytest.mark.skipif(bool(HIP), reason=f"gfx906 compile skipped: {HIP}")
