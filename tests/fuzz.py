@@ -83,6 +83,11 @@ OPS += ["rope_cache", "rope_cache"]
 # an int8 GEMV reading, as they are, the rows another GEMV stores (on GPUs the producer writes their q8_1
 # blocks: fusion/q8.py); the rows are integers clipped to +-127 (times 2^-6), which q8_1 holds exactly
 OPS += ["qchain"]
+# the GPU's tiled matmul (codegen/mma.py, 16 rows or more, K of a chunk or more): rows, K and N at and
+# around its rule's and tiles' edges, f16 / f32 / quantized weights, a prologue (none, RMSNorm with a
+# gain, LayerNorm, a row's max) and an epilogue (a scale, a bias of f16 or f32, SiLU * a sibling, a
+# residual, the value at hand); at times the activation is the value at hand
+OPS += ["tiled"] * 12
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -292,6 +297,8 @@ class Writer:
             w = self.new_input((n, k), fmt)
             pro = f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5))"
             return self.emit(f"dsl.dot_t({pro}, {w}) * ({round(1 / np.sqrt(k), 4)} * dsl.tanh({an}.mean()))")
+        if name == "tiled":
+            return self.tiled(av, an, pk, p)
         if name in ("scan", "fori", "vmap"):
             return self.control(name, an, av, pk, p)
         if name == "dus":
@@ -362,6 +369,35 @@ class Writer:
         c, _ = self.emit(f"dsl.dynamic_update_slice({cache}, {r}.astype('{cdt}'), [0, {pos}, 0])")
         self.terminal.append(c)
         return self.emit(f"dsl.attention({r}, {c}, {c}, {pos}, {round(1 / np.sqrt(hd), 4)})")
+
+    def tiled(self, av, an, pk, p):
+        """``epilogue(dot_t(prologue(x), w))`` of T rows (15 to 100: the tiled matmul's rule takes 16 or
+        more), K and N at and around its chunk (32) and tile (64) edges; see ``OPS``."""
+        fmt = (["f16", "f16", "f32"] + list(QUANT))[int(p[1] * (3 + len(QUANT)))]
+        f = lambda x, m: int((x * m * 7.31) % 1 * m)                # noqa: E731  (another choice from one fraction)
+        if av.ndim == 2 and av.shape[0] >= 15 and av.shape[1] >= 32 and fmt not in QUANT and pk[1] < 0.5:
+            x, (T, k) = an, av.shape
+        else:
+            T = [15, 16, 17, 33, 64, 65, 100][int(p[0] * 7)]
+            k = 32 * (1 + int(p[2] * 4)) if fmt in QUANT else [32, 33, 40, 64, 96, 130][int(p[2] * 6)]
+            x = self.new_input((T, k), "f16" if pk[2] < 0.25 else "f32")
+        n = [1, 7, 8, 24, 65, 72][int(p[3] * 6)]
+        w = self.new_input((n, k), fmt)
+        pro = [x, f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5) * {self.new_input((k,), 'f32')})",
+               f"(({x} - {x}.mean(axis=-1, keepdims=True)) / dsl.sqrt({x}.var(axis=-1, keepdims=True) + 0.5))",
+               f"({x} / (dsl.max(dsl.abs({x}), axis=-1, keepdims=True) + 0.5))"][f(p[0], 4)]
+        y = f"(dsl.dot_t({pro}, {w}) * {round(1 / np.sqrt(k), 4)})"
+        epi = f(p[3], 5)
+        if epi == 1:
+            return self.emit(f"{y} + {self.new_input((n,), 'f16' if pk[2] < 0.5 else 'f32')}")
+        if epi == 2:
+            up = self.new_input((n, k), fmt)
+            return self.emit(f"dsl.nn.silu({y}) * (dsl.dot_t({pro}, {up}) * {round(1 / np.sqrt(k), 4)})")
+        if epi == 3:
+            return self.emit(f"{self.new_input((T, n), 'f32')} + {y}")
+        if epi == 4:
+            return self.emit(f"{y} * dsl.tanh({an}.mean().astype('f32'))")
+        return self.emit(f"{y} * {round(p[2] + 0.5, 2)}")
 
     def expert(self, av, an, p):
         """``x @ take(w, e).T`` or ``x @ take(w, e)``: expert ``e`` (a runtime i32, at times out
