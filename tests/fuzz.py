@@ -78,7 +78,7 @@ OPS += ["rope", "rope"]
 OPS += ["rows_matmul", "rows_matmul"]
 # RoPE (rotate-half, interleaved GPT-J pairs, or only the first half of each head rotated) over the
 # rows of a contraction, written into an f16 or f32 KV cache at a runtime position, then attended:
-# the paired_epilogue rule's KV write, over 1 to 9 rows (the matmul family from 4)
+# the paired_epilogue rule's KV write, over 1 to 17 rows (the matmul family from 4, the GPU's tiled one at 17)
 OPS += ["rope_cache", "rope_cache"]
 # an int8 GEMV reading, as they are, the rows another GEMV stores (on GPUs the producer writes their q8_1
 # blocks: fusion/q8.py); the rows are integers clipped to +-127 (times 2^-6), which q8_1 holds exactly
@@ -348,7 +348,7 @@ class Writer:
         """``k = rope(dot_t(x, w))`` over T rows and H heads of hd, cast to the cache's dtype and
         written at a runtime ``pos`` (0 .. S - T: the cache's end included), then causal attention
         of the rotated k (as queries) over the cache; the new cache is an output too."""
-        T, H, hd = [1, 3, 4, 9][int(p[0] * 4)], 1 + int(pk[1] * 3), [2, 4, 8, 16][int(p[1] * 4)]
+        T, H, hd = [1, 3, 4, 9, 17][int(p[0] * 5)], 1 + int(pk[1] * 3), [2, 4, 8, 16][int(p[1] * 4)]
         fmt = (["f16", "f32"] + list(QUANT))[int(p[2] * (2 + len(QUANT)))]
         k = 32 * (1 + int(pk[2] * 2)) if fmt in QUANT else [5, 16, 48][int(pk[2] * 3)]
         cdt, S, style = "f16" if p[3] < 0.5 else "f32", T + 1 + int(p[3] * 7), int(pk[0] * (3 if hd > 2 else 2))
