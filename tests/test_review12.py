@@ -54,3 +54,68 @@ def test_the_fuzzers_tiled_matmuls_run_as_gpu_text(target, tmp_path_factory):
         if done == 4:
             break
     assert done == 4, f"seed {seed}: only {done} tiled programs in 40"
+
+
+def two_buffers(x, w1, w2, w3, w4):
+    """One GEMV kernel storing two buffers (a and b side by side), each the activation of an int8 GEMV."""
+    a, b = dsl.dot_t(x, w1), dsl.dot_t(x, w2)
+    return dsl.dot_t(a, w3), dsl.dot_t(b, w4)
+
+
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+def test_a_producer_of_two_quantized_buffers_quantizes_both_by_arrival(target, tmp_path_factory):
+    """fusion/q8.py gives a kernel that stores two int8 activations two q8_1 buffers; the mapping once
+    turned only the last into arrivals (QuantizeStored) and left the other as a loop of the CPU's form,
+    which no GPU compiles.  Both are quantized by arrival, the blocks equal the numpy model of the q8_1
+    arithmetic bit for bit, the consumers match the float64 interpreter."""
+    import shutil
+    from codegen import loopir as L
+    from codegen.targets import get_target
+    from fusion.q8 import quantize_at_producers
+    from tests.test_q8_producer import emulate, host_arrays, q8_blocks
+    from tests.test_quant_kernels import q8_1, quantized
+    if L.int8_activation() != "q8_1r":
+        pytest.skip("the residual plane is off")
+    args = (rng.standard_normal((1, 128)).astype(np.float32), quantized((96, 128), "q4_0"), quantized((64, 128), "q8_0"),
+            quantized((40, 96), "q4_1"), quantized((24, 64), "q4_0"))
+    prog = dsl.jit(two_buffers).lower(*args)
+    plan = quantize_at_producers(lower_program(prog), "q8_1r")
+    (prod,) = [k for k in plan.kernels if sum(p.dtype == "q8_1r" and p.role == "out" for p in k.params) == 2]
+    from codegen.mapping import _stored_q8, map_kernel
+    m = map_kernel(prod, get_target(target))
+    assert sum(isinstance(s, L.QuantizeStored) for s in m.body) == 2, m.launch.how
+    assert not any(_stored_q8(s) for s in m.body)
+    if not shutil.which("g++"):
+        pytest.skip("no g++ for the CPU emulation of the GPU kernel text")
+    named = {n: a.device_bytes() if isinstance(a, dsl.QArray) else a for n, a in zip(plan.inputs, args)}
+    bufs = {}
+    for k in plan.kernels:
+        outs = {}
+        emulate(k, get_target(target, compute_units=3), host_arrays(k, {**named, **bufs}, outs),
+                str(tmp_path_factory.getbasetemp()))
+        bufs.update(outs)
+    for q8 in [p.name for p in prod.params if p.dtype == "q8_1r"]:
+        x = bufs[q8.removesuffix("_q8")].reshape(-1)
+        np.testing.assert_array_equal(q8_blocks(bufs[q8], x.size)[0], q8_1(x))
+    for o, w in zip(plan.outputs, prog.program.run(*args, compute_dtype="f64")):
+        np.testing.assert_allclose(bufs[o[1]].reshape(w.shape), w, rtol=0, atol=2e-3 * np.abs(w).max())
+
+
+def test_a_producer_of_two_quantized_buffers_compiles_for_gfx906():
+    """The two-buffer producer above at Qwen2.5-7B's widths: gfx906 compiles it with no scratch, at most
+    9 waves per SIMD, both buffers quantized by vf_quantize_stored."""
+    from codegen.targets import get_target
+    from fusion.q8 import quantize_at_producers
+    from tests.test_quant_kernels import quantized
+    try:
+        from codegen.inspect import Inspected
+        from engine.devices.rocm import find_hiprtc
+        find_hiprtc()
+    except Exception as e:                             # pragma: no cover - depends on the host
+        pytest.skip(f"gfx906 compile skipped: {e}")
+    args = (rng.standard_normal((1, 3584)).astype(np.float32), quantized((512, 3584), "q4_0"),
+            quantized((3584, 3584), "q4_0"), quantized((64, 512), "q4_0"), quantized((64, 3584), "q4_0"))
+    plan = quantize_at_producers(lower_program(dsl.jit(two_buffers).lower(*args)), "q8_1r")
+    it = Inspected(plan.kernels[0], get_target("gfx906"))
+    assert it.source.count("vf_quantize_stored(") == 3           # the prelude's definition and two calls
+    assert it.res["scratch_bytes"] == 0 and 1 <= it.res["waves_per_simd"] <= 9, it.res
