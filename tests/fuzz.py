@@ -81,7 +81,8 @@ OPS += ["rows_matmul", "rows_matmul"]
 # the paired_epilogue rule's KV write, over 1 to 17 rows (the matmul family from 4, the GPU's tiled one at 17)
 OPS += ["rope_cache", "rope_cache"]
 # an int8 GEMV reading, as they are, the rows another GEMV stores (on GPUs the producer writes their q8_1
-# blocks: fusion/q8.py); the rows are integers clipped to +-127 (times 2^-6), which q8_1 holds exactly
+# blocks: fusion/q8.py), at times two such chains from one activation (one producer of two q8_1 buffers); the
+# rows are integers clipped to +-127 (times 2^-6), which q8_1 holds exactly
 OPS += ["qchain"]
 # the GPU's tiled matmul (codegen/mma.py, 16 rows or more, K of a chunk or more): rows, K and N at and
 # around its rule's and tiles' edges, f16 / f32 / quantized weights, a prologue (none, RMSNorm with a
@@ -287,7 +288,13 @@ class Writer:
             w1 = self.new_input((n, k), "q8_0", "q8w")
             w2 = self.new_input(([1, 3, 8, 40][int(p[0] * 4)], n), fmt)
             rows = f"dsl.clip(dsl.dot_t({xq}, {w1}) * 8192.0, -127.0, 127.0) * 0.015625"
-            return self.emit(f"dsl.dot_t({rows}, {w2}) * {round(1 / np.sqrt(n), 4)}")
+            out = f"dsl.dot_t({rows}, {w2}) * {round(1 / np.sqrt(n), 4)}"
+            if pk[2] < 0.4:             # a sibling chain from the same activation: one producer kernel, two q8_1 buffers
+                n2 = 32 * (1 + int(pk[1] * 3))
+                w1b, w2b = self.new_input((n2, k), "q8_0", "q8w"), self.new_input(([1, 3, 8, 40][int(p[0] * 4)], n2), fmt)
+                rows2 = f"dsl.clip(dsl.dot_t({xq}, {w1b}) * 8192.0, -127.0, 127.0) * 0.015625"
+                out = f"{out} - dsl.dot_t({rows2}, {w2b}) * {round(1 / np.sqrt(n2), 4)}"
+            return self.emit(out)
         if name == "rows_matmul":
             T = [4, 5, 17, 40][int(p[0] * 4)]
             fmt = (["f16", "f32"] + list(QUANT))[int(p[1] * (2 + len(QUANT)))]
