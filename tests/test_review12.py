@@ -119,3 +119,15 @@ def test_a_producer_of_two_quantized_buffers_compiles_for_gfx906():
     it = Inspected(plan.kernels[0], get_target("gfx906"))
     assert it.source.count("vf_quantize_stored(") == 3           # the prelude's definition and two calls
     assert it.res["scratch_bytes"] == 0 and 1 <= it.res["waves_per_simd"] <= 9, it.res
+
+
+@needs_gxx
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("wdtype,width", [("f16", 76), ("f32", 66)])
+def test_weight_rows_not_16_bytes_apart_are_staged_element_by_element(wdtype, width, target, tmp_path_factory):
+    """``linear(x, w[:, :64])`` of a (48, width) weight: its rows start 152 (f16) or 264 (f32) bytes apart, so
+    16-byte loads of 8 elements would be misaligned (NVIDIA traps); the tiled matmul once loaded them so.
+    The emulation counts every 16-byte access off a 16-byte boundary (``test_mma.emulate``)."""
+    w = (rng.standard_normal((48, width)) / 8).astype({"f16": np.float16, "f32": np.float32}[wdtype])
+    x = rng.standard_normal((20, 64)).astype(np.float32)
+    check(lambda x, w: dsl.dot_t(x, w[:, :64]), (x, w), target, str(tmp_path_factory.getbasetemp()))
