@@ -87,7 +87,8 @@ OPS += ["qchain"]
 # the GPU's tiled matmul (codegen/mma.py, 16 rows or more, K of a chunk or more): rows, K and N at and
 # around its rule's and tiles' edges, f16 / f32 / quantized weights, a prologue (none, RMSNorm with a
 # gain, LayerNorm, a row's max) and an epilogue (a scale, a bias of f16 or f32, SiLU * a sibling, a
-# residual, the value at hand); at times the activation is the value at hand
+# residual, the value at hand); at times the activation is the value at hand, the weight a wider one's first
+# columns (rows not 16 bytes apart)
 OPS += ["tiled"] * 12
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
@@ -389,7 +390,9 @@ class Writer:
             k = 32 * (1 + int(p[2] * 4)) if fmt in QUANT else [32, 33, 40, 64, 96, 130][int(p[2] * 6)]
             x = self.new_input((T, k), "f16" if pk[2] < 0.25 else "f32")
         n = [1, 7, 8, 24, 65, 72][int(p[3] * 6)]
-        w = self.new_input((n, k), fmt)
+        extra = 0 if fmt in QUANT else [0, 0, 4, 12][f(p[1], 4)]     # at times the first k columns of a wider weight
+        w = self.new_input((n, k + extra), fmt)
+        w = f"{w}[:, :{k}]" if extra else w
         pro = [x, f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5) * {self.new_input((k,), 'f32')})",
                f"(({x} - {x}.mean(axis=-1, keepdims=True)) / dsl.sqrt({x}.var(axis=-1, keepdims=True) + 0.5))",
                f"({x} / (dsl.max(dsl.abs({x}), axis=-1, keepdims=True) + 0.5))"][f(p[0], 4)]
