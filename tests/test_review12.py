@@ -131,3 +131,21 @@ def test_weight_rows_not_16_bytes_apart_are_staged_element_by_element(wdtype, wi
     w = (rng.standard_normal((48, width)) / 8).astype({"f16": np.float16, "f32": np.float32}[wdtype])
     x = rng.standard_normal((20, 64)).astype(np.float32)
     check(lambda x, w: dsl.dot_t(x, w[:, :64]), (x, w), target, str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.mark.parametrize("v,template", [((4, 1, 7, 64, 64, "f2"), "scalar"), ((5, 1, 7, 60, 20, "f2"), "blocked"),
+                                        ((5, 1, 7, 60, 36, "f2"), "blocked"), ((7, 1, 7, 60, 64, "f2"), "scalar")],
+                         ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else x)
+def test_the_tiled_attention_template_over_a_one_tile_cache_has_no_scratch(v, template, monkeypatch):
+    """The tiled prefill template (``VEGAFUSE_ATT_PREFILL=scalar``, and every prefill whose head rows are
+    not whole 16-byte loads: head dim 20 or 36 in f16) over a cache of at most one tile: with the tile
+    loop gone, the compiler unrolled the values loop whole (256 VGPRs and up to 632 bytes of scratch on
+    gfx906).  No scratch, at most 9 waves per SIMD."""
+    from codegen.targets import get_target
+    from tests.test_attention_gpu import HIP, attention_kernel
+    if HIP:
+        pytest.skip(f"gfx906 compile skipped: {HIP}")
+    from codegen.inspect import Inspected
+    monkeypatch.setenv("VEGAFUSE_ATT_PREFILL", template)
+    r = Inspected(attention_kernel(*v), get_target("gfx906")).res
+    assert r["scratch_bytes"] == 0 and r["vgpr_spills"] == 0 and 1 <= r["waves_per_simd"] <= 9, r
