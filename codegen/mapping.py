@@ -146,6 +146,18 @@ def _one_workgroup(body, t):
 
 
 # ------------------------------------------------------------------------------ attention
+def env_int(name: str, default: int) -> int:
+    """The whole number an environment switch sets (``VEGAFUSE_ATT_VGPRS``, ``VEGAFUSE_ATT_CHUNK``), else
+    ``default``; ValueError naming the switch when it is not a whole number."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not a whole number; set it to one (e.g. {name}=128) or unset it") from None
+
+
 ATT_ROWS = 16              # rows (query positions x the heads of a KV group) a prefill tile aims for
 
 
@@ -186,7 +198,7 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
     kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
     groups = a.hkv * -(-a.t // rows_q)
     chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
-    chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk          # positions per split (A/B)
+    chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk          # positions per split (A/B)
     chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
     vector = all(a.d * ITEMSIZE[x] % t.load_bytes == 0 for x in a.dtypes[1:])
     return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), min(keys, t.wave), vector,
@@ -263,7 +275,7 @@ def prefill_tiles(a: L.Attention, t: Target):
     kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
     groups = a.hkv * group // heads * -(-a.t // rows_q)
     chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
-    chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk          # positions per split (A/B)
+    chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk          # positions per split (A/B)
     chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
     return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), tk, True, threads, t.wave, heads, 1, (rm, kn))
 
@@ -317,7 +329,7 @@ def decode_tiles(a: L.Attention, t: Target):
     units = a.d // per                                     # 16-byte loads per row
     lanes = min(t.wave, 1 << (units - 1).bit_length())
     upl = -(-units // lanes)
-    budget = int(os.environ.get("VEGAFUSE_ATT_VGPRS", t.attention_vgprs))
+    budget = env_int("VEGAFUSE_ATT_VGPRS", t.attention_vgprs)
     heads = sorted({-(-group // n) for n in range(1, group + 1)}, reverse=True)   # the group over 1, 2, ... workgroups
     if not budget:
         heads = [h for h in heads if group % h == 0]
@@ -329,7 +341,7 @@ def decode_tiles(a: L.Attention, t: Target):
         threads = t.attention_waves * t.wave
         step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
         chunk = a.s * a.hkv * -(-group // heads) / t.compute_units     # a workgroup per CU at the full cache
-        chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk
+        chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
         m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)
         if decode_lds(a, m) <= t.attention_lds:

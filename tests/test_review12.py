@@ -149,3 +149,14 @@ def test_the_tiled_attention_template_over_a_one_tile_cache_has_no_scratch(v, te
     monkeypatch.setenv("VEGAFUSE_ATT_PREFILL", template)
     r = Inspected(attention_kernel(*v), get_target("gfx906")).res
     assert r["scratch_bytes"] == 0 and r["vgpr_spills"] == 0 and 1 <= r["waves_per_simd"] <= 9, r
+
+
+@pytest.mark.parametrize("name", ["VEGAFUSE_ATT_VGPRS", "VEGAFUSE_ATT_CHUNK"])
+def test_an_attention_switch_that_is_not_a_number_is_one_clear_line(name, monkeypatch):
+    """``VEGAFUSE_ATT_VGPRS=abc`` once raised int()'s own message; it names the switch and the fix."""
+    from codegen.mapping import map_kernel
+    from codegen.targets import get_target
+    from tests.test_attention_gpu import attention_kernel
+    monkeypatch.setenv(name, "abc")
+    with pytest.raises(ValueError, match=f"^{name}='abc' is not a whole number; set it to one"):
+        map_kernel(attention_kernel(4, 1, 1, 640, 64, "f2"), get_target("gfx906"))
