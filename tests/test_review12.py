@@ -142,7 +142,8 @@ def test_the_tiled_attention_template_over_a_one_tile_cache_has_no_scratch(v, te
     loop gone, the compiler unrolled the values loop whole (256 VGPRs and up to 632 bytes of scratch on
     gfx906).  No scratch, at most 9 waves per SIMD."""
     from codegen.targets import get_target
-    from tests.test_attention_gpu import HIP, attention_kernel
+    from tests.emulation import HIP
+    from tests.test_attention_gpu import attention_kernel
     if HIP:
         pytest.skip(f"gfx906 compile skipped: {HIP}")
     from codegen.inspect import Inspected
