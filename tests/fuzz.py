@@ -394,7 +394,7 @@ class Writer:
         w = self.new_input((n, k + extra), fmt)
         w = f"{w}[:, :{k}]" if extra else w
         pro = [x, f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5) * {self.new_input((k,), 'f32')})",
-               f"(({x} - {x}.mean(axis=-1, keepdims=True)) / dsl.sqrt({x}.var(axis=-1, keepdims=True) + 0.5))",
+               f"(({x} - {x}.mean(axis=-1, keepdims=True)) / dsl.sqrt(dsl.var({x}, axis=-1, keepdims=True) + 0.5))",
                f"({x} / (dsl.max(dsl.abs({x}), axis=-1, keepdims=True) + 0.5))"][f(p[0], 4)]
         y = f"(dsl.dot_t({pro}, {w}) * {round(1 / np.sqrt(k), 4)})"
         epi = f(p[3], 5)
