@@ -223,7 +223,7 @@ class Template:
                                         f"+ pr.w * {v('j + 3', 'd')};"])
         return (["// outputs: each thread's rows times the tile's values"]
                 + _loop(self.OI, "i", [f"o[i] *= rescale[{self.out_row}];"])
-                + ["for (int j = 0; j < KT; j += 4) {"] + _indent(body) + ["}", "__syncthreads();"])
+                + ["#pragma unroll 2", "for (int j = 0; j < KT; j += 4) {"] + _indent(body) + ["}", "__syncthreads();"])
 
     def main(self):
         """The state, then the loop over the workgroup's tiles."""

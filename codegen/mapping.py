@@ -146,6 +146,18 @@ def _one_workgroup(body, t):
 
 
 # ------------------------------------------------------------------------------ attention
+def env_int(name: str, default: int) -> int:
+    """The whole number an environment switch sets (``VEGAFUSE_ATT_VGPRS``, ``VEGAFUSE_ATT_CHUNK``), else
+    ``default``; ValueError naming the switch when it is not a whole number."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not a whole number; set it to one (e.g. {name}=128) or unset it") from None
+
+
 ATT_ROWS = 16              # rows (query positions x the heads of a KV group) a prefill tile aims for
 
 
@@ -186,7 +198,7 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
     kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
     groups = a.hkv * -(-a.t // rows_q)
     chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
-    chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk          # positions per split (A/B)
+    chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk          # positions per split (A/B)
     chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
     vector = all(a.d * ITEMSIZE[x] % t.load_bytes == 0 for x in a.dtypes[1:])
     return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), min(keys, t.wave), vector,
@@ -263,7 +275,7 @@ def prefill_tiles(a: L.Attention, t: Target):
     kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
     groups = a.hkv * group // heads * -(-a.t // rows_q)
     chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
-    chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk          # positions per split (A/B)
+    chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk          # positions per split (A/B)
     chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
     return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), tk, True, threads, t.wave, heads, 1, (rm, kn))
 
@@ -317,7 +329,7 @@ def decode_tiles(a: L.Attention, t: Target):
     units = a.d // per                                     # 16-byte loads per row
     lanes = min(t.wave, 1 << (units - 1).bit_length())
     upl = -(-units // lanes)
-    budget = int(os.environ.get("VEGAFUSE_ATT_VGPRS", t.attention_vgprs))
+    budget = env_int("VEGAFUSE_ATT_VGPRS", t.attention_vgprs)
     heads = sorted({-(-group // n) for n in range(1, group + 1)}, reverse=True)   # the group over 1, 2, ... workgroups
     if not budget:
         heads = [h for h in heads if group % h == 0]
@@ -329,7 +341,7 @@ def decode_tiles(a: L.Attention, t: Target):
         threads = t.attention_waves * t.wave
         step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
         chunk = a.s * a.hkv * -(-group // heads) / t.compute_units     # a workgroup per CU at the full cache
-        chunk = int(os.environ.get("VEGAFUSE_ATT_CHUNK", 0)) or chunk
+        chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
         m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)
         if decode_lds(a, m) <= t.attention_lds:
@@ -487,11 +499,12 @@ def _contract(body, t, lds_limit):
     per_cu = _blocks_per_cu(t, K, info["q8"])
     grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * per_cu))
     stored = ""
-    if "stored_q8" in info:                                # the trailing loop, now that the grid is known
-        done, q = _quantize_stored(info["stored_q8"], t, info, grid)
-        body = (done,) + tuple(q if s is info["stored_q8"] else s for s in body)
-        stored = (f"; {q.src} also in q8_1 blocks ({q.dst}), each quantized by the workgroup that completes it "
-                  f"({q.rows} rows a trip)")
+    if "stored_q8" in info:                                # the trailing loops, now that the grid is known
+        qs = {id(s): _quantize_stored(s, t, info, grid) for s in info["stored_q8"]}
+        done = L.Array("vf_done", "i32", max(q.trips * q.per_trip for q in qs.values()), "lds")   # one list: each
+        body = (done,) + tuple(qs.get(id(s), s) for s in body)  # QuantizeStored opens with a barrier
+        stored = "".join(f"; {q.src} also in q8_1 blocks ({q.dst}), each quantized by the workgroup that completes it "
+                         f"({q.rows} rows a trip)" for q in qs.values())
     if info["q8"]:
         lanes, per = info["lanes"], info["rows_per_lane"]
         fill = "copied in q8_1 blocks into LDS" if info.get("copied") else "quantized to q8_1 in LDS"
@@ -554,7 +567,7 @@ def _contract_rows(body, t, info):
         if isinstance(s, L.QuantizeQ8) and len(s.values) == 32:   # one block: its loop dropped
             s = L.Loop(f"{s.arr}_blk", L.c(0), L.c(1), (s,))
         if _stored_q8(s):                                       # the q8_1 form of a buffer this GEMV stores
-            info["stored_q8"] = s                              # (fusion.q8): after the wave loop, in _contract
+            info.setdefault("stored_q8", []).append(s)         # (fusion.q8): after the wave loop, in _contract
             out.append(s)
         elif isinstance(s, L.Loop) and isinstance(s.body[0], L.Store) and s.body[0].buf in arrays and info["q8"]:
             info["act"], info["K"], info["act_dtype"] = s.body[0].buf, s.stop.value, L.int8_activation()
@@ -625,8 +638,9 @@ def _row_offsets(segs) -> dict:
 
 
 def _quantize_stored(loop, t, info, grid):
-    """The producer's ``_stored_q8`` loop as ``QuantizeStored``, with its LDS list of the blocks the
-    workgroup completes: trip j of workgroup b stores the wave loop's rows (b + j grid) R .. + R - 1,
+    """The producer's ``_stored_q8`` loop as ``QuantizeStored``, whose LDS list of the blocks the workgroup
+    completes is ``vf_done`` (one for all of a producer's buffers, sized by ``_contract``): trip j of workgroup
+    b stores the wave loop's rows (b + j grid) R .. + R - 1,
     R = the rows of the workgroup's waves (``rows_per_wave`` each, ``split`` waves sharing a row), and
     ``src`` lies at row ``off`` of them (``_rows_of``)."""
     st = loop.body[0]
@@ -637,8 +651,7 @@ def _quantize_stored(loop, t, info, grid):
         lo, hi = max(r + first, 0), min(r + first + rows, n)
         if lo < hi:
             per_trip = max(per_trip, (hi - 1) // 32 - lo // 32 + 1)
-    done = L.Array("vf_done", "i32", trips * per_trip, "lds")
-    return done, L.QuantizeStored(src, dst, n, first, rows, trips, per_trip, done.name)
+    return L.QuantizeStored(src, dst, n, first, rows, trips, per_trip, "vf_done")
 
 
 def matmul_rows(s: L.Loop):

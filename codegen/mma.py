@@ -245,9 +245,10 @@ def mma_tiles(body, t: Target, lds_limit: int):
 
 # ------------------------------------------------------------------------------ render
 def _stage8(w, k):
-    """``(buffer, row * K, fmt)`` when the weight element ``w`` is ``buf[row * K + k]`` of f16 or f32
-    (its rows copied 8 elements per 16-byte load: fmt "") or quantized with K a multiple of 32 (8
-    elements dequantized from an 8-byte load: fmt its format), else None."""
+    """``(buffer, row * S, fmt)`` when the weight element ``w`` is ``buf[row * S + k]`` of f16 or f32 with
+    rows of S elements starting 16 bytes apart (copied 8 elements per 16-byte load, which needs the
+    alignment: fmt "") or quantized with S a multiple of 32 (8 elements dequantized from an 8-byte
+    load: fmt its format), else None."""
     w = w.x if isinstance(w, L.Cast) and w.dtype == "f32" else w
     quant = isinstance(w, L.QLoad)
     if not (type(w) is L.Load and w.dtype in ("f16", "f32") or quant):
@@ -257,7 +258,9 @@ def _stage8(w, k):
           and isinstance(i.a.b, L.Const) and K not in set(L.walk_exprs(i.a)))
     if quant and not (ok and i.a.b.value % 32 == 0):
         return None
-    return (w.buf, i.a, w.fmt, w.count) if quant else (w.buf, i.a, "", 0) if ok else None
+    if quant:
+        return w.buf, i.a, w.fmt, w.count
+    return (w.buf, i.a, "", 0) if ok and i.a.b.value * ITEMSIZE[w.dtype] % 16 == 0 else None
 
 
 def _act_vectors(act, k=K):

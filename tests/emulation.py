@@ -44,6 +44,9 @@ def emulated(h, tmp: str, defines: str = "", helpers: str = "") -> ctypes.CDLL:
 
 def launch(lib, h, arrays, reversed_=False):
     """Run ``h``'s grid on the CPU with ``arrays`` (numpy arrays in the order of its parameters), the
-    workgroups in order or, ``reversed_``, from the last to the first."""
+    workgroups in order or, ``reversed_``, from the last to the first; every 16-byte access the header
+    counts (``vf_load8``, ``vf_store8``, ``vf_load8f``) must be 16-byte aligned, as on a GPU."""
+    assert all(a.ctypes.data % 16 == 0 for a in arrays)
     lib.emulate_reversed(int(reversed_))
     lib.emulate((ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays]), h.grid[0])
+    assert lib.emulate_misaligned() == 0, "a 16-byte load or store at an address not a multiple of 16"

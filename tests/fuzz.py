@@ -78,11 +78,18 @@ OPS += ["rope", "rope"]
 OPS += ["rows_matmul", "rows_matmul"]
 # RoPE (rotate-half, interleaved GPT-J pairs, or only the first half of each head rotated) over the
 # rows of a contraction, written into an f16 or f32 KV cache at a runtime position, then attended:
-# the paired_epilogue rule's KV write, over 1 to 9 rows (the matmul family from 4)
+# the paired_epilogue rule's KV write, over 1 to 17 rows (the matmul family from 4, the GPU's tiled one at 17)
 OPS += ["rope_cache", "rope_cache"]
 # an int8 GEMV reading, as they are, the rows another GEMV stores (on GPUs the producer writes their q8_1
-# blocks: fusion/q8.py); the rows are integers clipped to +-127 (times 2^-6), which q8_1 holds exactly
+# blocks: fusion/q8.py), at times two such chains from one activation (one producer of two q8_1 buffers); the
+# rows are integers clipped to +-127 (times 2^-6), which q8_1 holds exactly
 OPS += ["qchain"]
+# the GPU's tiled matmul (codegen/mma.py, 16 rows or more, K of a chunk or more): rows, K and N at and
+# around its rule's and tiles' edges, f16 / f32 / quantized weights, a prologue (none, RMSNorm with a
+# gain, LayerNorm, a row's max) and an epilogue (a scale, a bias of f16 or f32, SiLU * a sibling, a
+# residual, the value at hand); at times the activation is the value at hand, the weight a wider one's first
+# columns (rows not 16 bytes apart)
+OPS += ["tiled"] * 12
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -282,7 +289,13 @@ class Writer:
             w1 = self.new_input((n, k), "q8_0", "q8w")
             w2 = self.new_input(([1, 3, 8, 40][int(p[0] * 4)], n), fmt)
             rows = f"dsl.clip(dsl.dot_t({xq}, {w1}) * 8192.0, -127.0, 127.0) * 0.015625"
-            return self.emit(f"dsl.dot_t({rows}, {w2}) * {round(1 / np.sqrt(n), 4)}")
+            out = f"dsl.dot_t({rows}, {w2}) * {round(1 / np.sqrt(n), 4)}"
+            if pk[2] < 0.4:             # a sibling chain from the same activation: one producer kernel, two q8_1 buffers
+                n2 = 32 * (1 + int(pk[1] * 3))
+                w1b, w2b = self.new_input((n2, k), "q8_0", "q8w"), self.new_input(([1, 3, 8, 40][int(p[0] * 4)], n2), fmt)
+                rows2 = f"dsl.clip(dsl.dot_t({xq}, {w1b}) * 8192.0, -127.0, 127.0) * 0.015625"
+                out = f"{out} - dsl.dot_t({rows2}, {w2b}) * {round(1 / np.sqrt(n2), 4)}"
+            return self.emit(out)
         if name == "rows_matmul":
             T = [4, 5, 17, 40][int(p[0] * 4)]
             fmt = (["f16", "f32"] + list(QUANT))[int(p[1] * (2 + len(QUANT)))]
@@ -292,6 +305,8 @@ class Writer:
             w = self.new_input((n, k), fmt)
             pro = f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5))"
             return self.emit(f"dsl.dot_t({pro}, {w}) * ({round(1 / np.sqrt(k), 4)} * dsl.tanh({an}.mean()))")
+        if name == "tiled":
+            return self.tiled(av, an, pk, p)
         if name in ("scan", "fori", "vmap"):
             return self.control(name, an, av, pk, p)
         if name == "dus":
@@ -341,7 +356,7 @@ class Writer:
         """``k = rope(dot_t(x, w))`` over T rows and H heads of hd, cast to the cache's dtype and
         written at a runtime ``pos`` (0 .. S - T: the cache's end included), then causal attention
         of the rotated k (as queries) over the cache; the new cache is an output too."""
-        T, H, hd = [1, 3, 4, 9][int(p[0] * 4)], 1 + int(pk[1] * 3), [2, 4, 8, 16][int(p[1] * 4)]
+        T, H, hd = [1, 3, 4, 9, 17][int(p[0] * 5)], 1 + int(pk[1] * 3), [2, 4, 8, 16][int(p[1] * 4)]
         fmt = (["f16", "f32"] + list(QUANT))[int(p[2] * (2 + len(QUANT)))]
         k = 32 * (1 + int(pk[2] * 2)) if fmt in QUANT else [5, 16, 48][int(pk[2] * 3)]
         cdt, S, style = "f16" if p[3] < 0.5 else "f32", T + 1 + int(p[3] * 7), int(pk[0] * (3 if hd > 2 else 2))
@@ -362,6 +377,37 @@ class Writer:
         c, _ = self.emit(f"dsl.dynamic_update_slice({cache}, {r}.astype('{cdt}'), [0, {pos}, 0])")
         self.terminal.append(c)
         return self.emit(f"dsl.attention({r}, {c}, {c}, {pos}, {round(1 / np.sqrt(hd), 4)})")
+
+    def tiled(self, av, an, pk, p):
+        """``epilogue(dot_t(prologue(x), w))`` of T rows (15 to 100: the tiled matmul's rule takes 16 or
+        more), K and N at and around its chunk (32) and tile (64) edges; see ``OPS``."""
+        fmt = (["f16", "f16", "f32"] + list(QUANT))[int(p[1] * (3 + len(QUANT)))]
+        f = lambda x, m: int((x * m * 7.31) % 1 * m)                # noqa: E731  (another choice from one fraction)
+        if av.ndim == 2 and av.shape[0] >= 15 and av.shape[1] >= 32 and fmt not in QUANT and pk[1] < 0.5:
+            x, (T, k) = an, av.shape
+        else:
+            T = [15, 16, 17, 33, 64, 65, 100][int(p[0] * 7)]
+            k = 32 * (1 + int(p[2] * 4)) if fmt in QUANT else [32, 33, 40, 64, 96, 130][int(p[2] * 6)]
+            x = self.new_input((T, k), "f16" if pk[2] < 0.25 else "f32")
+        n = [1, 7, 8, 24, 65, 72][int(p[3] * 6)]
+        extra = 0 if fmt in QUANT else [0, 0, 4, 12][f(p[1], 4)]     # at times the first k columns of a wider weight
+        w = self.new_input((n, k + extra), fmt)
+        w = f"{w}[:, :{k}]" if extra else w
+        pro = [x, f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5) * {self.new_input((k,), 'f32')})",
+               f"(({x} - {x}.mean(axis=-1, keepdims=True)) / dsl.sqrt(dsl.var({x}, axis=-1, keepdims=True) + 0.5))",
+               f"({x} / (dsl.max(dsl.abs({x}), axis=-1, keepdims=True) + 0.5))"][f(p[0], 4)]
+        y = f"(dsl.dot_t({pro}, {w}) * {round(1 / np.sqrt(k), 4)})"
+        epi = f(p[3], 5)
+        if epi == 1:
+            return self.emit(f"{y} + {self.new_input((n,), 'f16' if pk[2] < 0.5 else 'f32')}")
+        if epi == 2:
+            up = self.new_input((n, k), fmt)
+            return self.emit(f"dsl.nn.silu({y}) * (dsl.dot_t({pro}, {up}) * {round(1 / np.sqrt(k), 4)})")
+        if epi == 3:
+            return self.emit(f"{self.new_input((T, n), 'f32')} + {y}")
+        if epi == 4:
+            return self.emit(f"{y} * dsl.tanh({an}.mean().astype('f32'))")
+        return self.emit(f"{y} * {round(p[2] + 0.5, 2)}")
 
     def expert(self, av, an, p):
         """``x @ take(w, e).T`` or ``x @ take(w, e)``: expert ``e`` (a runtime i32, at times out

@@ -92,12 +92,17 @@ static inline void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_ha
     for (int k = 0; k < kc; ++k) acc[i] += (float)ar[k] * (float)br[k];
   }
 }
+// a GPU's 16-byte loads and stores need 16-byte aligned addresses (NVIDIA traps on others): counted here,
+// read back through emulate_misaligned()
+static std::atomic<int> vf_emu_misaligned{0};
+extern "C" int emulate_misaligned() { return vf_emu_misaligned.exchange(0); }
+static inline void vf_emu_align16(const void* p) { if ((size_t)p % 16) vf_emu_misaligned++; }
 struct vf_h8 { vf_half h[8]; };
-static inline vf_h8 vf_load8(const vf_half* w) { vf_h8 v; std::memcpy(v.h, w, 16); return v; }
-static inline vf_h8 vf_load8(const float* w) { vf_h8 v; for (int i = 0; i < 8; ++i) v.h[i] = (vf_half)w[i]; return v; }
-static inline void vf_store8(vf_half* dst, vf_h8 v) { std::memcpy(dst, v.h, 16); }
-static inline void vf_load8f(float* v, const float* p) { for (int i = 0; i < 8; ++i) v[i] = p[i]; }
-static inline void vf_load8f(float* v, const vf_half* p) { for (int i = 0; i < 8; ++i) v[i] = (float)p[i]; }
+static inline vf_h8 vf_load8(const vf_half* w) { vf_emu_align16(w); vf_h8 v; std::memcpy(v.h, w, 16); return v; }
+static inline vf_h8 vf_load8(const float* w) { vf_emu_align16(w); vf_h8 v; for (int i = 0; i < 8; ++i) v.h[i] = (vf_half)w[i]; return v; }
+static inline void vf_store8(vf_half* dst, vf_h8 v) { vf_emu_align16(dst); std::memcpy(dst, v.h, 16); }
+static inline void vf_load8f(float* v, const float* p) { vf_emu_align16(p); for (int i = 0; i < 8; ++i) v[i] = p[i]; }
+static inline void vf_load8f(float* v, const vf_half* p) { vf_emu_align16(p); for (int i = 0; i < 8; ++i) v[i] = (float)p[i]; }
 static inline vf_h8 vf_pack8(const float* v) { vf_h8 r; for (int i = 0; i < 8; ++i) r.h[i] = (vf_half)v[i]; return r; }
 // run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads, in order or (after emulate_reversed(1))
 // from the last to the first

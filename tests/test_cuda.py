@@ -280,6 +280,35 @@ def test_the_down_projection_reads_the_q8_1_blocks_the_gate_up_kernel_wrote(fmt,
     np.testing.assert_allclose(outs["1"], want, rtol=0, atol=2e-2 * np.abs(want - x).max())
 
 
+def test_a_kernel_storing_two_int8_activations_quantizes_both(monkeypatch):
+    """fusion/q8.py: one GEMV kernel stores a and b (two segments), each read by an int8 GEMV; both
+    buffers' q8_1 blocks are quantized by arrival in that kernel (``tests/test_review12.py``): bit for bit
+    the results of VEGAFUSE_Q8_PRODUCER=0 over several launches, and the float64 interpreter's within the
+    activation's quantization error."""
+    from tests.test_quant_kernels import quantized
+    x = randn(1, 3584)
+    ws = (quantized((1536, 3584), "q4_0", 0.05), quantized((3584, 3584), "q4_0", 0.05),
+          quantized((512, 1536), "q4_0", 0.05), quantized((256, 3584), "q4_0", 0.05))
+
+    def f(x, w1, w2, w3, w4):
+        return nn.linear(nn.linear(x, w1), w3), nn.linear(nn.linear(x, w2), w4)
+    outs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("VEGAFUSE_Q8_PRODUCER", on)
+        jf = dsl.jit(f, backend="cuda")
+        body = next(ck.hip.body for ck in jf.compile(x, *ws).kernels if ck.kernel.family == "contract")
+        assert body.count("vf_quantize_stored(") == (2 if on == "1" else 0)
+        runs = [[np.asarray(o, np.float64) for o in jf(x, *ws)] for _ in range(3)]
+        for r in runs[1:]:
+            for a, b in zip(r, runs[0]):
+                np.testing.assert_array_equal(a, b)
+        outs[on] = runs[0]
+    want = jf.lower(x, *ws).program.run(x, *ws, compute_dtype="f64")
+    for a, b, w in zip(outs["1"], outs["0"], want):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, w, rtol=0, atol=2e-2 * np.abs(w).max())
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_quantized_qkv_segments_with_bias(fmt):
     """Q, K and V as three segments of one kernel (the wave loop's tiles split between them), with
