@@ -133,6 +133,22 @@ def emulate(k, target, arrays, tmp):
     launch(emulated(h, tmp, f"#define VF_ATT_BLOCK {h.block[0]}\n", prelude._ATTENTION), h, arrays)
 
 
+def check_positions(k, target, v, positions, tmp, m):
+    """Kernel ``k`` of attention ``v`` (heads, KV heads, T, S, D, cache dtype) run as ``target``'s text
+    on the CPU at each of ``positions`` on fresh random inputs, against the float64 interpreter."""
+    hq, hkv, t, s, d, kv = v
+    rng = np.random.default_rng()
+    f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
+    for pos in positions:
+        q = rng.standard_normal((hq, t, d)).astype("f4")
+        kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
+        out = np.full((hq, t, d), np.nan, np.float32)
+        named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
+        emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
+        want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
+
+
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
 @pytest.mark.parametrize("template", ["blocked", "scalar"])
 @pytest.mark.parametrize("target", ["sm_90", "gfx906"])
@@ -143,20 +159,11 @@ def test_the_kernel_text_computes_attention(v, target, template, tmp_path_factor
     several splits (the combine; the arrival counter set back for the next launch) and once at the
     last position, against the float64 interpreter on fresh random inputs."""
     monkeypatch.setenv("VEGAFUSE_ATT_PREFILL", template)
-    hq, hkv, t, s, d, kv = v
-    rng = np.random.default_rng()
+    t, s = v[2], v[3]
     k = attention_kernel(*v)
     _, m = tiles_of(k, target)
-    tmp = str(tmp_path_factory.getbasetemp())
-    f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
-    for pos in (min(2 * m.chunk + 3, s - t), m.chunk + 1 if t == 1 else 1, s - t):
-        q = rng.standard_normal((hq, t, d)).astype("f4")
-        kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
-        out = np.full((hq, t, d), np.nan, np.float32)
-        named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
-        emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
-        want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
-        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
+    check_positions(k, target, v, (min(2 * m.chunk + 3, s - t), m.chunk + 1 if t == 1 else 1, s - t),
+                    str(tmp_path_factory.getbasetemp()), m)
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
@@ -208,21 +215,11 @@ def test_the_register_blocked_prefill_computes_attention(v, target, tmp_path_fac
     """The register-blocked prefill at large KV groups, head dims 64-256 and both cache dtypes, causal
     with a ragged last query tile, at wave 32 and 64: positions 0, inside the cache and S - T, each on
     fresh random inputs, against the float64 interpreter."""
-    hq, hkv, t, s, d, kv = v
-    rng = np.random.default_rng()
+    t, s = v[2], v[3]
     k = attention_kernel(*v)
     _, m = tiles_of(k, target)
     assert m.block and m.rows_q * m.heads <= m.block[0] * m.threads // m.key_lanes, m
-    tmp = str(tmp_path_factory.getbasetemp())
-    f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
-    for pos in (0, (s - t) // 2 + 1, s - t):
-        q = rng.standard_normal((hq, t, d)).astype("f4")
-        kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
-        out = np.full((hq, t, d), np.nan, np.float32)
-        named = {"q": q, "kc": kc, "vc": vc, "pos": np.array([pos], np.int32)}
-        emulate(k, target, [named.get(p.name, out) for p in k.params], tmp)
-        want = f.lower(q, kc, vc, pos).program.run(q, kc, vc, pos, compute_dtype="f64")[0]
-        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"pos {pos} {m}")
+    check_positions(k, target, v, (0, (s - t) // 2 + 1, s - t), str(tmp_path_factory.getbasetemp()), m)
 
 
 def test_a_forced_prefill_tile_is_checked(monkeypatch):
