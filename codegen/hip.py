@@ -378,8 +378,10 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     quant = q8 is not None or any(p.dtype in L.QUANT_DTYPES for p in k.params)
     att = any(isinstance(s, L.Attention) for s in m.body)
     tiled = any(isinstance(s, mma.MatmulTiles) for s in m.body)
+    # VF_BLOCK is the launch's workgroup size (a balanced GEMV takes its own, codegen.mapping._balanced)
+    own = replace(t, block=m.launch.block) if m.launch.bounds == "VF_BLOCK" else t
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
-            + prelude(t, m.launch.act, quant, att, tiled, q8))
+            + prelude(own, m.launch.act, quant, att, tiled, q8))
     src = head + "\n" + render_kernel(m)
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

@@ -487,7 +487,7 @@ def _contract(body, t, lds_limit):
     tiled = mma_tiles(body, t, lds_limit) if matmul else None
     if tiled:                                              # many rows: the tiled matmul (codegen/mma.py)
         return tiled
-    info = {"q8": not matmul and _int8_path(body, t, lds_limit)}
+    info, original = {"q8": not matmul and _int8_path(body, t, lds_limit)}, body
     body = _matmul_rows(body, t, info, lds_limit) if matmul else _contract_rows(body, t, info)
     if info.get("act_dtype") == "f16":                     # the activation is read back as f16
         act = info["act"]
@@ -498,6 +498,10 @@ def _contract(body, t, lds_limit):
     per_wave = info.get("rows_per_wave", 1)
     per_cu = _blocks_per_cu(t, K, info["q8"])
     grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * per_cu))
+    even = _balanced(t, info, matmul, grid, per_cu)
+    if even:
+        body, launch = _contract(original, even, lds_limit)
+        return body, replace(launch, how=f"{launch.how}; {even.waves_per_block} rows per workgroup, one workgroup per CU")
     stored = ""
     if "stored_q8" in info:                                # the trailing loops, now that the grid is known
         qs = {id(s): _quantize_stored(s, t, info, grid) for s in info["stored_q8"]}
@@ -526,6 +530,21 @@ def _contract(body, t, lds_limit):
                 f"alone, consecutive lanes reading consecutive columns")
         how = f"{K}-element activation in LDS; {cols}" if info.get("only_columns") else f"{how}; {cols}"
     return body, L.Launch(grid, t.block, "VF_BLOCK", how + stored, _lds_bytes(body), info.get("act_dtype", "f32"))
+
+
+def _balanced(t: Target, info, matmul: bool, grid: int, per_cu: int):
+    """The target to map a float GEMV on again when its grid of a wave per row fits one round of the
+    CUs unevenly (Qwen2.5-7B's down projection: 448 workgroups of 8 rows, 3 or 4 per SM): one workgroup
+    of ceil(rows / CUs) waves per CU, so that every CU streams the same rows; else None.  Only rows
+    of at least ``t.balance_k`` elements (``VEGAFUSE_GEMV_BALANCE=0`` turns it off)."""
+    waves = -(-info["total"] // t.compute_units)
+    plain = not (matmul or info["q8"] or info.get("columns") or "stored_q8" in info)
+    if not (t.balance_k and _balance() and plain and not t.emulated_wave and info["K"] >= t.balance_k
+            and info["split"] == 1 and info.get("rows_per_wave", 1) == 1):
+        return None
+    if grid % t.compute_units == 0 or grid >= t.compute_units * per_cu or waves * t.wave > 1024:
+        return None
+    return replace(t, block=waves * t.wave, blocks_per_cu=1, balance_k=0)
 
 
 def _blocks_per_cu(t: Target, K: int, int8: bool) -> int:
@@ -838,7 +857,8 @@ def rows_per_lane(sizes, rows_per_wave, most=4, idle=None) -> int:
 
 def _balance() -> bool:
     """The int8 GEMV's balance rules (``Target.int8_balance``, ``int8_prologue_budget``) are on;
-    ``VEGAFUSE_GEMV_BALANCE=0`` turns them off (A/B)."""
+    ``VEGAFUSE_GEMV_BALANCE=0`` turns them off (A/B), and the float GEMV's one round per CU
+    (``_balanced``)."""
     return os.environ.get("VEGAFUSE_GEMV_BALANCE", "1") != "0"
 
 

@@ -223,12 +223,13 @@ def mma_tiles(body, t: Target, lds_limit: int):
     """``(body, launch)`` of the tiled matmul for the matmul-form contraction ``body`` on ``t``, or
     None where it does not apply: switched off (``VEGAFUSE_MMA=0``), a target without the fragment
     helper (AMD without ``v_dot2``), fewer than ``MMA_ROWS`` rows or ``KC`` columns of k, a form it
-    does not read (see ``parse``: K = 1 has no fill loop), LDS beyond ``lds_limit`` or more
+    does not read (see ``parse``: K = 1 has no fill loop), f32 weights (the tile holds f16, and f32
+    weights keep their precision in the row-group matmul), LDS beyond ``lds_limit`` or more
     workgroups than a grid takes."""
     if not enabled() or (t.vendor == "amd" and not t.dot2):
         return None
     m = parse(body)
-    if m is None or m.t < MMA_ROWS or m.k < KC or (BN * KC // 8) % t.block:
+    if m is None or m.t < MMA_ROWS or m.k < KC or (BN * KC // 8) % t.block or _f32_weights(m):
         return None
     m = replace(m, threads=t.block, buffers=1 if os.environ.get("VEGAFUSE_MMA_DOUBLE", "1") == "0" else 2)
     arrays = lds_arrays(m)
@@ -241,6 +242,11 @@ def mma_tiles(body, t: Target, lds_limit: int):
            f"{grid // m.row_tiles} tiles of {m.t} rows x {cols} columns), k in chunks of {KC} staged in LDS as "
            f"f16 ({m.siblings} weight tile{'s' if m.siblings > 1 else ''}), 16 x 16 fragments per wave through vf_mma_tile")
     return (m,), L.Launch(grid, t.block, "VF_BLOCK", how, lds, "f16" if t.dot2 else "f32")
+
+
+def _f32_weights(m: MatmulTiles) -> bool:
+    """Does a weight of ``m`` load f32 elements (a plain load: a quantized one is a ``QLoad``)?"""
+    return any(type(x) is L.Load and x.dtype == "f32" for g in m.segments for w in g.weights for x in L.walk_exprs(w))
 
 
 # ------------------------------------------------------------------------------ render

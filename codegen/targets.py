@@ -57,6 +57,9 @@ class Target:
     int8_prologue_budget: int = 0  # activation elements the int8 GEMV prologues of one CU quantize (0: no limit):
                                  # every workgroup quantizes the whole activation, so a long one takes fewer
                                  # workgroups per CU (codegen.mapping._blocks_per_cu)
+    balance_k: int = 0           # float GEMVs of a wave per row and K >= this (0: never) whose grid fits one round
+                                 # unevenly take one workgroup per CU of ceil(rows / CUs) waves instead
+                                 # (codegen.mapping._balanced); see the sm_90 entry
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
     attention_block: int = 256   # threads of an attention workgroup (codegen.mapping.attention_tiles)
@@ -96,7 +99,12 @@ TARGETS = {
                     # measured on an H200 (Qwen2.5-7B q4_0, one layer, 2026-12-01): gate/up 41.6 -> 28.9 us with
                     # the balance (4736 tiles of 4 rows ran 1.12 rounds of 4224 waves); down (K 18944)
                     # 30.4 -> 24.1 us at 2 workgroups per SM
-                    int8_balance=True, int8_prologue_budget=40960),
+                    int8_balance=True, int8_prologue_budget=40960,
+                    # Qwen2.5-7B's down projection (K 18944, 3584 rows): 448 workgroups of 8 rows left 52 SMs
+                    # with 4 and 80 with 3; 128 workgroups of 28 rows took 37.2 against 41.7 us, and decode ran
+                    # at 245.3 against 237.9/237.4 tok/s (A/B/A, 2026-12-01).  At K 3584 (its O projection)
+                    # the same took 10.1 against 9.0 us, so only long rows
+                    balance_k=8192),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,
 # so a workgroup holds at most 15 waves; the wave exchange's LDS comes out of the kernel's static budget

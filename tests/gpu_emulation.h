@@ -63,6 +63,7 @@ static inline int vf_shfl_xor_i(int v, int m) {            // the same for ints 
 struct int4 { int x, y, z, w; };
 struct float4 { float x, y, z, w; };
 static inline float4 __ldcg(const float4* p) { float4 r; std::memcpy(&r, p, 16); return r; }
+static inline int4 __ldg(const int4* p) { int4 r; std::memcpy(&r, p, 16); return r; }
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 static inline int __dp4a(int a, int b, int c) {
   for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));

@@ -90,7 +90,7 @@ def emulate(k, target, arrays, tmp, reversed_=False):
     h = render_hip(k, target)
     q8 = next(p.dtype for p in k.params if p.dtype in L.ACT_Q8 or p.dtype in L.QUANT_DTYPES)
     act = "q8_1" if L.int8_activation() == "q8_1" else "q8_1r"
-    helpers = (prelude._NV_WAVE_SUM + prelude._COMMON.format() + prelude._NV_INT8
+    helpers = (prelude._NV_WAVE_SUM + prelude._COMMON.format() + prelude.nv_int8()
                + prelude._QUANT.format(activation=prelude._OVER_STEP + (prelude._Q8_1 if act == "q8_1" else prelude._Q8_1R),
                                        stored=prelude._STORED))
     assert q8

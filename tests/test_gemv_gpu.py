@@ -1,0 +1,89 @@
+"""The float GEMV's balanced grid (``codegen.mapping._balanced``) and the NVIDIA load of quant blocks:
+the kernel text run on the CPU (``tests/emulation.py``) against the float64 interpreter, and the
+mapping's choices on the real tables."""
+import numpy as np
+import pytest
+
+import dsl
+from codegen import prelude
+from dsl.quant import quantize
+from codegen.hip import render_hip
+from codegen.mapping import map_kernel
+from codegen.targets import get_target
+from engine.pipeline import lower_program
+from stdlib import nn
+from tests.emulation import GXX, emulated, launch
+
+rng = np.random.default_rng()
+
+# the float GEMV's dot product in plain C++ (the prelude's versions use CUDA's half2 or clang's vector types)
+DOT8 = """#define VF_UNROLL_K
+typedef float vf_act_t;
+static inline float vf_dot8_h(float acc, const vf_half* w, const vf_act_t* a) {
+  for (int i = 0; i < 8; ++i) acc += a[i] * vf_h2f(w[i]);
+  return acc;
+}
+"""
+
+
+def down(x, w, r):
+    return r + nn.linear(x, w)
+
+
+def lowered(K, N, dtype=np.float16):
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)) * K ** -0.5).astype(dtype)
+    r = rng.standard_normal((1, N)).astype(np.float32)
+    low = dsl.jit(down).lower(x, w, r)
+    (k,) = lower_program(low).kernels
+    return low, k, (x, w, r)
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("N", [36, 45])
+def test_balanced_gemv_matches_float64(N, tmp_path_factory):
+    """K = 8192 over 36 or 45 rows on a table of 4 CUs and 2 workgroups per CU: the default grid (5 or 6
+    workgroups of 8 rows) would load the CUs unevenly, so each CU takes one workgroup of ceil(N / 4)
+    waves; every row is written."""
+    t = get_target("sm_90", compute_units=4, blocks_per_cu=2)
+    low, k, (x, w, r) = lowered(8192, N)
+    h = render_hip(k, t)
+    waves = -(-N // 4)
+    assert (h.block[0], h.grid[0]) == (32 * waves, -(-N // waves)), h.kernel.launch
+    assert f"#define VF_BLOCK {32 * waves}\n" in h.source and "one workgroup per CU" in h.source
+    want = low.program.run(x, w, r, compute_dtype="f64")[0]
+    out = np.full((1, N), np.nan, np.float32)
+    bufs = {"x": x, "w": w, "r": r}
+    arrays = [bufs.get(p.name, out) if p.role == "in" else out for p in k.params]
+    defines = f"#define VF_BLOCK {h.block[0]}\n#define VF_WAVES (VF_BLOCK / VF_WAVE)\n#define VF_ATT_BLOCK VF_BLOCK\n"
+    helpers = prelude._NV_WAVE_SUM + prelude._COMMON.format() + DOT8
+    launch(emulated(h, str(tmp_path_factory.mktemp("gemv")), defines, helpers), h, arrays)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-3 * max(1.0, np.abs(want).max()))
+
+
+def test_balance_rule_on_the_tables(monkeypatch):
+    """Qwen2.5-7B's down projection (K 18944, 3584 rows) on the H200: 128 workgroups of 28 waves, one
+    per SM; its O projection (K 3584) keeps 448 of 8; gfx906, wave 64 emulated on NVIDIA and
+    ``VEGAFUSE_GEMV_BALANCE=0`` keep the default grid."""
+    def launch_of(K, N, target):
+        k = lowered(K, N)[1]
+        return map_kernel(k, get_target(target)).launch
+    assert (launch_of(18944, 3584, "sm_90").grid, launch_of(18944, 3584, "sm_90").block) == (128, 896)
+    assert (launch_of(3584, 3584, "sm_90").grid, launch_of(3584, 3584, "sm_90").block) == (448, 256)
+    assert launch_of(18944, 3584, "gfx906").block == 256
+    assert launch_of(18944, 3584, "sm_90_wave64").block == 256
+    monkeypatch.setenv("VEGAFUSE_GEMV_BALANCE", "0")
+    assert (launch_of(18944, 3584, "sm_90").grid, launch_of(18944, 3584, "sm_90").block) == (448, 256)
+
+
+def test_nvidia_quant_blocks_through_ldg(monkeypatch):
+    """The int8 GEMV loads a weight block's 16 bytes of integers through ``__ldg`` on NVIDIA (a plain load
+    with ``VEGAFUSE_NV_LDG=0``), and by a plain 16-byte load on gfx906."""
+    w = quantize("q4_0", rng.standard_normal((64, 256)).astype(np.float32))
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    (k,) = lower_program(dsl.jit(lambda x, w: nn.linear(x, w)).lower(x, w)).kernels
+    assert "__ldg((const int4*)p)" in render_hip(k, "sm_90").source
+    assert "return *(const vf_int4*)p;" in render_hip(k, "gfx906").source
+    monkeypatch.setenv("VEGAFUSE_NV_LDG", "0")
+    src = render_hip(k, "sm_90").source
+    assert "__ldg((const int4*)p)" not in src and "return *(const vf_int4*)p;" in src
