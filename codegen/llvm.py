@@ -897,8 +897,13 @@ def micro_tiles(s: Loop, lo, hi) -> Loop:
             at = Bin("add", Bin("mul", r, i32(NB)), jj)
             stores += [Store(col[a.name], at, Sym(names[a.name], a.dtype)) for a in red.accs]
     accs, fill = dequantized(accs, red.var, f"{s.var}_w", rg)
-    tiles = Loop(rg.name, i32(0), i32(-(-TR // R)), (replace(red, accs=tuple(accs)),) + tuple(stores))
+    body = (replace(red, accs=tuple(accs)),) + tuple(stores)
     groups = Bin("idiv", Bin("add", m, i32(C - 1)), i32(C))
+    row_groups = i32(-(-TR // R))
+    if fill or os.environ.get("VEGAFUSE_CPU_ROWS_OUTER", "1") == "0":      # each column's weights dequantized once
+        tiles = Loop(ng.name, i32(0), groups, fill + (Loop(rg.name, i32(0), row_groups, body),))
+    else:                                  # float weights: R rows' activation stays in L1 as the columns pass
+        tiles = Loop(rg.name, i32(0), row_groups, (Loop(ng.name, i32(0), groups, body),))
     epilogue = Loop(rows.var, i32(0), i32(TR), (Loop(nj.name, i32(0), m, (
         Declare(s.var, "i32", Bin("add", n0, nj)),
         *(Declare(a.name, a.dtype, Load(col[a.name], Bin("add", Bin("mul", Sym(rows.var, "i32"), i32(NB)), nj), a.dtype))
@@ -906,7 +911,7 @@ def micro_tiles(s: Loop, lo, hi) -> Loop:
         *rest)),))
     arrays = tuple(Array(col[a.name], a.dtype, TR * NB) for a in red.accs)
     chunks = Bin("idiv", Bin("add", Bin("sub", hi, lo), i32(NB - 1)), i32(NB))
-    return Loop(nc.name, i32(0), chunks, arrays + (Loop(ng.name, i32(0), groups, fill + (tiles,)), epilogue))
+    return Loop(nc.name, i32(0), chunks, arrays + (tiles, epilogue))
 
 
 @dataclass(frozen=True)

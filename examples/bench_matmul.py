@@ -2,9 +2,11 @@
 
 Ours: one fused kernel, RMSNorm -> gate and up projections (f16 weights, as a model keeps them) ->
 SiLU(gate) * up, T rows (the matmul family).  numpy's: the bare f32 matmul of the same rows against
-both weights (converted to f32 beforehand, outside the timing), with no norm and no SiLU.  Calls
-alternate (ours, numpy, ours, numpy, ...) so that both see the same machine; we print the median
-and the 10th/90th percentiles of each.
+both weights (converted to f32 beforehand, outside the timing), with no norm and no SiLU.  Rounds
+alternate (ours, numpy, ours, numpy, ...) so that both see the same machine; each round pauses
+0.3 s, so that the other side's idle threads have stopped spinning (OpenBLAS's spin for about
+0.1 s after a call, and took a core from the call that followed), runs once and times the second
+call.  We print the median and the 10th/90th percentiles of each.
 
     python3 examples/bench_matmul.py [--rows 128] [--dim 1536] [--ffn 8960] [--repeat 15]
 
@@ -52,12 +54,12 @@ def main(argv=None):
     x @ w32
     ours, theirs = [], []
     for _ in range(a.repeat):
-        t0 = time.perf_counter()
-        f(x, g, wg, wu)
-        ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        x @ w32
-        theirs.append(time.perf_counter() - t0)
+        for run, times in ((lambda: f(x, g, wg, wu), ours), (lambda: x @ w32, theirs)):
+            time.sleep(0.3)                # the other side's idle threads stop spinning (OpenBLAS: ~0.1 s)
+            run()                          # this side's threads awake
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
     flops = 2 * T * K * 2 * N
     print(f"T={T} x K={K} x N={N} gate/up ({os.cpu_count()} CPU threads; max error {err:.1e} of the largest output)")
     for name, ts in (("vegafuse: RMSNorm + gate/up (f16) + SiLU*mul", ours), ("numpy f32 matmul (OpenBLAS)", theirs)):

@@ -706,9 +706,13 @@ def plan_switches() -> dict:
 
 def row_tile(T: int, K: int) -> int:
     """Rows per tile of a T-row matmul over K: every row when they fit ``TILE_BYTES`` of f32
-    activation (and 64 rows), else the most that do, a multiple of 4."""
+    activation (and 64 rows), else as few tiles as fit, of equal rows (a multiple of 4), so that the
+    last tile computes few rows past T (T = 128 at K = 1536: 4 tiles of 32 rows, not 40 + 40 + 40 + 8)."""
     most = max(4, min(64, TILE_BYTES // (4 * K) // 4 * 4))
-    return T if T <= most else most
+    if T <= most:
+        return T
+    tiles = -(-T // most)                  # as few tiles as fit, of equal rows: no tile mostly past T
+    return -(-T // tiles) + 3 & ~3
 
 
 def row_tiles(rv, rows, K, act, row_stmts, stmts):

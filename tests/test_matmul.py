@@ -100,6 +100,29 @@ def test_several_row_tiles():
     assert len(matmuls(c)) == 1
 
 
+def test_row_tiles_are_even():
+    """Tiles of equal rows (a multiple of 4), as few as fit: T = 128 at K = 1536 is 4 tiles of 32, not
+    40 + 40 + 40 + 8 (the last one computing 32 rows past T); no tile computes 4 or more rows past T."""
+    assert row_tile(128, 1536) == 32 and row_tile(40, 1536) == 40
+    most = row_tile(10 ** 6, 1536)
+    for T in np.random.default_rng().integers(most + 1, 2000, 50):
+        TR = row_tile(int(T), 1536)
+        tiles = -(-int(T) // TR)
+        assert TR % 4 == 0 and TR <= most and tiles == -(-int(T) // most) and tiles * TR - T < 4 * tiles
+
+
+@pytest.mark.parametrize("order", ["1", "0"])
+def test_both_micro_tile_orders(order, monkeypatch):
+    """Float weights: row groups outside the columns of a chunk (default) or inside
+    (``VEGAFUSE_CPU_ROWS_OUTER=0``, the order quantized weights keep), both against float64."""
+    monkeypatch.setenv("VEGAFUSE_CPU_ROWS_OUTER", order)
+    T, K, N = 70, 96, 150
+    args = (randn(T, K), randn(K), weight(N, K, "f16"), weight(N, K, "f16"), randn(T, N))
+    got, want, c = run(gate_up, *args)
+    close(got, want)
+    assert len(matmuls(c)) == 1
+
+
 def test_few_rows_stay_gemvs():
     T = MATMUL_ROWS - 1
     got, want, c = run(gate_up, randn(T, 32), randn(32), weight(8, 32, "f16"), weight(8, 32, "f16"), randn(T, 8))
