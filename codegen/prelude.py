@@ -636,8 +636,9 @@ __device__ __forceinline__ void vf_load_stored4(const float* p, float* v) {
 """
 
 # 16 bytes of a weight block's integers.  Through __ldg on NVIDIA: Qwen2.5-7B q4_0 decode on an H200 ran at
-# 425.0 tok/s against 400.6 and 401.2 with a plain load (A/B/A, 2026-12-01); in the SASS the only change is
-# that the block scales are then loaded by LDG.E.U16 rather than LDG.E.U16.CONSTANT.  VEGAFUSE_NV_LDG=0 gives the plain load back.
+# 424.6/424.5 tok/s against 399.5 with a plain load (A/B/A, 2026-12-01); in the SASS the only change is
+# that the block scales are then loaded by LDG.E.U16 rather than LDG.E.U16.CONSTANT.
+# VEGAFUSE_NV_LDG=0 gives the plain load back.
 _NV_LOAD_QUANTS = {True: "__device__ __forceinline__ vf_int4 vf_load_quants(const void* p) { return __ldg((const int4*)p); }\n",
                    False: "__device__ __forceinline__ vf_int4 vf_load_quants(const void* p) { return *(const vf_int4*)p; }\n"}
 

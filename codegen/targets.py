@@ -102,7 +102,7 @@ TARGETS = {
                     int8_balance=True, int8_prologue_budget=40960,
                     # Qwen2.5-7B's down projection (K 18944, 3584 rows): 448 workgroups of 8 rows left 52 SMs
                     # with 4 and 80 with 3; 128 workgroups of 28 rows took 37.2 against 41.7 us, and decode ran
-                    # at 245.3 against 237.9/237.4 tok/s (A/B/A, 2026-12-01).  At K 3584 (its O projection)
+                    # at 242.2/243.9 against 238.2 tok/s (A/B/A, 2026-12-01).  At K 3584 (its O projection)
                     # the same took 10.1 against 9.0 us, so only long rows
                     balance_k=8192),
 }
