@@ -223,8 +223,8 @@ def mma_tiles(body, t: Target, lds_limit: int):
     """``(body, launch)`` of the tiled matmul for the matmul-form contraction ``body`` on ``t``, or
     None where it does not apply: switched off (``VEGAFUSE_MMA=0``), a target without the fragment
     helper (AMD without ``v_dot2``), fewer than ``MMA_ROWS`` rows or ``KC`` columns of k, a form it
-    does not read (see ``parse``: K = 1 has no fill loop), f32 weights (the tile holds f16, and f32
-    weights keep their precision in the row-group matmul), LDS beyond ``lds_limit`` or more
+    does not read (see ``parse``: K = 1 has no fill loop), weights that are not f16 values
+    (``_f32_weights``: the tile holds f16, and such weights keep their precision in the row-group matmul), LDS beyond ``lds_limit`` or more
     workgroups than a grid takes."""
     if not enabled() or (t.vendor == "amd" and not t.dot2):
         return None
@@ -245,8 +245,14 @@ def mma_tiles(body, t: Target, lds_limit: int):
 
 
 def _f32_weights(m: MatmulTiles) -> bool:
-    """Does a weight of ``m`` load f32 elements (a plain load: a quantized one is a ``QLoad``)?"""
-    return any(type(x) is L.Load and x.dtype == "f32" for g in m.segments for w in g.weights for x in L.walk_exprs(w))
+    """Does a weight of ``m`` hold values an f16 tile does not: anything but a quantized weight
+    (``QLoad``) or an f16 value widened to f32 (f32 weights, f32 arithmetic on them, i32 weights cast
+    to f32, whose magnitudes may pass f16's 65504)?"""
+    def f16(w):
+        while isinstance(w, L.Cast) and w.dtype == "f32":
+            w = w.x
+        return isinstance(w, L.QLoad) or w.dtype == "f16"
+    return not all(f16(w) for g in m.segments for w in g.weights)
 
 
 # ------------------------------------------------------------------------------ render
