@@ -135,3 +135,15 @@ def test_cpu_matmul_tile_edges(order, monkeypatch):
                            randn(T, N), donate=(4,))
         close(got, want)
         assert len(matmuls(c)) == 1
+
+
+@needs_gxx
+def test_row_group_matmul_equal_tiles(tmp_path_factory):
+    """The GPU row-group matmul (f32 weights on sm_90) over equal row tiles that are not a multiple
+    of its activation rows per group (T = 81 at K = 1536: 3 tiles of 28 rows, 8 at a time): every
+    row and column written once, to the float64 values."""
+    T, K, N = 81, 1536, 13
+    assert row_tile(T, K) == 28
+    args = (randn(T, K), randn(K), weight(N, K, "f32"), weight(N, K, "f32"), randn(T, N))
+    h = emulate_against_f64(mixed, args, "sm_90", str(tmp_path_factory.mktemp("rowgroup")))
+    assert h.kernel.launch.how.startswith("a matmul"), h.kernel.launch
