@@ -224,8 +224,8 @@ def mma_tiles(body, t: Target, lds_limit: int):
     None where it does not apply: switched off (``VEGAFUSE_MMA=0``), a target without the fragment
     helper (AMD without ``v_dot2``), fewer than ``MMA_ROWS`` rows or ``KC`` columns of k, a form it
     does not read (see ``parse``: K = 1 has no fill loop), weights that are not f16 values
-    (``_f32_weights``: the tile holds f16, and such weights keep their precision in the row-group matmul), LDS beyond ``lds_limit`` or more
-    workgroups than a grid takes."""
+    (``_f32_weights``: the tile holds f16, and such weights keep their precision in the row-group
+    matmul), LDS beyond ``lds_limit`` or more workgroups than a grid takes."""
     if not enabled() or (t.vendor == "amd" and not t.dot2):
         return None
     m = parse(body)
