@@ -501,7 +501,8 @@ def _contract(body, t, lds_limit):
     even = _balanced(t, info, matmul, grid, per_cu)
     if even:
         body, launch = _contract(original, even, lds_limit)
-        return body, replace(launch, how=f"{launch.how}; {even.waves_per_block} rows per workgroup, one workgroup per CU")
+        rows = f"{even.waves_per_block} row{'s' if even.waves_per_block > 1 else ''}"
+        return body, replace(launch, how=f"{launch.how}; {rows} per workgroup, one workgroup per CU")
     stored = ""
     if "stored_q8" in info:                                # the trailing loops, now that the grid is known
         qs = {id(s): _quantize_stored(s, t, info, grid) for s in info["stored_q8"]}
