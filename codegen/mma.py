@@ -224,12 +224,12 @@ def mma_tiles(body, t: Target, lds_limit: int):
     None where it does not apply: switched off (``VEGAFUSE_MMA=0``), a target without the fragment
     helper (AMD without ``v_dot2``), fewer than ``MMA_ROWS`` rows or ``KC`` columns of k, a form it
     does not read (see ``parse``: K = 1 has no fill loop), weights that are not f16 values
-    (``_f32_weights``: the tile holds f16, and such weights keep their precision in the row-group
+    (``_not_f16_values``: the tile holds f16, and such weights keep their precision in the row-group
     matmul), LDS beyond ``lds_limit`` or more workgroups than a grid takes."""
     if not enabled() or (t.vendor == "amd" and not t.dot2):
         return None
     m = parse(body)
-    if m is None or m.t < MMA_ROWS or m.k < KC or (BN * KC // 8) % t.block or _f32_weights(m):
+    if m is None or m.t < MMA_ROWS or m.k < KC or (BN * KC // 8) % t.block or _not_f16_values(m):
         return None
     m = replace(m, threads=t.block, buffers=1 if os.environ.get("VEGAFUSE_MMA_DOUBLE", "1") == "0" else 2)
     arrays = lds_arrays(m)
@@ -244,7 +244,7 @@ def mma_tiles(body, t: Target, lds_limit: int):
     return (m,), L.Launch(grid, t.block, "VF_BLOCK", how, lds, "f16" if t.dot2 else "f32")
 
 
-def _f32_weights(m: MatmulTiles) -> bool:
+def _not_f16_values(m: MatmulTiles) -> bool:
     """Does a weight of ``m`` hold values an f16 tile does not: anything but a quantized weight
     (``QLoad``) or an f16 value widened to f32 (f32 weights, f32 arithmetic on them, i32 weights cast
     to f32, whose magnitudes may pass f16's 65504)?"""

@@ -1,6 +1,6 @@
 """Adversarial checks of the float GEMV's balanced grid (``codegen.mapping._balanced``), the CPU
 matmul's equal row tiles and loop orders (``fusion.schedule.row_tile``, ``codegen.llvm.micro_tiles``)
-and the tiled matmul's exclusion of weights an f16 tile does not hold (``codegen.mma._f32_weights``):
+and the tiled matmul's exclusion of weights an f16 tile does not hold (``codegen.mma._not_f16_values``):
 fresh random inputs against the float64 interpreter, GPU kernel text through the CPU emulation."""
 import numpy as np
 import pytest
