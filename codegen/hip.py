@@ -272,6 +272,8 @@ def _quantize(s, pad):
 
 
 def _quantize_stored(s, pad):
+    if s.whole:
+        return [f"{pad}vf_quantize_own({s.src}, {s.dst}, {s.n}, {s.first}, {s.rows}, {s.trips});"]
     return [f"{pad}vf_quantize_stored({s.src}, {s.dst}, {s.dst}_count, {s.n}, {s.first}, {s.rows}, {s.trips}, "
             f"{s.per_trip}, {s.done});"]
 
@@ -355,7 +357,7 @@ def render_kernel(k: L.Kernel) -> str:
              f"// mapping: {launch.how}"]
     lines += [x for s in k.body if isinstance(s, L.Attention) for x in attention.globals_of(s)]
     lines += [f"__device__ unsigned int {s.dst}_count[{s.n // 32}];   // arrivals per q8_1 block of {s.src}, zero "
-              "between launches" for s in k.body if isinstance(s, L.QuantizeStored)]
+              "between launches" for s in k.body if isinstance(s, L.QuantizeStored) and not s.whole]
     lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
     arrays = [s for s in k.body if isinstance(s, L.Array)]
     lines += stmts(arrays)

@@ -297,6 +297,8 @@ class QuantizeStored:
     trips: int
     per_trip: int
     done: str
+    whole: bool = False      # every trip stores whole blocks (rows, first multiples of 32): each workgroup
+                             # quantizes what it stored itself, with no arrivals (``vf_quantize_own``)
 
 
 @dataclass(frozen=True)
@@ -1002,7 +1004,8 @@ def format_kernel(k: Kernel) -> str:
             elif isinstance(s, CopyQ8):
                 lines.append(f"{pad}{s.dst}[0:{s.blocks}] = {s.src}[0:{s.blocks}]  # q8_1 blocks")
             elif isinstance(s, QuantizeStored):
-                lines.append(f"{pad}{s.dst} = q8_1({s.src}[0:{s.n}]) by arrival (rows {s.rows} per trip from "
+                how = "by its workgroup" if s.whole else "by arrival"
+                lines.append(f"{pad}{s.dst} = q8_1({s.src}[0:{s.n}]) {how} (rows {s.rows} per trip from "
                              f"{s.first}, {s.trips} trips)")
             elif isinstance(s, Attention):
                 lines.append(f"{pad}{s.out} = attention({s.q}, {s.k}, {s.v}, pos={format_expr(s.pos)}, "

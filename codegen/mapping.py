@@ -496,20 +496,26 @@ def _contract(body, t, lds_limit):
     body = _scratch(body, t) + body
     ks, total, K, vec = info["split"], info["total"], info["K"], info["vec"]
     per_wave = info.get("rows_per_wave", 1)
-    per_cu = _blocks_per_cu(t, K, info["q8"])
+    per_cu = _blocks_per_cu(t, K, info["q8"], info.get("copied", False))
     grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * per_cu))
     even = _balanced(t, info, matmul, grid, per_cu)
     if even:
         body, launch = _contract(original, even, lds_limit)
         rows = f"{even.waves_per_block} row{'s' if even.waves_per_block > 1 else ''}"
         return body, replace(launch, how=f"{launch.how}; {rows} per workgroup, one workgroup per CU")
+    whole = _whole_trips(t, info, per_cu)
+    if whole:
+        return _contract(original, whole, lds_limit)
     stored = ""
     if "stored_q8" in info:                                # the trailing loops, now that the grid is known
         qs = {id(s): _quantize_stored(s, t, info, grid) for s in info["stored_q8"]}
-        done = L.Array("vf_done", "i32", max(q.trips * q.per_trip for q in qs.values()), "lds")   # one list: each
-        body = (done,) + tuple(qs.get(id(s), s) for s in body)  # QuantizeStored opens with a barrier
-        stored = "".join(f"; {q.src} also in q8_1 blocks ({q.dst}), each quantized by the workgroup that completes it "
-                         f"({q.rows} rows a trip)" for q in qs.values())
+        slots = [q.trips * q.per_trip for q in qs.values() if not q.whole]
+        done = (L.Array("vf_done", "i32", max(slots), "lds"),) if slots else ()   # one list: each QuantizeStored
+        body = done + tuple(qs.get(id(s), s) for s in body)                       # opens with a barrier
+        stored = "".join(f"; {q.src} also in q8_1 blocks ({q.dst}), "
+                         + ("each quantized by the workgroup that stores it" if q.whole else
+                            "each quantized by the workgroup that completes it")
+                         + f" ({q.rows} rows a trip)" for q in qs.values())
     if info["q8"]:
         lanes, per = info["lanes"], info["rows_per_lane"]
         fill = "copied in q8_1 blocks into LDS" if info.get("copied") else "quantized to q8_1 in LDS"
@@ -534,12 +540,13 @@ def _contract(body, t, lds_limit):
 
 
 def _balanced(t: Target, info, matmul: bool, grid: int, per_cu: int):
-    """The target to map a float GEMV on again when its grid of a wave per row fits one round of the
-    CUs unevenly (Qwen2.5-7B's down projection: 448 workgroups of 8 rows, 3 or 4 per SM): one workgroup
-    of ceil(rows / CUs) waves per CU, so that every CU streams the same rows; else None.  Only rows
-    of at least ``t.balance_k`` elements (``VEGAFUSE_GEMV_BALANCE=0`` turns it off)."""
+    """The target to map a GEMV on again when its grid of a wave per row fits one round of the CUs
+    unevenly (Qwen2.5-7B's down projection: 448 workgroups of 8 rows, 3 or 4 per SM): one workgroup
+    of ceil(rows / CUs) waves per CU, so that every CU streams the same rows; else None.  Float
+    weights, or int8 dot products whose q8_1 activation is copied (its prologue is cheap once per CU).
+    Only rows of at least ``t.balance_k`` elements (``VEGAFUSE_GEMV_BALANCE=0`` turns it off)."""
     waves = -(-info["total"] // t.compute_units)
-    plain = not (matmul or info["q8"] or info.get("columns") or "stored_q8" in info)
+    plain = not (matmul or (info["q8"] and not info.get("copied")) or info.get("columns") or "stored_q8" in info)
     if not (t.balance_k and _balance() and plain and not t.emulated_wave and info["K"] >= t.balance_k
             and info["split"] == 1 and info.get("rows_per_wave", 1) == 1):
         return None
@@ -548,15 +555,39 @@ def _balanced(t: Target, info, matmul: bool, grid: int, per_cu: int):
     return replace(t, block=waves * t.wave, blocks_per_cu=1, balance_k=0)
 
 
-def _blocks_per_cu(t: Target, K: int, int8: bool) -> int:
+def _whole_trips(t: Target, info, per_cu: int):
+    """The target to map a GEMV that also stores its output in q8_1 blocks (``fusion.q8``) on again
+    when a workgroup's trip stores part of a block (Qwen2.5-7B's gate/up on an H200: 8 rows of a wave
+    each, so four workgroups take arrivals on every block): workgroups of f = 32 / gcd(rows, 32) times
+    the waves, f times fewer per CU, so that a trip stores whole blocks and the workgroup quantizes them
+    itself (``vf_quantize_own``: a barrier, no fences or atomics).  None when the trips are whole
+    already, or f workgroups don't make one (over 1024 threads, an emulated wave, fewer than f per CU),
+    or ``VEGAFUSE_Q8_WHOLE=0``."""
+    if "stored_q8" not in info or t.emulated_wave or not _whole_switch():
+        return None
+    rows = t.waves_per_block // info["split"] * info.get("rows_per_wave", 1)
+    srcs = {s.body[0].values[0].buf for s in info["stored_q8"]}
+    f = 32 // math.gcd(rows, 32)
+    if f == 1 or any(info["stores"][b][0] % 32 for b in srcs) or t.block * f > 1024 or per_cu % f:
+        return None
+    return replace(t, block=t.block * f, blocks_per_cu=max(1, t.blocks_per_cu // f), int8_blocks_per_cu=per_cu // f,
+                   int8_prologue_budget=0)
+
+
+def _whole_switch() -> bool:
+    """``VEGAFUSE_Q8_WHOLE=0``: every q8_1 block a GEMV stores is quantized by arrivals (A/B)."""
+    return os.environ.get("VEGAFUSE_Q8_WHOLE", "1") != "0"
+
+
+def _blocks_per_cu(t: Target, K: int, int8: bool, copied: bool = False) -> int:
     """Workgroups per CU a GEMV grid aims for: the target's; for int8 dot products its own figure,
     fewer when the activation is so long that its quantization (every workgroup's prologue) would
-    take more than the target's budget of elements per CU.  ``VEGAFUSE_GEMV_BLOCKS_PER_CU``
-    overrides (A/B)."""
+    take more than the target's budget of elements per CU, unless the prologue only copies q8_1
+    blocks an earlier kernel wrote (``copied``).  ``VEGAFUSE_GEMV_BLOCKS_PER_CU`` overrides (A/B)."""
     per_cu = t.blocks_per_cu
     if int8:
         per_cu = t.int8_blocks_per_cu or per_cu
-        if t.int8_prologue_budget and _balance():
+        if t.int8_prologue_budget and _balance() and not copied:
             per_cu = max(1, min(per_cu, t.int8_prologue_budget // K))
     return int(os.environ.get("VEGAFUSE_GEMV_BLOCKS_PER_CU", per_cu))
 
@@ -671,7 +702,8 @@ def _quantize_stored(loop, t, info, grid):
         lo, hi = max(r + first, 0), min(r + first + rows, n)
         if lo < hi:
             per_trip = max(per_trip, (hi - 1) // 32 - lo // 32 + 1)
-    return L.QuantizeStored(src, dst, n, first, rows, trips, per_trip, "vf_done")
+    whole = rows % 32 == 0 and first % 32 == 0 and _whole_switch()
+    return L.QuantizeStored(src, dst, n, first, rows, trips, per_trip, "vf_done", whole)
 
 
 def matmul_rows(s: L.Loop):
@@ -886,7 +918,7 @@ def _quant_wave_loop(segs, t, info):
     side = t.wave // lanes                               # tiles a wave takes side by side
     # waves share a tile's blocks when the tiles leave the chip idle (as ksplit), a block per lane at least
     split = lambda u: _waves_per_row(t, [n // u for n in sizes], K // 32, t.wave) if lanes == t.wave else 1  # noqa: E731
-    capacity = t.compute_units * _blocks_per_cu(t, K, True) * t.waves_per_block
+    capacity = t.compute_units * _blocks_per_cu(t, K, True, info.get("copied", False)) * t.waves_per_block
     idle = (lambda u: _idle_share(sum(sizes) // (side * u) * split(u), capacity)) if t.int8_balance and _balance() else None  # noqa: E731
     per = rows_per_lane(sizes, side, t.int8_rows_per_lane, idle)
     ks = split(per)
@@ -932,12 +964,14 @@ def _quant_wave_loop(segs, t, info):
 
 
 def _block_unroll(trips: int) -> int:
-    """Unroll of an int8 GEMV lane's loop over weight blocks: 2 when a lane folds 8 blocks or more
-    (long K, e.g. a down projection: two blocks' loads in flight; measured on an H200, Qwen2.5-7B's
-    down 22.2 -> 19.4 us, while its gate/up, 3.5 blocks a lane, lost 10% unrolled); else the
-    compiler's choice.  ``VEGAFUSE_QUANT_UNROLL`` overrides (A/B; 0: the compiler's choice)."""
+    """Unroll of an int8 GEMV lane's loop over weight blocks: 4 when a lane folds 16 blocks or more,
+    2 from 8 (long K, e.g. a down projection: several blocks' loads in flight); else the compiler's
+    choice.  Measured on an H200, Qwen2.5-7B's down projection (18.5 blocks a lane): 22.2 us not
+    unrolled, 19.4 (an older mapping) and 14.0 by 2, 9.7 by 4; its LM head (3.5 blocks a lane) was
+    slower by 4, and its gate/up lost 10% by 2 in 256-thread workgroups.  ``VEGAFUSE_QUANT_UNROLL``
+    overrides (A/B; 0: the compiler's choice)."""
     env = os.environ.get("VEGAFUSE_QUANT_UNROLL")
-    return int(env) if env is not None else (2 if trips >= 8 else 0)
+    return int(env) if env is not None else (4 if trips >= 16 else 2 if trips >= 8 else 0)
 
 
 def _column_loops(segs, t, info):

@@ -601,6 +601,20 @@ __device__ __forceinline__ void vf_quantize_stored(const float* x, vf_q8_1* __re
     vf_quantize_q8_1(q, 8 * max(b, 0) + g % 8, v[0], v[1], v[2], v[3], active);
   }
 }
+// the same when every trip stores whole blocks (rows and first multiples of 32): the workgroup quantizes the
+// blocks it stored itself, once the barrier has made its threads' stores seen by all of them; no arrivals
+__device__ __forceinline__ void vf_quantize_own(const float* x, vf_q8_1* __restrict__ q, int n, int first, int rows,
+                                                int trips) {
+  __syncthreads();
+  const int groups = trips * rows / 4;   // 4 values a thread, 8 threads a block
+  for (int g = threadIdx.x; g < (groups + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; g += VF_BLOCK) {
+    const int r = first + ((int)blockIdx.x + g / (rows / 4) * (int)gridDim.x) * rows + 4 * (g % (rows / 4));
+    const bool active = g < groups && r >= 0 && r < n;                 // the same for a block's 8 threads
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) vf_load_stored4(x + r, v);
+    vf_quantize_q8_1(q, max(r, 0) / 4, v[0], v[1], v[2], v[3], active);
+  }
+}
 // the n q8_1 blocks that an earlier kernel wrote, copied into LDS by the threads of the workgroup 16 bytes at
 // a time (both arrays 16-byte aligned; an odd count of blocks leaves 8 bytes, copied by thread 0)
 __device__ __forceinline__ void vf_copy_q8_1(vf_q8_1* dst, const vf_q8_1* __restrict__ src, int n) {

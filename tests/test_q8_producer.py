@@ -130,16 +130,19 @@ def host_arrays(k, named, outputs):
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
 @pytest.mark.parametrize("target", ["sm_90", "gfx906"])
 @pytest.mark.parametrize("name", ["mlp", "two"])
-def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(name, target, tmp_path_factory,
+@pytest.mark.parametrize("whole", ["1", "0"])
+def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(name, target, whole, tmp_path_factory,
                                                                                monkeypatch):
-    """Few compute units (workgroups take several trips, the last round ragged, blocks completed by
-    the last of the workgroups that store into them), run twice (the counts set back to zero), the
-    workgroups in order, then from the last to the first (a block completed early would show): the
-    producer's q8_1 blocks are the numpy model of the fill's arithmetic of its float output, bit for
-    bit; the consumer's output is the q8_1 GEMV of them and the float64 interpreter's within the
-    activation's quantization error."""
+    """Few compute units (workgroups take several trips, the last round ragged), run twice, the
+    workgroups in order, then from the last to the first (a block completed early would show); the
+    blocks quantized by the workgroup whose trips store them whole (``vf_quantize_own``), or with
+    ``VEGAFUSE_Q8_WHOLE=0`` by the last of the workgroups that store into them (the counts set back to
+    zero for the second run): the producer's q8_1 blocks are the numpy model of the fill's arithmetic
+    of its float output, bit for bit; the consumer's output is the q8_1 GEMV of them and the float64
+    interpreter's within the activation's quantization error."""
     if L.int8_activation() != "q8_1r":
         pytest.skip("the residual plane is off")
+    monkeypatch.setenv("VEGAFUSE_Q8_WHOLE", whole)
     t = get_target(target, compute_units=3)
     tmp = str(tmp_path_factory.getbasetemp())
     for run in range(2):
@@ -155,6 +158,9 @@ def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(
             arrays = host_arrays(k, {**named, **bufs}, outs)
             h = emulate(k, t, arrays, tmp, reversed_=run == 1)
             bufs.update(outs)
+            if k is plan.kernels[0]:                   # "two" stores its buffer from row 48: not whole blocks
+                own = whole == "1" and name == "mlp"
+                assert ("vf_quantize_own(" if own else "vf_quantize_stored(") in h.body, h.kernel.launch.how
         q8name = next(n for n in bufs if n.endswith("_q8"))
         (src,) = [p.name for p in plan.kernels[0].params if p.role == "out" and p.dtype == "f32" and q8name == p.name + "_q8"]
         x = bufs[src].reshape(-1)
@@ -174,16 +180,18 @@ def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(
 
 
 @pytest.mark.skipif(bool(HIP), reason=f"gfx906 compile skipped: {HIP}")
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "gptq_int4"])
-def test_producer_and_consumer_compile_for_gfx906_and_pass_the_isa_gates(fmt):
-    """Qwen2.5-7B's MLP shapes: the gate/up kernel that also writes the down projection's q8_1 blocks,
-    and the down projection that copies them: int8 dot products and 16-byte weight loads in the main
-    loop, no scratch or generic loads, at most 9 waves per SIMD, LDS per weight byte within the gate."""
+@pytest.mark.parametrize("fmt,whole", [("q4_0", "1"), ("q4_1", "1"), ("q8_0", "1"), ("gptq_int4", "1"), ("q4_0", "0")])
+def test_producer_and_consumer_compile_for_gfx906_and_pass_the_isa_gates(fmt, whole, monkeypatch):
+    """Qwen2.5-7B's MLP shapes: the gate/up kernel that also writes the down projection's q8_1 blocks
+    (by its own workgroups, or by arrivals with ``VEGAFUSE_Q8_WHOLE=0``), and the down projection that
+    copies them: int8 dot products and 16-byte weight loads in the main loop, no scratch or generic
+    loads, at most 9 waves per SIMD, LDS per weight byte within the gate."""
+    monkeypatch.setenv("VEGAFUSE_Q8_WHOLE", whole)
     x, g = rng.standard_normal((1, 3584)).astype(np.float32), rng.uniform(0.5, 1.5, 3584).astype(np.float32)
     ws = [quantized((18944, 3584), fmt, 0.05), quantized((18944, 3584), fmt, 0.05), quantized((3584, 18944), fmt, 0.05)]
     plan = gpu_plan(mlp, (x, g, *ws))
     up, down = plan.kernels
-    for k, text in ((up, "vf_quantize_stored("), (down, "vf_copy_q8_1(")):
+    for k, text in ((up, "vf_quantize_own(" if whole == "1" else "vf_quantize_stored("), (down, "vf_copy_q8_1(")):
         it = Inspected(k, get_target("gfx906"))
         isa, c = it.isa(), counts(main_loop(it.isa()))
         assert text in it.source, k.name
