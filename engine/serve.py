@@ -114,13 +114,18 @@ class Engine:
         that disconnects (noticed within 0.5 s, or when a write fails) cancels it."""
         out, cancel = asyncio.Queue(), threading.Event()
         self.jobs.put((asyncio.get_running_loop(), out, cancel, kind, ids, opts))
+        checked = time.monotonic()
         try:
             while True:
                 try:
                     item = await asyncio.wait_for(out.get(), 0.5)
                 except asyncio.TimeoutError:
+                    item = None
+                if time.monotonic() - checked >= 0.5:
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return
+                if item is None:
                     continue
                 if isinstance(item, Exception):
                     raise item
