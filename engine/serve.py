@@ -65,10 +65,12 @@ class RequestError(Exception):
         super().__init__(message)
         self.param, self.status, self.code, self.kind = param, status, code, kind
 
+    def body(self):
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self):
         from fastapi.responses import JSONResponse
-        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def _get(body, name, kinds, default, ok=lambda v: True, rule=""):
@@ -89,7 +91,7 @@ class Engine:
     def __init__(self, model, tok, eos_ids, name):
         self.model, self.tok, self.eos_ids, self.name = model, tok, tuple(eos_ids), name
         self.created = int(time.time())
-        self.jobs = queue.Queue()
+        self.jobs, self.closing = queue.Queue(), threading.Event()
         threading.Thread(target=self._work, name="generate", daemon=True).start()
 
     def _work(self):
@@ -97,8 +99,8 @@ class Engine:
             loop, out, cancel, kind, ids, opts = self.jobs.get()
             t0, last = time.perf_counter(), ("", 0, "error")
             try:
-                for last in stream(self.model, self.tok, ids, eos_ids=self.eos_ids, cancelled=cancel.is_set,
-                                   **opts):
+                stopped = lambda: cancel.is_set() or self.closing.is_set()      # noqa: E731
+                for last in stream(self.model, self.tok, ids, eos_ids=self.eos_ids, cancelled=stopped, **opts):
                     loop.call_soon_threadsafe(out.put_nowait, last)
             except Exception as e:                  # reported to its request; the worker goes on
                 last = ("", 0, f"error ({type(e).__name__}: {e})")
@@ -129,6 +131,9 @@ class Engine:
                     continue
                 if isinstance(item, Exception):
                     raise item
+                if item[2] == "cancelled" and self.closing.is_set():
+                    raise RequestError("the server is shutting down; send the request again once it is back",
+                                       status=503, kind="server_error")
                 yield item
                 if item[2]:
                     return
@@ -158,9 +163,10 @@ class Engine:
                                "shorten it", param="messages" if chat else "prompt", code="context_length_exceeded")
         max_tokens = _get(body, "max_tokens", (int,), None, lambda v: v >= 0, "an integer >= 0")
         if chat:
-            max_tokens = _get(body, "max_completion_tokens", (int,), max_tokens, lambda v: v >= 0, "an integer >= 0")
-        stop = _get(body, "stop", (str, list), [], lambda v: isinstance(v, str) and v or isinstance(v, list)
-                    and len(v) <= 4 and all(isinstance(s, str) and s for s in v), "a non-empty string or up to 4 of them")
+            max_tokens = _get(body, "max_completion_tokens", (int,), max_tokens, lambda v: v >= 0,
+                              "an integer >= 0")
+        stop = _get(body, "stop", (str, list), [], lambda v: v if isinstance(v, str) else 0 < len(v) <= 4 and all(
+            isinstance(s, str) and s for s in v), "a non-empty string or a list of 1 to 4 of them")
         num = (int, float)
         return ids, {
             "max_tokens": min(room, (room if chat else 16) if max_tokens is None else max_tokens),
@@ -217,17 +223,19 @@ async def _answer(engine, request, chat):
     body = await _body(request)
     ids, opts = engine.prepare(body, chat)
     streaming = _get(body, "stream", (bool,), False, rule="true or false")
-    usage_chunk = streaming and bool((_get(body, "stream_options", (dict,), {}, rule="an object")).get("include_usage"))
+    usage_chunk = streaming and bool(_get(body, "stream_options", (dict,), {}, rule="an object").get("include_usage"))
     kind = "chat.completion" if chat else "text_completion"
-    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
-            "object": kind + (".chunk" if chat and streaming else ""), "created": int(time.time()), "model": engine.name}
+    head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+            "object": kind + (".chunk" if chat and streaming else ""), "model": engine.name}
 
     def choice(text, finish, delta=None):
         c = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if chat:
-            c["delta" if streaming else "message"] = delta if delta is not None else {"role": "assistant", "content": text}
-        else:
+        if not chat:
             c["text"] = text
+        elif streaming:
+            c["delta"] = delta
+        else:
+            c["message"] = {"role": "assistant", "content": text}
         return c
 
     def usage(n):
@@ -254,8 +262,9 @@ async def _answer(engine, request, chat):
                 if finish:
                     yield sse({**head, "choices": [choice("", finish, {})]})
         except Exception as e:                      # headers are sent: report in the stream
-            yield sse({"error": {"message": f"generation failed: {type(e).__name__}: {e}", "type": "server_error",
-                                 "param": None, "code": None}})
+            err = e if isinstance(e, RequestError) else RequestError(f"generation failed: {type(e).__name__}: {e}",
+                                                                     status=500, kind="server_error")
+            yield sse(err.body())
             return
         if usage_chunk:
             yield sse({**head, "choices": [], "usage": usage(n)})
@@ -356,13 +365,18 @@ def run(args):
     model.compile()
     eos = tuple(cfg.eos_ids) + ((tok.eos_id,) if tok.eos_id is not None else ())
     name = args.name or os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
-    app = make_app(Engine(model, tok, eos, name))
+    engine = Engine(model, tok, eos, name)
+    app = make_app(engine)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {name} at http://{shown}:{port}/v1 (OpenAI API, backend {args.backend}); Ctrl-C stops",
           file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    server.run(sockets=[sock])
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):          # Ctrl-C: end the running and queued generations first
+            engine.closing.set()
+            super().handle_exit(sig, frame)
+    Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)).run(sockets=[sock])
     return 0
 
 

@@ -224,7 +224,8 @@ def test_client_leaving_mid_stream_stops_its_generation(server, client, ref):
     m = server.wait_for(r"\[completion: \d+ prompt tokens, (\d+) generated, finish (\w+)", 300)
     assert m.group(2) == "cancelled" and int(m.group(1)) < 400 and pieces
     with pytest.raises(httpx.TimeoutException):                # a whole answer whose client gave up waiting
-        httpx.post(server.url + "/completions", json={"prompt": LONG, "max_tokens": 400, "temperature": 0}, timeout=2)
+        httpx.post(server.url + "/completions", json={"prompt": LONG, "max_tokens": 400, "temperature": 0},
+                   timeout=2)
     m = server.wait_for(r"\[completion: \d+ prompt tokens, (\d+) generated, finish (\w+)", 300)
     assert m.group(2) == "cancelled" and int(m.group(1)) < 400
     text, _ = ref(ref.tok.encode(PROMPT), 6)
