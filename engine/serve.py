@@ -9,6 +9,7 @@ and exit with status 2.  Needs ``pip install 'vegafuse[serve]'`` (FastAPI and uv
 """
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import queue
@@ -18,11 +19,7 @@ import threading
 import time
 import uuid
 
-import numpy as np
-
 from .errors import ModelError, run_cli
-from .sampling import is_eos, sample
-from .tokenizer import StreamDecoder
 
 
 def stream(model, tok, prompt_ids, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None,
@@ -33,6 +30,9 @@ def stream(model, tok, prompt_ids, max_tokens, temperature=0.0, top_k=0, top_p=1
     "length" (``max_tokens``) or "cancelled" (``cancelled()`` turned true).  Text that may start
     a stop string is held back until it is known not to; the pieces never split a UTF-8
     character and, without stop strings, join to ``tok.decode(ids)``."""
+    import numpy as np
+    from .sampling import is_eos, sample
+    from .tokenizer import StreamDecoder
     rng = np.random.default_rng(seed)
     dec, held, n = StreamDecoder(tok), "", 0
     logits = model.prefill(prompt_ids)
@@ -346,16 +346,15 @@ def _listen(host, port):
 
 
 def run(args):
-    from .model import Model
-    from .weights import default_dtype, default_model_path, load_model
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn
-    except ImportError as e:
-        raise ModelError(f"the server needs FastAPI and uvicorn ({e}); pip install 'vegafuse[serve]'") from None
     if args.context is not None and args.context < 1:
         raise ModelError(f"--context must be at least 1, got {args.context}")
-    sock = _listen(args.host, args.port)
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelError(f"the server needs {' and '.join(missing)}: pip install 'vegafuse[serve]'")
+    sock = _listen(args.host, args.port)          # before anything slow: a taken port fails at once
+    import uvicorn
+    from .model import Model
+    from .weights import default_dtype, default_model_path, load_model
     path = args.model or default_model_path()
     cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
     if args.context is not None and args.context > cfg.max_seq_len:
