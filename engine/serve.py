@@ -310,6 +310,7 @@ def make_app(engine):
 
 
 def parse_args(argv=None):
+    """The command line (``argv``: a list of str, default ``sys.argv[1:]``) as an argparse Namespace."""
     p = argparse.ArgumentParser(prog="vegafuse-serve", description=__doc__.split("\n")[0].replace("``", ""))
     p.add_argument("--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--name", help="the model id clients send (default: the file or directory name)")
@@ -327,6 +328,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """The ``vegafuse-serve`` command: serve until Ctrl-C; returns the exit status (2: one ``error:`` line)."""
     return run_cli(run, parse_args(argv))
 
 
@@ -346,6 +348,7 @@ def _listen(host, port):
 
 
 def run(args):
+    """Bind the port, load the model, compile its decode step and serve; raises ModelError on bad input."""
     if args.context is not None and args.context < 1:
         raise ModelError(f"--context must be at least 1, got {args.context}")
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
