@@ -25,7 +25,6 @@ torch model's forward in the same dtype, measured in the same run.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -33,10 +32,19 @@ import time
 
 import numpy as np
 
-from dsl.quant import QUANT_DTYPES, random_qarray
+from .errors import ModelError, Parser, run_cli
+
+QUANT_DTYPES = ("q4_0", "q4_1", "q8_0")     # dsl.quant.QUANT_DTYPES, without importing the DSL to parse options
+
+
+def rate(n, seconds):
+    """n / seconds, or None when that is no rate (nothing timed, or a clock that did not advance)."""
+    return n / seconds if n > 0 and seconds > 0 else None
 
 
 def bench_vegafuse(cfg, params, ids, n_tokens, backend, kv_dtype="f16"):
+    """(tokens/s or None, ids): greedy decode of ``n_tokens`` steps after the prefill of ``ids``, timed
+    from the first decode step; ids holds the prefill's token and the ``n_tokens`` decoded."""
     from .model import Model
     m = Model(cfg, params, backend=backend, context=len(ids) + n_tokens + 8, kv_dtype=kv_dtype)
     m.compile(len(ids))
@@ -44,11 +52,10 @@ def bench_vegafuse(cfg, params, ids, n_tokens, backend, kv_dtype="f16"):
     nxt = int(np.argmax(logits))
     out = [nxt]
     t0 = time.perf_counter()
-    for _ in range(n_tokens - 1):
+    for _ in range(n_tokens):
         nxt = int(np.argmax(m.decode(nxt)))
         out.append(nxt)
-    dt = time.perf_counter() - t0
-    return (n_tokens - 1) / dt, out
+    return rate(n_tokens, time.perf_counter() - t0), out
 
 
 def hf_cpu_model(model_path, threads):
@@ -68,7 +75,8 @@ def hf_cpu_model(model_path, threads):
 
 
 def bench_hf(model_path, ids, n_tokens, threads):
-    """Hugging Face eager float32 on the CPU; decode rate from generate(n) minus generate(1)."""
+    """Hugging Face eager float32 on the CPU: (tokens/s or None, ids) of ``n_tokens`` decode steps,
+    from generate(n + 1) minus generate(1); (None, None) without torch and transformers."""
     try:
         import torch
         import transformers  # noqa: F401  (the peer needs it)
@@ -85,8 +93,8 @@ def bench_hf(model_path, ids, n_tokens, threads):
         return time.perf_counter() - t, out[0, len(ids):].tolist()
     run(2)                                               # warm up
     t1, _ = run(1)
-    tn, out = run(n_tokens)
-    return (n_tokens - 1) / (tn - t1), out
+    tn, out = run(n_tokens + 1)
+    return rate(n_tokens, tn - t1), out
 
 
 SHAPES = {
@@ -103,6 +111,7 @@ SHAPES = {
 
 def random_params(cfg, dev, dtype="f16", seed=0):
     """Random weights of the real shapes, made on the device (speed depends on bytes, not values)."""
+    from dsl.quant import random_qarray
     D, hd, F = cfg.dim, cfg.head_dim, cfg.ffn_dim
     seeds = iter(range(seed, seed + 1 << 20))
     if dtype in QUANT_DTYPES:                    # all 2-D weights quantized; uploaded once, when first bound
@@ -244,7 +253,7 @@ def main_gpu(args):
         return 0
     if args.random_weights or name in SHAPES:
         if name not in SHAPES:
-            raise SystemExit(f"error: unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
+            raise ModelError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}")
         cfg = LlamaConfig(**SHAPES[name], max_seq_len=args.context, name=name)
         params = random_params(cfg, dev, args.dtype)
     else:
@@ -253,29 +262,29 @@ def main_gpu(args):
         print(format_resident(params), flush=True)
         params = dev.put(params)
     bw = dev.copy_bandwidth()
-    if args.position is not None and not 32 <= args.position <= args.context - args.tokens:
-        raise SystemExit(f"error: --position {args.position} must lie in [32, context - tokens = "
-                         f"{args.context - args.tokens}]; raise --context")
     tps, ex = gpu_decode(cfg, params, args.tokens, args.context, position=args.position, kv_dtype=args.kv_dtype)
     wb = weight_bytes(cfg, params)
     print(f"{name}: {cfg.n_layers} layers, dim {cfg.dim}, {args.dtype} weights, {args.kv_dtype} KV cache, batch 1, "
           f"{args.tokens} tokens after a 32-token prompt"
           f"{f' from position {args.position}' if args.position is not None else ''}, context {args.context}; device copy bandwidth "
           f"{bw:.0f} GB/s (read + write)", flush=True)
-    print(f"  vegafuse cuda{'' if dev.graphs else ' (no graphs)'}: {tps:8.1f} tok/s  {1e3 / tps:6.3f} ms/token  "
-          f"{wb / 1e9:.3f} GB/token  {wb * tps / 1e9:7.0f} GB/s = {100 * wb * tps / 1e9 / bw:4.1f}% of copy  "
-          f"{len(ex.plan.kernels) + 2} launches/token", flush=True)
-    if args.profile:
-        profile(dev, ex, tps)
+    table, tg = Table(), f"tg{args.tokens}"
+    table.row(f"{name} {args.dtype}", size_text(wb), f"vegafuse cuda{'' if dev.graphs else ' (no graphs)'}", tg, tps)
+    notes = [f"vegafuse cuda: {1e3 / tps:.3f} ms/token  {wb / 1e9:.3f} GB/token  {wb * tps / 1e9:.0f} GB/s = "
+             f"{100 * wb * tps / 1e9 / bw:.1f}% of copy  {len(ex.plan.kernels) + 2} launches/token"]
     if not args.no_peer:
         peer_dtype = "f16" if args.dtype in QUANT_DTYPES else args.dtype     # the peer has no such weights
         peer = bench_torch_compile(cfg, args.tokens, args.context, dtype=peer_dtype, position=args.position)
         if peer is None:
-            print("  torch.compile peer: torch/transformers not importable, skipped")
+            notes.append("torch.compile peer: torch/transformers not importable, skipped")
         else:
-            print(f"  HF static cache + torch.compile(reduce-overhead), {peer_dtype}: {peer:8.1f} tok/s  "
-                  f"{1e3 / peer:6.3f} ms/token"
-                  f"  -> vegafuse {tps / peer:.2f}x")
+            table.row(f"{name} {peer_dtype}", size_text(wb) if peer_dtype == args.dtype else "",
+                      "HF static cache + torch.compile", tg, peer)
+            notes.append(f"HF static cache + torch.compile(reduce-overhead), {peer_dtype}: {1e3 / peer:.3f} ms/token"
+                         f"  -> vegafuse {ratio(tps, peer)}")
+    print("\n".join(notes))
+    if args.profile:
+        profile(dev, ex, tps)
     return 0
 
 
@@ -361,43 +370,87 @@ def main_prefill(args):
         from stdlib.config import LlamaConfig
         name = args.model or "qwen2.5-1.5b"
         if name not in SHAPES:
-            raise SystemExit(f"error: --prefill on cuda takes a shape with random weights: {', '.join(SHAPES)}")
+            raise ModelError(f"--prefill on cuda takes a shape with random weights: {', '.join(SHAPES)}")
         cfg = LlamaConfig(**SHAPES[name], max_seq_len=n + 8, name=name)
         params = random_params(cfg, get_device("cuda"), args.dtype)
         ids = prefill_ids(n, cfg.vocab_size)
         peer_name, peer = f"torch eager cuda ({args.dtype})", lambda: torch_gpu_prefill(cfg, ids, args.dtype, repeat)
         what = f"{name} ({args.dtype} random weights)"
     else:
-        from .weights import default_dtype, default_model_path, load_model
-        path = args.model or default_model_path()
+        from .weights import default_dtype, load_model
+        path = args.model
         dtype = args.dtype or default_dtype(path, "cpu")
         cfg, params, tok = load_model(path, "native" if dtype in QUANT_DTYPES else dtype, args.quant)
         ids = prefill_ids(n, cfg.vocab_size, tok)
-        peer_name, peer = "Hugging Face eager cpu (f32)", lambda: None if args.no_hf else hf_prefill(
+        peer_name, peer = "Hugging Face eager cpu", lambda: None if args.no_hf else hf_prefill(
             path, ids, os.cpu_count() or 1, repeat)
-        what = f"{cfg.name or path} ({args.quant or dtype} weights, {os.cpu_count()} CPU threads)"
+        name = cfg.name or os.path.basename(path)
+        what = f"{name} ({args.quant or dtype} weights, {os.cpu_count()} CPU threads)"
     ours = time_prefill(cfg, params, ids, args.backend, repeat, args.kv_dtype)
     print(f"prefill of a {n}-token prompt, {what}; median of {repeat} runs (p10 .. p90)", flush=True)
+    table, notes = Table(), []
+    kind, nbytes = weights_of(params) if args.backend == "cpu" else (args.dtype, weight_bytes(cfg, params))
 
-    def line(label, ts):
+    def row(label, model, size, ts):
         q = np.percentile(ts, [10, 50, 90])
-        print(f"  {label:<40} {q[1]:8.4f} s  {n / q[1]:9.1f} tok/s   ({q[0]:.4f} .. {q[2]:.4f} s)", flush=True)
+        table.row(model, size, label, f"pp{n}", rate(n, q[1]))
+        notes.append(f"{label}: {q[1]:.4f} s = {n / q[1] if q[1] > 0 else float('nan'):.1f} tok/s "
+                     f"(p10 .. p90: {q[0]:.4f} .. {q[2]:.4f} s)")
         return q[1]
-    mine = line(f"vegafuse {args.backend}", ours)
+    mine = row(f"vegafuse {args.backend}", f"{name} {kind}", size_text(nbytes), ours)
     theirs = peer()
-    if theirs is None:
-        print(f"  {peer_name}: skipped (torch/transformers not importable, or --no-hf)")
-        return 0
-    other = line(peer_name, theirs)
-    print(f"  vegafuse / peer: {other / mine:.2f}x the peer's tokens/s")
+    if theirs is not None:
+        other = row(peer_name, f"{name} {'f32' if args.backend == 'cpu' else args.dtype}", "", theirs)
+        notes.append(f"vegafuse / peer: {ratio(rate(n, mine), rate(n, other))} the peer's tokens/s")
+    else:
+        notes.append(f"{peer_name}: skipped (torch/transformers not importable, or --no-hf)")
+    print("\n".join(notes))
     return 0
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+class Table:
+    """llama-bench's table (model, size, backend, test, t/s) in Markdown: the header before the first
+    row, each row as it is measured.  ``test`` is ``tgN`` (N tokens decoded, timed) or ``ppN`` (an
+    N-token prompt); a rate that could not be measured prints as n/a."""
+    COLS = (("model", 34, "<"), ("size", 10, ">"), ("backend", 30, "<"), ("test", 7, ">"), ("t/s", 10, ">"))
+
+    def __init__(self):
+        self.n = 0
+
+    def row(self, model, size, backend, test, tps):
+        if not self.n:
+            print("| " + " | ".join(f"{c:{a}{w}}" for c, w, a in self.COLS) + " |")
+            print("| " + " | ".join("-" * (w - 1) + (":" if a == ">" else "-") for _, w, a in self.COLS) + " |")
+        self.n += 1
+        cells = (model, size, backend, test, "n/a" if tps is None else f"{tps:.2f}")
+        print("| " + " | ".join(f"{v:{a}{w}}" for v, (_, w, a) in zip(cells, self.COLS)) + " |", flush=True)
+
+
+def size_text(nbytes) -> str:
+    """llama-bench's size column: MiB below 1 GiB, else GiB."""
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
+
+
+def weights_of(params):
+    """(the format holding most of the weight bytes, e.g. "q4_1", total bytes)."""
+    from .weights import resident_bytes
+    by_kind = resident_bytes(params)
+    return next(iter(by_kind), "none"), sum(by_kind.values())
+
+
+def ratio(a, b):
+    """a / b as "1.23x", or "n/a" when either rate is missing."""
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def parse_args(argv=None):
+    """engine.bench's options, checked before anything loads: a bad one prints one line
+    ``error: ...`` and exits with status 2."""
+    p = Parser("engine.bench", "Benchmark decode (or, with --prefill, prompt processing) tokens/s "
+                               "beside peers measured in the same run; prints a llama-bench-style table.")
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct); "
-                                   f"with --backend cuda also a shape: {', '.join(SHAPES)}")
+    p.add_argument("-m", "--model", help="GGUF file, Hugging Face directory or cached repo id (default: "
+                                         f"SmolLM2-135M-Instruct); with --backend cuda also a shape: {', '.join(SHAPES)}")
     p.add_argument("--random-weights", action="store_true", help="real shapes, random values (cuda)")
     p.add_argument("--dtype", default=None, choices=["native", "f16", "f32", *QUANT_DTYPES],
                    help="weights: native keeps a GGUF's q4_0/q4_1/q8_0 tensors quantized (default on the cpu "
@@ -405,7 +458,7 @@ def main(argv=None):
                         "every weight matrix (random weights on cuda; a file: as --quant)")
     p.add_argument("--quant", default=None, choices=list(QUANT_DTYPES),
                    help="quantize every weight matrix and the embedding to this format at load")
-    p.add_argument("--context", type=int, default=512, help="KV-cache positions (cuda, default 512)")
+    p.add_argument("-c", "--context", type=int, default=512, help="KV-cache positions (cuda, default 512)")
     p.add_argument("--position", type=int, default=None,
                    help="decode from this cache position (cuda; default: right after the 32-token prompt)")
     p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="KV-cache element type (default f16)")
@@ -413,78 +466,104 @@ def main(argv=None):
     p.add_argument("--no-graphs", action="store_true", help="launch kernels one by one (cuda A/B)")
     p.add_argument("--capacity-check", action="store_true", help="cache 512 vs 32768 at context 64 (cuda)")
     p.add_argument("--profile", action="store_true", help="time every kernel of the decode step (cuda)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens to decode (default 64 cpu, 128 cuda)")
+    p.add_argument("-n", "--tokens", type=int, default=None,
+                   help="tokens to decode and time after the prefill's (default 64 cpu, 128 cuda)")
     p.add_argument("--reference-tokens", type=int, default=8, help="tokens for the slow interpreter (default 8)")
-    p.add_argument("--prompt", default="The capital of France is")
+    p.add_argument("-p", "--prompt", default="The capital of France is")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
     p.add_argument("--prefill", type=int, metavar="N", help="time the prefill of an N-token prompt instead of decode")
     p.add_argument("--repeat", type=int, default=5, help="prefill runs to take the median of (default 5)")
     args = p.parse_args(argv)
-    args.tokens = args.tokens or (128 if args.backend == "cuda" else 64)
+    args.tokens = args.tokens if args.tokens is not None else (128 if args.backend == "cuda" else 64)
     if args.tokens < 1 or args.reference_tokens < 1:
         p.error("--tokens and --reference-tokens take at least 1 token")
+    if args.repeat < 1 or args.context < 1:
+        p.error("--repeat and --context take at least 1")
     if args.position is not None and args.backend != "cuda" and args.prefill is None:
         p.error("--position is measured with --backend cuda (the CPU decodes right after the prompt)")
+    if args.position is not None and args.prefill is None and not 32 <= args.position <= args.context - args.tokens:
+        p.error(f"--position {args.position} must lie in [32, context - tokens = {args.context - args.tokens}]; "
+                "raise --context")
+    if args.backend != "cuda" and (args.random_weights or args.model in SHAPES):
+        p.error(f"{'--random-weights' if args.random_weights else args.model} (random weights of a model's "
+                "shape) is measured with --backend cuda; on the cpu give --model a GGUF file, a Hugging Face "
+                "directory or a cached repo id")
     if args.dtype in QUANT_DTYPES:                 # --dtype q4_0: every weight matrix q4_0, as --quant q4_0
         if args.quant not in (None, args.dtype):
             p.error(f"--dtype {args.dtype} and --quant {args.quant} disagree: give one of them")
         args.quant = args.dtype
+    if args.prefill is not None and args.prefill < 1:
+        p.error("--prefill takes a prompt length of at least 1 token")
+    return args
+
+
+def main(argv=None):
+    """``python -m engine.bench``: see the module docstring; returns the exit status."""
+    return run_cli(run, parse_args(argv))
+
+
+def run(args):
+    if args.backend == "cpu" and args.model not in SHAPES:
+        from .models import resolve_model
+        args.model = resolve_model(args.model)          # checked before loading: a FIFO would block
     if args.prefill is not None:
-        if args.prefill < 1:
-            p.error("--prefill takes a prompt length of at least 1 token")
         if args.backend == "cuda" and args.dtype in (None, "native"):
             args.dtype = "f16"
         return main_prefill(args)
     if args.backend == "cuda":
         random = args.random_weights or (args.model or "smollm2-135m") in SHAPES
         if random and args.dtype == "native":
-            p.error("random weights are f16, f32, q4_0, q4_1 or q8_0: pick one with --dtype")
+            raise ModelError("random weights are f16, f32, q4_0, q4_1 or q8_0: pick one with --dtype")
         args.dtype = (args.quant if random else None) or args.dtype or "f16"
-        try:
-            return main_gpu(args)
-        except RuntimeError as e:
-            if type(e).__name__ != "CudaError":
-                raise
-            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-            return 2
-    from .weights import default_dtype, default_model_path, format_resident, load_model
-    path = args.model or default_model_path()
+        return main_gpu(args)
+    return main_cpu(args)
+
+
+def main_cpu(args):
+    """CPU decode: vegafuse with the chosen weights and with f16 (f32) weights, the reference
+    interpreter and Hugging Face eager, greedy, each timed over ``--tokens`` decode steps."""
+    from .weights import default_dtype, format_resident, load_model
+    path = args.model
     dtype = args.dtype or default_dtype(path, "cpu")
     cfg, params, tok = load_model(path, "native" if dtype in QUANT_DTYPES else dtype, args.quant)
-    kind = args.quant or dtype
-    other = "f16" if kind != "f16" else "f32"         # the A/B comparison in the same run
     ids = tok.encode(args.prompt)
+    if not ids:
+        raise ModelError("--prompt encodes to no tokens: give some text")
     threads = os.cpu_count() or 1
-    print(f"model {cfg.name or path}: {cfg.n_layers} layers, dim {cfg.dim}; prompt {len(ids)} tokens; "
-          f"{os.cpu_count()} CPU threads; {format_resident(params)}; {args.kv_dtype} KV cache", flush=True)
-    rows = []
+    name = cfg.name or os.path.basename(path)
+    print(f"model {name}: {cfg.n_layers} layers, dim {cfg.dim}; prompt {len(ids)} tokens; {threads} CPU threads; "
+          f"{format_resident(params)}; {args.kv_dtype} KV cache; greedy", flush=True)
+    table, tg = Table(), f"tg{args.tokens}"
+    kind, nbytes = weights_of(params)
     tps, ours = bench_vegafuse(cfg, params, ids, args.tokens, "cpu", args.kv_dtype)
-    rows.append((f"vegafuse cpu (fused, {kind} weights)", tps, args.tokens))
-    print(f"  {rows[-1][0]:<40} {tps:8.1f} tokens/s", flush=True)
+    table.row(f"{name} {kind}", size_text(nbytes), "vegafuse cpu", tg, tps)
+    other = "f32" if kind == "f16" else "f16"          # the A/B comparison in the same run
     _, params2, _ = load_model(path, other)
     tps2, ours2 = bench_vegafuse(cfg, params2, ids, args.tokens, "cpu", args.kv_dtype)
+    table.row(f"{name} {other}", size_text(weights_of(params2)[1]), "vegafuse cpu", tg, tps2)
     del params2
-    print(f"  {f'vegafuse cpu (fused, {other} weights)':<40} {tps2:8.1f} tokens/s   (ids agree: {ours2 == ours})",
-          flush=True)
     tps_ref, ref = bench_vegafuse(cfg, params, ids, args.reference_tokens, "reference", args.kv_dtype)
-    rows.append(("vegafuse reference interpreter (numpy)", tps_ref, args.reference_tokens))
-    print(f"  {rows[-1][0]:<40} {tps_ref:8.1f} tokens/s   (ids agree: {ref == ours[:len(ref)]})", flush=True)
+    table.row(f"{name} {kind}", size_text(nbytes), "vegafuse reference (numpy)", f"tg{args.reference_tokens}", tps_ref)
+    tps_hf = hf = None
     if not args.no_hf:
         tps_hf, hf = bench_hf(path, ids, args.tokens, threads)
-        if tps_hf is None:
-            print("  Hugging Face eager: torch/transformers not importable, skipped")
-        else:
-            rows.append(("Hugging Face eager cpu (f32)", tps_hf, args.tokens))
-            print(f"  {rows[-1][0]:<40} {tps_hf:8.1f} tokens/s   (ids agree: {hf == ours})")
-    print(f"{kind} weights against {other} weights, same run: {tps / tps2:.2f}x")
-    peers = [r for r in rows[1:] if not r[0].startswith("vegafuse")]
-    if peers:
-        peer, best = max(peers, key=lambda r: r[1])[0], max(r[1] for r in peers)
-        print(f"speed-up over the fastest peer ({peer}): {tps / best:.2f}x ({kind} weights), "
-              f"{tps2 / best:.2f}x ({other} weights)")
+        if hf is not None:
+            n_params = sum(int(np.prod(a.shape)) for a in _leaves(params))
+            table.row(f"{name} f32", size_text(4 * n_params), "Hugging Face eager cpu", tg, tps_hf)
+    print(f"ids agree with the {kind} run: {other} {ours2 == ours}, reference {ref == ours[:len(ref)]}"
+          f"{f', Hugging Face {hf == ours}' if hf is not None else ''}")
+    print(f"{kind} weights against {other} weights, same run: {ratio(tps, tps2)}")
+    if hf is not None:
+        print(f"speed-up over Hugging Face eager: {ratio(tps, tps_hf)} ({kind} weights), {ratio(tps2, tps_hf)} "
+              f"({other} weights)")
     else:
-        print("no external peer measured (install torch and transformers for Hugging Face eager)")
+        print("no external peer measured (--no-hf, or torch and transformers not importable)")
     return 0
+
+
+def _leaves(params):
+    from dsl.pytree import flatten
+    return flatten(params)[0]
 
 
 if __name__ == "__main__":

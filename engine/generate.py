@@ -1,71 +1,148 @@
-"""Generate text: ``python -m engine.generate [PROMPT] [options]``.
+"""Generate text: python -m engine.generate [PROMPT] [options], also installed as vegafuse-generate.
 
-Text streams to stdout, statistics go to stderr.  ``--json`` prints one object
-instead: prompt_ids, ids (generated), text, decode_tokens_per_s, prefill_s.
-Bad input (missing or corrupt model, empty or too long prompt) prints one line
-``error: ...`` and exits with status 2.
+Text streams to stdout, statistics go to stderr.  --json prints one object instead: prompt_ids,
+ids (generated), text, finish_reason, decode_tokens_per_s, prefill_s.  Bad input (missing or
+corrupt model, empty or too long prompt, a bad option) prints one line "error: ..." and exits
+with status 2.
+
+:func:`stream` is the generation loop (the chat and the server use it); :func:`generate` wraps it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
-from .errors import ModelError, run_cli
+from .errors import ModelError, Parser, run_cli
 from .sampling import is_eos, sample
 
 
-def generate(model, tokenizer, prompt_ids, max_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
-             seed=None, eos_ids=(), on_text=None):
-    """Prefill ``prompt_ids``, then decode up to ``max_tokens`` ids, stopping at any EOS id.
+class Finished(NamedTuple):
+    """The last item :func:`stream` yields.
 
-    ``on_text(piece)`` receives streamed text (never splitting a UTF-8 character).
-    Returns (ids, stats) with stats = {prefill_s, decode_s, decode_tokens_per_s}."""
+    ids: the generated ids (list of int; no EOS id; with stop strings, up to the id that completed
+        one). finish_reason: "stop" (an EOS id or a stop string) or "length" (max_tokens).
+    text: everything yielded before it, joined. stats: {prefill_s, decode_s, decode_tokens_per_s}."""
+    ids: list
+    finish_reason: str
+    text: str
+    stats: dict
+
+
+def _find_stop(text: str, stop) -> int:
+    """Where the first of the ``stop`` strings that occur in ``text`` begins (-1: none)."""
+    return min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+
+
+def _held(text: str, stop) -> int:
+    """How many characters at the end of ``text`` could begin one of the ``stop`` strings."""
+    return max((n for s in stop for n in range(min(len(s) - 1, len(text)), 0, -1)
+                if text.endswith(s[:n])), default=0)
+
+
+def stream(model, tokenizer, prompt_ids, max_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+           repeat_penalty=1.0, seed=None, eos_ids=(), stop=(), repeat_last_n=64):
+    """Prefill ``prompt_ids``, then decode up to ``max_tokens`` ids; yield the text as it is decoded.
+
+    Yields str pieces (never splitting a UTF-8 character), then one :class:`Finished`.  Decoding
+    ends at an EOS id (``eos_ids``), after ``max_tokens`` ids, or when the text contains one of the
+    ``stop`` strings: the text before it is yielded, the stop string and what follows are not.  Text
+    that could be the start of a stop string is held back until it is known not to be.  Sampling
+    is :func:`engine.sampling.sample` with a ``np.random.default_rng(seed)``; the repeat penalty
+    looks at the last ``repeat_last_n`` ids of the prompt and the generated text (0: none).
+    ``model``: an ``engine.model.Model`` (``prefill(ids)`` and ``decode(id)`` return logits [V]).
+    Closing the generator early (``.close()``, or leaving a for loop) stops decoding.
+
+    Raises:
+        ValueError: an empty stop string, and what ``sample`` raises for bad sampling options."""
     from .tokenizer import StreamDecoder
+    stop = tuple(stop)
+    if any(not s for s in stop):
+        raise ValueError("stop strings must not be empty")
     rng = np.random.default_rng(seed)
-    stream = StreamDecoder(tokenizer)
+    decoder = StreamDecoder(tokenizer)
     t0 = time.perf_counter()
     logits = model.prefill(prompt_ids)
     t1 = time.perf_counter()
-    ids, t_first = [], None
-    for i in range(max_tokens):
-        nxt = sample(logits, temperature, top_k, top_p, rng)
+    window = (lambda h: h[-repeat_last_n:]) if repeat_last_n > 0 else (lambda h: [])  # noqa: E731
+    ids, text, pending, history, reason, hit = [], [], "", window(list(prompt_ids)), "length", -1
+    for step in range(max_tokens):
+        if step:
+            logits = model.decode(ids[-1])
+        nxt = sample(logits, temperature, top_k, top_p, rng, min_p, repeat_penalty, history)
         if is_eos(nxt, eos_ids):
+            reason = "stop"
             break
         ids.append(nxt)
-        if on_text:
-            on_text(stream.push(nxt))
-        if i + 1 == max_tokens:
+        history = window(history + [nxt])
+        pending += decoder.push(nxt)
+        hit = _find_stop(pending, stop)
+        if hit >= 0:
             break
-        if t_first is None:
-            t_first = time.perf_counter()
-        logits = model.decode(nxt)
-    if on_text:
-        on_text(stream.flush())
+        n = len(pending) - _held(pending, stop)
+        if n:
+            text.append(pending[:n])
+            yield pending[:n]
+            pending = pending[n:]
+    if hit < 0:
+        pending += decoder.flush()
+        hit = _find_stop(pending, stop)
+    if hit >= 0:
+        pending, reason = pending[:hit], "stop"
+    if pending:
+        text.append(pending)
+        yield pending
     t2 = time.perf_counter()
     steps = max(0, len(ids) - 1)
-    decode_s = (t2 - t1)
-    return ids, {"prefill_s": t1 - t0, "decode_s": decode_s,
-                 "decode_tokens_per_s": steps / decode_s if steps and decode_s > 0 else 0.0}
+    decode_s = t2 - t1
+    yield Finished(ids, reason, "".join(text), {
+        "prefill_s": t1 - t0, "decode_s": decode_s,
+        "decode_tokens_per_s": steps / decode_s if steps and decode_s > 0 else 0.0})
+
+
+def generate(model, tokenizer, prompt_ids, max_tokens=128, temperature=0.0, top_k=0, top_p=1.0,
+             seed=None, eos_ids=(), on_text=None, *, min_p=0.0, repeat_penalty=1.0, stop=()):
+    """:func:`stream` run to its end: returns (ids, stats), ids the generated ids (list of int),
+    stats {prefill_s, decode_s, decode_tokens_per_s}; ``on_text(piece)`` receives each text piece."""
+    for item in stream(model, tokenizer, prompt_ids, max_tokens, temperature, top_k, top_p, min_p,
+                       repeat_penalty, seed, eos_ids, stop):
+        if isinstance(item, Finished):
+            return item.ids, item.stats
+        if on_text:
+            on_text(item)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m engine.generate", description=__doc__.split("\n")[0])
+    """The options of ``engine.generate`` (argparse.Namespace); a bad option prints one line
+    ``error: ...`` and exits with status 2."""
+    p = Parser("engine.generate", "Generate text with a model: the text streams to stdout, statistics to stderr.")
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted and stdin is a pipe)")
-    p.add_argument("--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("-p", "--prompt", dest="prompt_option", metavar="PROMPT", help="the prompt, as an option")
+    p.add_argument("-m", "--model", help="a GGUF file, a Hugging Face directory, or the id of a Hugging Face repo "
+                                         "in the local cache (default: SmolLM2-135M-Instruct Q4_1; "
+                                         "python -m engine.models lists them)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip", "reference"],
                    help="where kernels run (default cpu; hip is untested on hardware)")
-    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    p.add_argument("-n", "--max-tokens", type=int, default=128,
+                   help="most tokens to generate; -1: until the context is full (default 128)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="keep the k most likely ids; <= 0: no limit (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 keeps all (default 0.95)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep the ids at least this likely relative to the most likely one; 0: off (default 0)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="divide the logits of recent ids by this (multiply when negative); 1.0: off (default 1.0)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="the recent ids the repeat penalty looks at, prompt included (default 64)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop before this text (repeatable); it is not printed")
+    p.add_argument("-s", "--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    p.add_argument("--context", type=int, default=None, help="KV-cache positions (default min(model, 2048))")
+    p.add_argument("-c", "--context", type=int, default=None, help="KV-cache positions (default min(model, 2048))")
     p.add_argument("--dtype", default=None, choices=["native", "f16", "f32"],
                    help="weights in memory: native keeps a GGUF's q4_0/q4_1/q8_0 tensors quantized, f16/f32 "
                         "dequantize (default native for a GGUF on the cpu, else f16)")
@@ -73,7 +150,23 @@ def parse_args(argv=None):
                    help="quantize every weight matrix and the embedding to this format at load")
     p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
                    help="KV-cache element type (default f16: half the bytes attention reads)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.prompt_option is not None:
+        if args.prompt is not None:
+            p.error("give the prompt once: as an argument or with -p/--prompt")
+        args.prompt = args.prompt_option
+    if args.max_tokens < -1:
+        p.error(f"--max-tokens must be >= 0, or -1 for no limit, got {args.max_tokens}")
+    args.max_tokens = sys.maxsize if args.max_tokens == -1 else args.max_tokens     # to the context's end
+    if not 0 <= args.min_p <= 1:
+        p.error(f"--min-p must lie in [0, 1], got {args.min_p}")
+    if not 0 < args.repeat_penalty < float("inf"):
+        p.error(f"--repeat-penalty must be > 0 (1.0 is off), got {args.repeat_penalty}")
+    if args.repeat_last_n < 0:
+        p.error(f"--repeat-last-n must be >= 0, got {args.repeat_last_n}")
+    if "" in args.stop:
+        p.error("--stop takes a non-empty text")
+    return args
 
 
 def main(argv=None):
@@ -81,8 +174,7 @@ def main(argv=None):
 
 
 def run(args):
-    from .model import Model
-    from .weights import default_dtype, default_model_path, format_resident, load_model
+    from .models import resolve_model
     prompt = args.prompt
     try:
         if prompt is None and not sys.stdin.isatty():
@@ -102,7 +194,9 @@ def run(args):
         raise ModelError(f"--seed must be >= 0, got {args.seed}")
     if args.context is not None and args.context < 1:
         raise ModelError(f"--context must be at least 1, got {args.context}")
-    path = args.model or default_model_path()
+    path = resolve_model(args.model)             # checked without opening it: a FIFO would block
+    from .model import Model
+    from .weights import default_dtype, format_resident, load_model
     t_load = time.perf_counter()
     cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
     t_load = time.perf_counter() - t_load
@@ -125,10 +219,13 @@ def run(args):
         if piece:
             sys.stdout.write(piece)
             sys.stdout.flush()
-    ids, stats = generate(model, tok, prompt_ids, max_tokens, args.temperature, args.top_k, args.top_p,
-                          args.seed, eos, None if args.json else emit)
+    for out in stream(model, tok, prompt_ids, max_tokens, args.temperature, args.top_k, args.top_p, args.min_p,
+                      args.repeat_penalty, args.seed, eos, args.stop, args.repeat_last_n):
+        if isinstance(out, str) and not args.json:
+            emit(out)
+    ids, stats = out.ids, out.stats
     if args.json:
-        print(json.dumps({"prompt_ids": prompt_ids, "ids": ids, "text": tok.decode(ids),
+        print(json.dumps({"prompt_ids": prompt_ids, "ids": ids, "text": out.text, "finish_reason": out.finish_reason,
                           "decode_tokens_per_s": round(stats["decode_tokens_per_s"], 3),
                           "prefill_s": round(stats["prefill_s"], 4)}))
     else:

@@ -1,12 +1,17 @@
-"""Next-token sampling: temperature, top-k and top-p (nucleus) over one logits row."""
+"""Next-token sampling over one logits row: repeat penalty, temperature, top-k, top-p (nucleus)
+and min-p."""
 from __future__ import annotations
 
 import numpy as np
 
 
 def sample(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           rng: np.random.Generator | None = None) -> int:
+           rng: np.random.Generator | None = None, min_p: float = 0.0, repeat_penalty: float = 1.0,
+           recent=()) -> int:
     """Pick the next token id from ``logits``.
+
+    The steps run in llama.cpp's order (its default sampler chain: penalties, top-k, top-p, min-p,
+    temperature), except that top-k and top-p weigh the tempered distribution, as Hugging Face does.
 
     Args:
         logits: shape [V], float (float32 expected); -inf entries are never picked.
@@ -17,20 +22,42 @@ def sample(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: 
         top_p: keep the smallest set of most likely ids whose probability sum
             reaches ``top_p`` (after top_k); 1.0 keeps everything.
         rng: a seeded ``np.random.Generator`` (required unless greedy).
+        min_p: keep the ids whose probability is at least ``min_p`` times the most likely id's,
+            weighed before the temperature as llama.cpp does: ``logit >= max logit + ln(min_p)``
+            (llama.cpp ``src/llama-sampling.cpp``, ``llama_sampler_min_p_apply``; its README: "the
+            minimum probability for a token to be considered, relative to the probability of the
+            most likely token").  0 keeps everything; in [0, 1].
+        repeat_penalty: each distinct id of ``recent`` has its logit divided by the penalty when
+            positive and multiplied by it when <= 0 (llama.cpp's ``llama_sampler_penalties_apply``,
+            the CTRL paper's penalty, arXiv:1909.05858, made to lower negative logits too); it
+            applies to greedy decoding as well.  1.0: off; must be > 0.
+        recent: the ids the penalty applies to (llama.cpp: the last ``--repeat-last-n`` = 64 ids
+            of the prompt and the generated text); ints in [0, V).
 
     Returns:
         the chosen id as a Python int.
 
     Raises:
-        ValueError: logits not 1-D, temperature < 0, top_p outside (0, 1],
-            or rng missing when sampling.
+        ValueError: logits not 1-D, temperature < 0, top_p outside (0, 1], min_p outside [0, 1],
+            repeat_penalty not > 0, an id of ``recent`` outside [0, V), or rng missing when sampling.
     """
     logits = np.asarray(logits)
     if logits.ndim != 1 or logits.size == 0:
         raise ValueError(f"logits must have shape [V] with V > 0, got {logits.shape}")
     if not temperature >= 0 or not 0 < top_p <= 1:             # also rejects nan
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if not 0 <= min_p <= 1 or not 0 < repeat_penalty < np.inf:
+        raise ValueError(f"need 0 <= min_p <= 1 and repeat_penalty > 0, got {min_p}, {repeat_penalty}")
     logits = np.where(np.isnan(logits), -np.inf, logits.astype(np.float64))   # NaN never wins
+    if repeat_penalty != 1 and len(recent):
+        ids = np.unique(np.asarray(recent, dtype=np.int64))
+        if ids[0] < 0 or ids[-1] >= logits.size:
+            raise ValueError(f"recent ids must lie in [0, {logits.size}), got {ids[0]} .. {ids[-1]}")
+        x = logits[ids]
+        logits[ids] = np.where(x <= 0, x * repeat_penalty, x / repeat_penalty)
+    if min_p > 0 and np.isfinite(logits.max()):
+        with np.errstate(divide="ignore"):
+            logits[logits < logits.max() + np.log(min_p)] = -np.inf
     if temperature == 0 or top_k == 1 or not np.isfinite(logits).any() or np.isposinf(logits).any():
         return int(np.argmax(logits))          # greedy; also when no finite logit is left to weigh
     if rng is None:

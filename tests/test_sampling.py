@@ -130,3 +130,77 @@ def test_degenerate_logits_and_temperatures_never_give_an_invalid_id():
     assert sample(x, 0.0) == int(np.nanargmax(x))
     with pytest.raises(ValueError):
         sample(x, float("nan"), 0, 1.0, rng)
+
+
+def reference_probs(logits, temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, recent=()):
+    """The distribution ``sample`` draws from, written out in float64 one step at a time: the
+    repeat penalty on the raw logits (divide positive, multiply non-positive, each distinct id once),
+    min-p against the most likely raw logit, then temperature, top-k, top-p."""
+    x = np.array(logits, dtype=np.float64)
+    for i in set(int(r) for r in recent):
+        x[i] = x[i] * repeat_penalty if x[i] <= 0 else x[i] / repeat_penalty
+    keep = np.ones(len(x), bool)
+    if min_p > 0:
+        p_raw = softmax(x)
+        keep &= p_raw >= min_p * p_raw.max() * (1 - 1e-12)
+    z = x / temperature
+    order = sorted(range(len(z)), key=lambda i: (-z[i], i))
+    if top_k > 0:
+        keep &= np.isin(np.arange(len(z)), order[:top_k])
+    p = softmax(z)
+    if top_p < 1:
+        mass, nucleus = 0.0, []
+        for i in order[:top_k or None]:
+            nucleus.append(i)
+            mass += p[i] / p[order[:top_k or None]].sum()
+            if mass >= top_p:
+                break
+        keep &= np.isin(np.arange(len(z)), nucleus)
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0, min_p=0.2),
+    dict(temperature=0.7, min_p=0.05, top_k=6),
+    dict(temperature=1.3, repeat_penalty=1.8),
+    dict(temperature=1.0, repeat_penalty=0.6, min_p=0.1, top_p=0.9),
+])
+def test_min_p_and_repeat_penalty_draw_from_the_reference_distribution(kw):
+    rng = np.random.default_rng()
+    lg = (rng.standard_normal(10) * 1.5).astype(np.float32)
+    recent = rng.integers(0, 10, 6).tolist()
+    want = reference_probs(lg, recent=recent, **kw)
+    got = draws(lg, n=20000, seed=int(rng.integers(1 << 30)), recent=recent, **kw)
+    freq = np.bincount(got, minlength=10) / len(got)
+    np.testing.assert_allclose(freq, want, atol=0.015)
+    assert set(np.flatnonzero(freq).tolist()) <= set(np.flatnonzero(want).tolist())   # nothing outside the support
+
+
+def test_repeat_penalty_applies_to_greedy_and_to_each_id_once():
+    rng = np.random.default_rng()
+    lg = rng.standard_normal(50)
+    best, second = np.argsort(-lg)[:2]
+    lg[best] = abs(lg[best]) + 1.0                      # a positive logit: divided by the penalty
+    lg[second] = 0.9 * lg[best]                         # still above every other logit
+    rp = 1.01 / 0.9
+    assert sample(lg, 0.0) == best
+    assert sample(lg, 0.0, repeat_penalty=rp, recent=[int(best)] * 5) == second
+    neg = -np.abs(rng.standard_normal(20)) - 0.1       # all negative: multiplied by the penalty
+    b = int(np.argmax(neg))
+    moved = sample(neg, 0.0, repeat_penalty=1e6, recent=[b])
+    assert moved != b and moved == int(np.argmax(np.where(np.arange(20) == b, -np.inf, neg)))
+
+
+def test_min_p_one_keeps_only_the_most_likely():
+    rng = np.random.default_rng()
+    lg = rng.standard_normal(300)
+    assert set(draws(lg, n=200, temperature=5.0, min_p=1.0).tolist()) == {int(np.argmax(lg))}
+
+
+def test_bad_min_p_and_repeat_penalty():
+    lg, rng = logits_of(11), np.random.default_rng(0)
+    for kw in ({"min_p": -0.1}, {"min_p": 1.5}, {"repeat_penalty": 0.0}, {"repeat_penalty": float("nan")},
+               {"repeat_penalty": 1.2, "recent": [1000]}):
+        with pytest.raises(ValueError):
+            sample(lg, 1.0, rng=rng, **kw)
