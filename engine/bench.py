@@ -34,7 +34,7 @@ import numpy as np
 
 from .errors import ModelError, Parser, run_cli
 
-QUANT_DTYPES = ("q4_0", "q4_1", "q8_0")     # dsl.quant.QUANT_DTYPES, without importing the DSL to parse options
+QUANT_DTYPES = ("q4_0", "q4_1", "q8_0", "gptq_int4")   # dsl.quant.QUANT_DTYPES: options parse without the DSL
 
 
 def rate(n, seconds):
@@ -412,7 +412,7 @@ class Table:
     """llama-bench's table (model, size, backend, test, t/s) in Markdown: the header before the first
     row, each row as it is measured.  ``test`` is ``tgN`` (N tokens decoded, timed) or ``ppN`` (an
     N-token prompt); a rate that could not be measured prints as n/a."""
-    COLS = (("model", 34, "<"), ("size", 10, ">"), ("backend", 30, "<"), ("test", 7, ">"), ("t/s", 10, ">"))
+    COLS = (("model", 40, "<"), ("size", 10, ">"), ("backend", 30, "<"), ("test", 6, ">"), ("t/s", 9, ">"))
 
     def __init__(self):
         self.n = 0

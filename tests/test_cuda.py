@@ -662,3 +662,29 @@ def test_decode_attention_with_the_kv_write_in_a_graph_replayed_at_moving_positi
         if pos % 37 == 0 or pos in (127, 128, 129, 399):
             want = reference_attention(q.astype(np.float64), ref_k, ref_v, pos)
             np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=5e-4, atol=5e-4, err_msg=f"pos {pos}")
+
+
+def test_bench_table_and_generate_options_on_the_gpu():
+    """engine.bench --backend cuda prints its llama-bench-style table with a positive rate; engine.generate
+    --backend cuda with --min-p and --repeat-penalty, seeded, gives the same text cut before a --stop string."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def cmd(module, *args):
+        r = subprocess.run([sys.executable, "-m", module, *args], cwd=root, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    out = cmd("engine.bench", "--backend", "cuda", "--model", "smollm2-135m", "--dtype", "f16", "--tokens", "16",
+              "--no-peer")
+    (row,) = [ln for ln in out.splitlines() if ln.startswith("| smollm2-135m f16")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == "vegafuse cuda" and cells[3] == "tg16" and float(cells[4]) > 0, out
+    args = ["--backend", "cuda", "--temperature", "0.7", "-s", "5", "-n", "24", "--repeat-penalty", "1.2",
+            "--min-p", "0.05", "--json", "The capital of France is"]
+    full = json.loads(cmd("engine.generate", *args))
+    stop = full["text"][len(full["text"]) // 2:][:3]
+    cut = json.loads(cmd("engine.generate", "--stop", stop, *args))
+    assert cut["text"] == full["text"][:full["text"].find(stop)] and cut["finish_reason"] == "stop"
