@@ -8,7 +8,11 @@ tokens/s for the same model and prompt, measured in one run:
   * the vegafuse numpy reference interpreter (the same traced program, op by op),
   * Hugging Face transformers eager on the CPU in float32, when torch and
     transformers are importable (the model is exported from the GGUF first).
-Greedy decoding; timings exclude compilation and the prefill.
+Greedy decoding; timings exclude compilation and the prefill: ``--tokens N`` times N decode steps
+after the prefill's token.  Results print as a llama-bench-style table (model, size, backend, test
+``tgN`` / ``ppN``, t/s), then notes (ids agreement, ratios); a rate that cannot be measured prints
+``n/a``, never a division by zero.  Options are checked before the DSL is imported: bad ones print
+one line ``error: ...`` and exit with status 2.
 
 GPU: ``python -m engine.bench --backend cuda --model qwen2.5-1.5b --random-weights --dtype f16
 --tokens 128 --context 512`` decodes greedily on the device (argmax in a kernel, no host sync per
@@ -503,7 +507,7 @@ def main(argv=None):
 
 
 def run(args):
-    if args.backend == "cpu" and args.model not in SHAPES:
+    if args.model not in SHAPES and not args.random_weights and (args.backend == "cpu" or args.model):
         from .models import resolve_model
         args.model = resolve_model(args.model)          # checked before loading: a FIFO would block
     if args.prefill is not None:
