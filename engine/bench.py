@@ -507,6 +507,7 @@ def main(argv=None):
 
 
 def run(args):
+    """Run the measurement ``args`` asks for (parsed by :func:`parse_args`); returns 0."""
     if args.model not in SHAPES and not args.random_weights and (args.backend == "cpu" or args.model):
         from .models import resolve_model
         args.model = resolve_model(args.model)          # checked before loading: a FIFO would block

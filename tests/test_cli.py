@@ -206,6 +206,10 @@ def test_a_fifo_as_model_is_refused_without_opening_it(tmp_path):
     os.mkfifo(fifo)
     r = cli("--model", str(fifo), "hello")                  # would block forever if opened
     assert_one_line_error(r, "model.gguf", "FIFO")
+    from engine.errors import ModelError
+    from engine.weights import load_model
+    with pytest.raises(ModelError, match="is a FIFO"):      # the library call too
+        load_model(str(fifo))
 
 
 def fake_hf_cache(root, tiny):
