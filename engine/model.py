@@ -3,10 +3,14 @@
     m = Model(cfg, params, backend="cpu", context=2048)   # kv_dtype="f16" (default) or "f32"
     logits = m.prefill(prompt_ids)     # f32 [V] for the last prompt token
     logits = m.decode(next_id)         # f32 [V]; the KV cache grows by one position
+    logits = m.extend(more_ids)        # a continuation: prefilled at m.pos, the cache before it kept
 
 Prefill pads the prompt to a power-of-two bucket, so a new prompt length rarely
 compiles anything; the padded rows sit past the prompt in the cache and are
-overwritten by decode before they are ever attended to.
+overwritten by decode before they are ever attended to.  The KV write clamps its
+offset so that all T rows fit the cache (as ``dynamic_update_slice`` does), so a
+bucket that would run past the cache's end is never launched: ``extend`` then runs
+exact power-of-two chunks that fit.
 """
 from __future__ import annotations
 
@@ -73,11 +77,40 @@ class Model:
         if n >= self.context:
             raise ModelError(f"the prompt has {n} tokens but the context holds {self.context}; "
                              f"shorten the prompt or raise --context")
-        tokens = np.zeros(self.bucket(n), np.int32)
-        tokens[:n] = ids
-        self.pos = 0
-        logits = self._run(tokens, n - 1)
-        self.pos = n
+        return self.extend(ids, start=0)
+
+    def extend(self, ids, start=None) -> np.ndarray:
+        """Prefill ``ids`` (list of ints) as a continuation at positions ``start``.. (default
+        ``self.pos``): the KV cache's positions before ``start`` are kept and attended to, so
+        a conversation's earlier turns are not prefilled again.  ``start`` may rewind (0 <=
+        start <= pos) to drop what the cache holds after it.  Returns f32 logits [V] for the
+        last id; ``pos`` becomes start + len(ids).
+
+        Raises:
+            ModelError: no ids, or ``start`` outside 0..pos.
+            ContextFull: the ids do not fit the cache's free positions.
+        """
+        start = self.pos if start is None else int(start)
+        n = len(ids)
+        if n == 0:
+            raise ModelError("nothing to prefill: give at least one token id")
+        if not 0 <= start <= self.pos:
+            raise ModelError(f"start {start} is outside the cache's positions 0..{self.pos}")
+        if start + n > self.context:
+            raise ContextFull(f"{n} more tokens at position {start} do not fit the KV cache "
+                              f"({self.context} positions); raise --context")
+        self.pos, done = start, 0
+        while done < n:
+            rows = self.bucket(n - done)
+            if self.pos + rows > self.context:
+                # padded rows past the cache's end would shift the clamped KV write back over
+                # earlier positions: run an exact power-of-two chunk that fits instead
+                rows = 1 << (min(n - done, self.context - self.pos).bit_length() - 1)
+            real = min(rows, n - done)
+            tokens = np.zeros(rows, np.int32)
+            tokens[:real] = ids[done:done + real]
+            logits = self._run(tokens, real - 1)
+            self.pos, done = self.pos + real, done + real
         return logits
 
     def decode(self, token_id) -> np.ndarray:

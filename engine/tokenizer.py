@@ -262,7 +262,8 @@ class Tokenizer:
         return StreamDecoder(self, skip_special)
 
     # ------------------------------------------------------------ chat
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            default_system: bool = False) -> str:
         """Render ``messages`` (dicts with "role" and "content") to a prompt string.
 
         Uses the model's Jinja2 template (rendered like ``transformers`` does:
@@ -270,6 +271,11 @@ class Tokenizer:
         otherwise plain ChatML::
 
             <|im_start|>{role}\n{content}<|im_end|>\n ... <|im_start|>assistant\n
+
+        A system prompt appears only when ``messages`` start with one: a block that the
+        template adds on its own when there is none (SmolLM2's "You are a helpful AI
+        assistant named SmolLM ...") is left out, unless ``default_system`` is True
+        (the template's output verbatim, as ``transformers`` renders it).
 
         Raises:
             ModelError: the template is not a string, does not parse, or fails
@@ -312,14 +318,51 @@ class Tokenizer:
             raise ModelError(f"{where}: the chat template does not compile "
                              f"({type(e).__name__}: {_one_line(e)}); {fix}") from None
         name = lambda i: None if i is None else self.hf.id_to_token(i)  # noqa: E731
-        try:
-            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+
+        def render(msgs, generation_prompt):
+            return compiled.render(messages=msgs, add_generation_prompt=generation_prompt,
                                    bos_token=name(self.bos_id) or "", eos_token=name(self.eos_id) or "")
+        try:
+            text = render(messages, add_generation_prompt)
         except ModelError:
             raise
         except Exception as e:
             raise ModelError(f"{where}: the chat template failed while rendering "
                              f"({type(e).__name__}: {_one_line(e)}); {fix}") from None
+        if default_system or (messages and messages[0].get("role") == "system"):
+            return text
+        return _without_default_system(render, messages, add_generation_prompt, text)
+
+
+_MARK = "\x00system prompt\x00"    # a system prompt no conversation contains
+
+
+def _without_default_system(render, messages, add_generation_prompt, text) -> str:
+    """``text`` (the template's rendering of ``messages``, which hold no system message) without
+    the system block that the template added on its own, if it did.
+
+    The template's system block is found by rendering a marker system prompt alone
+    (``head + _MARK + tail``) and before the conversation (``head + _MARK + tail + rest``):
+    ``text`` holds an added block when it reads ``head + anything + tail + rest``; then the
+    result is ``rest`` after whatever the template writes for no messages at all (a BOS text).
+    A template that refuses a system message, or renders it inside another turn, adds none."""
+    try:
+        alone = render([{"role": "system", "content": _MARK}], False)
+        with_mark = render([{"role": "system", "content": _MARK}] + list(messages), add_generation_prompt)
+    except Exception:
+        return text
+    if alone.count(_MARK) != 1 or not with_mark.startswith(alone):
+        return text
+    head, tail = alone.split(_MARK)
+    rest = with_mark[len(alone):]
+    if len(text) < len(alone) - len(_MARK) + len(rest) or not text.startswith(head) \
+            or not text.endswith(tail + rest):
+        return text
+    try:
+        start = render([], False)
+    except Exception:
+        start = ""
+    return (start if head.startswith(start) else "") + rest
 
 
 class StreamDecoder:

@@ -1,0 +1,149 @@
+"""The interactive chat (``engine.chat``) on SmolLM2 with greedy decoding: through a
+pseudo-terminal (pexpect), as a user types it, and with lines piped in; and the KV-cache
+continuation it runs on (``Model.extend``) against a fresh prefill of the same ids."""
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.model import ContextFull, Model
+from engine.weights import default_model_path, load_model
+
+pexpect = pytest.importorskip("pexpect")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYSTEM = "You are a helpful assistant."
+ARGS = ["-m", "engine.chat", "--temperature", "0", "--context", "256", "--system", SYSTEM]   # + --max-tokens
+STATS = re.compile(r"\[(\d+) new prompt tokens \((\d+) cached\), prefill [\d.]+ s; (\d+) generated")
+PROMPT = ">>>"          # prompt_toolkit draws the prompt, then moves the cursor past its space
+PROMPT_DONE = "\x1b[?2004l"     # and turns bracketed paste off once it returns the line
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model(default_model_path())
+
+
+def test_extend_matches_a_fresh_prefill(smol):
+    """A continuation prefilled at pos (after a prefill and a decode), and one that rewinds into
+    the cache, give the logits of one prefill of all the ids.  Near the cache's end the padded
+    bucket would not fit (the clamped KV write would shift over earlier positions), so extend
+    runs exact chunks; both cases below take that path."""
+    cfg, params, tok = smol
+    text = ("<|im_start|>user\nMy name is Bob and I live in a small house by the sea.<|im_end|>\n"
+            "<|im_start|>assistant\nNice to meet you, Bob! The sea must be lovely.<|im_end|>\n"
+            "<|im_start|>user\nWhat is my name?<|im_end|>\n<|im_start|>assistant\n")
+    ids = tok.encode(text)
+    assert 50 < len(ids) < 60, len(ids)
+    fresh = Model(cfg, params, context=64, kv_dtype="f32")
+    want = fresh.prefill(ids).copy()
+    m = Model(cfg, params, context=64, kv_dtype="f32")
+    m.prefill(ids[:36])
+    m.decode(ids[36])
+    assert m.pos + m.bucket(len(ids) - 37) > m.context          # the padded bucket would not fit
+    got = m.extend(ids[37:])
+    assert m.pos == len(ids)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+    assert int(np.argmax(got)) == int(np.argmax(want))
+    got = m.extend(ids[10:], start=10)         # rewind: 10.. written again, an exact chunk then a padded one
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ContextFull, match="do not fit the KV cache"):
+        m.extend(ids[:m.context - m.pos + 1])
+    with pytest.raises(Exception, match="outside the cache's positions"):
+        m.extend(ids[:2], start=m.pos + 1)
+
+
+def spawn(*args):
+    """The chat on a pseudo-terminal, as a user runs it."""
+    env = dict(os.environ, TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1")
+    child = pexpect.spawn(sys.executable, ARGS + list(args), cwd=ROOT, env=env, encoding="utf-8",
+                          timeout=600, dimensions=(40, 200))
+    child.expect_exact(PROMPT)
+    return child
+
+
+def ask(child, line):
+    """Send ``line``; return (answer text, new prompt tokens, cached tokens) once the prompt is back."""
+    child.sendline(line)
+    child.expect(STATS)
+    new, cached = int(child.match.group(1)), int(child.match.group(2))
+    answer = child.before.rsplit(PROMPT_DONE, 1)[-1]
+    child.expect_exact(PROMPT)
+    return answer, new, cached
+
+
+@pytest.fixture(scope="module")
+def session():
+    child = spawn("--max-tokens", "24")
+    yield child
+    child.close(force=True)
+
+
+def test_three_turns_the_third_recalls_the_first(session):
+    first, _, _ = ask(session, "My name is Bob.")
+    ask(session, "Name a fruit.")
+    third, new, cached = ask(session, "What is my name?")
+    assert "Bob" not in first and "Bob" in third, (first, third)
+    assert cached > 60 and new < 25, (new, cached)             # only the new turn was prefilled
+
+
+def test_reset_forgets(session):
+    session.sendline("/reset")
+    session.expect_exact("[conversation cleared]")
+    ask(session, "My name is Bob.")
+    session.sendline("/reset")
+    session.expect_exact("[conversation cleared]")
+    answer, _, _ = ask(session, "What is my name?")
+    assert answer.strip() and "Bob" not in answer, answer
+
+
+def test_system_and_help_commands(session):
+    session.sendline("/help")
+    session.expect_exact("/system TEXT")
+    session.expect_exact(PROMPT)
+    session.sendline("/system You are a pirate.")
+    session.expect_exact("[system prompt set]")
+    _, new, cached = ask(session, "Hello!")
+    assert cached < 10 < new, (new, cached)         # prefilled from the new system prompt on (shared "You are a")
+    session.sendline("/bogus")
+    session.expect_exact("[unknown command /bogus; /help lists the commands]")
+
+
+def test_exit_exits_zero(session):
+    session.sendline("/exit")
+    session.expect(pexpect.EOF)
+    session.close()
+    assert session.exitstatus == 0
+
+
+def test_ctrl_c_stops_the_answer_not_the_session():
+    child = spawn("--max-tokens", "200")
+    child.sendline("Write a long story about a dragon.")
+    child.expect(re.escape(PROMPT_DONE) + r"\W*\w+")              # the answer streams
+    child.sendintr()
+    child.expect_exact("[stopped]")
+    child.expect_exact(PROMPT)
+    answer, new, cached = ask(child, "Thank you!")             # the session goes on, its cache too
+    assert answer.strip() and cached > 20, (answer, cached)
+    child.sendeof()                                            # Ctrl-D leaves
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_piped_lines_and_a_full_context_drop_the_oldest_turns():
+    """Without a terminal, lines are read plainly; a context that fills up drops the oldest
+    turns, says so on stderr, and the session goes on."""
+    questions = ["My name is Bob.", "Name a fruit.", "Name a color.", "Name an animal.", "Name a country.",
+                 "Name a city.", "Name a planet.", "What is my name?"]
+    r = subprocess.run([sys.executable, *ARGS, "--max-tokens", "24"], cwd=ROOT,
+                       input="\n".join(questions) + "\n/exit\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    stats = STATS.findall(r.stderr)
+    assert len(stats) == len(questions), r.stderr
+    assert re.search(r"\[context full: dropped the oldest \d+ turns? \(\d+ kept\)\]", r.stderr), r.stderr
+    assert all(int(new) + int(cached) + 24 <= 256 for new, cached, _ in stats), stats
+    assert ">>>" not in r.stdout and r.stdout.count("\n") >= len(questions)
