@@ -1,4 +1,4 @@
-"""Chat with a model: ``python -m engine.chat [--model PATH] [--system TEXT] [options]``.
+"""Chat with a model: python -m engine.chat [--model PATH] [--system TEXT] [options].
 
 Each line is a user turn; the answer streams back.  The conversation goes through the
 model's chat template, and the KV cache is kept across turns, so a turn prefills only
@@ -8,6 +8,7 @@ otherwise they are read plainly from standard input.  Statistics and notices go 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -61,13 +62,17 @@ class Conversation:
 
     def prompt_ids(self, user) -> tuple[list[int], int]:
         """Ids of the conversation with ``user`` next, and how many of the oldest turns were left
-        out so that they and an answer's room fit the context (all of them, if still too long)."""
-        room = min(self.max_tokens, self.model.context // 2)
+        out.  The prompt may take the context less an answer's room; past that, the oldest turns
+        go until it takes half of it (or none are left), so that the next few turns again
+        continue the KV cache instead of prefilling the whole conversation each time."""
+        space = self.model.context - min(self.max_tokens, self.model.context // 2)
+        limit = space
         for dropped in range(len(self.turns) + 1):
             text = self.tok.apply_chat_template(self.messages(user, self.turns[dropped:]))
             ids = self.tok.encode(text)
-            if len(ids) + room <= self.model.context:
+            if len(ids) <= limit:
                 break
+            limit = space // 2
         return ids, dropped
 
     def ask(self, user, on_text, on_notice=lambda line: None) -> dict:
@@ -130,18 +135,20 @@ def read_lines(interactive: bool):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m engine.chat", description=__doc__.split("\n")[0],
+    prog = "vegafuse-chat" if os.path.basename(sys.argv[0]) == "vegafuse-chat" else "python -m engine.chat"
+    p = argparse.ArgumentParser(prog=prog, description="Chat with a model, turn by turn; the KV cache is "
+                                "kept across turns, so a turn prefills only its own tokens.",
                                 epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--system", default=None, help="the system prompt (default: none, whatever the template's default)")
+    p.add_argument("--model", metavar="PATH", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--system", metavar="TEXT", default=None, help="the system prompt (default: none, even where the chat template has a default)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip", "reference"],
                    help="where kernels run (default cpu; hip is untested on hardware)")
-    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="keep the k most likely ids; <= 0: no limit (default 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1.0 keeps all (default 0.95)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--context", type=int, default=None, help="KV-cache positions (default min(model, 2048))")
+    p.add_argument("--max-tokens", metavar="N", type=int, default=512, help="most tokens per answer (default 512)")
+    p.add_argument("--temperature", metavar="T", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    p.add_argument("--top-k", metavar="K", type=int, default=40, help="keep the k most likely ids; <= 0: no limit (default 40)")
+    p.add_argument("--top-p", metavar="P", type=float, default=0.95, help="nucleus sampling mass; 1.0 keeps all (default 0.95)")
+    p.add_argument("--seed", metavar="S", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--context", metavar="N", type=int, default=None, help="KV-cache positions (default min(model, 2048))")
     p.add_argument("--dtype", default=None, choices=["native", "f16", "f32"],
                    help="weights in memory (default native for a GGUF on the cpu, else f16)")
     p.add_argument("--quant", default=None, choices=["q4_0", "q4_1", "q8_0"],

@@ -319,9 +319,9 @@ class Tokenizer:
                              f"({type(e).__name__}: {_one_line(e)}); {fix}") from None
         name = lambda i: None if i is None else self.hf.id_to_token(i)  # noqa: E731
 
-        def render(msgs, generation_prompt):
+        def render(msgs, generation_prompt, bos_token=name(self.bos_id) or ""):
             return compiled.render(messages=msgs, add_generation_prompt=generation_prompt,
-                                   bos_token=name(self.bos_id) or "", eos_token=name(self.eos_id) or "")
+                                   bos_token=bos_token, eos_token=name(self.eos_id) or "")
         try:
             text = render(messages, add_generation_prompt)
         except ModelError:
@@ -344,11 +344,13 @@ def _without_default_system(render, messages, add_generation_prompt, text) -> st
     The template's system block is found by rendering a marker system prompt alone
     (``head + _MARK + tail``) and before the conversation (``head + _MARK + tail + rest``):
     ``text`` holds an added block when it reads ``head + anything + tail + rest``; then the
-    result is ``rest`` after whatever the template writes for no messages at all (a BOS text).
+    result is ``rest``, after the BOS text if ``head`` starts with the template's ``bos_token``.
     A template that refuses a system message, or renders it inside another turn, adds none."""
+    system = [{"role": "system", "content": _MARK}]
     try:
-        alone = render([{"role": "system", "content": _MARK}], False)
-        with_mark = render([{"role": "system", "content": _MARK}] + list(messages), add_generation_prompt)
+        alone = render(system, False)
+        no_bos = render(system, False, bos_token="")
+        with_mark = render(system + list(messages), add_generation_prompt)
     except Exception:
         return text
     if alone.count(_MARK) != 1 or not with_mark.startswith(alone):
@@ -358,11 +360,8 @@ def _without_default_system(render, messages, add_generation_prompt, text) -> st
     if len(text) < len(alone) - len(_MARK) + len(rest) or not text.startswith(head) \
             or not text.endswith(tail + rest):
         return text
-    try:
-        start = render([], False)
-    except Exception:
-        start = ""
-    return (start if head.startswith(start) else "") + rest
+    bos = alone[:len(alone) - len(no_bos)] if alone.endswith(no_bos) else ""
+    return bos + rest
 
 
 class StreamDecoder:

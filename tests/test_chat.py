@@ -12,7 +12,11 @@ import pytest
 from engine.model import ContextFull, Model
 from engine.weights import default_model_path, load_model
 
-pexpect = pytest.importorskip("pexpect")
+try:
+    import pexpect
+except ImportError:                      # pip install -e ".[test]" brings it
+    pexpect = None
+pty = pytest.mark.skipif(pexpect is None, reason="the chat's terminal tests need pexpect")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEM = "You are a helpful assistant."
@@ -28,19 +32,22 @@ def smol():
 
 
 def test_extend_matches_a_fresh_prefill(smol):
+    check_extend(*smol, backend="cpu")
+
+
+def check_extend(cfg, params, tok, backend):
     """A continuation prefilled at pos (after a prefill and a decode), and one that rewinds into
-    the cache, give the logits of one prefill of all the ids.  Near the cache's end the padded
-    bucket would not fit (the clamped KV write would shift over earlier positions), so extend
-    runs exact chunks; both cases below take that path."""
-    cfg, params, tok = smol
+    the cache, give the logits of one prefill of all the ids on ``backend``.  Near the cache's end
+    the padded bucket would not fit (the clamped KV write would shift over earlier positions), so
+    extend runs exact chunks; both cases below take that path."""
     text = ("<|im_start|>user\nMy name is Bob and I live in a small house by the sea.<|im_end|>\n"
             "<|im_start|>assistant\nNice to meet you, Bob! The sea must be lovely.<|im_end|>\n"
             "<|im_start|>user\nWhat is my name?<|im_end|>\n<|im_start|>assistant\n")
     ids = tok.encode(text)
     assert 50 < len(ids) < 60, len(ids)
-    fresh = Model(cfg, params, context=64, kv_dtype="f32")
-    want = fresh.prefill(ids).copy()
-    m = Model(cfg, params, context=64, kv_dtype="f32")
+    fresh = Model(cfg, params, backend=backend, context=64, kv_dtype="f32")
+    want = np.array(fresh.prefill(ids))
+    m = Model(cfg, params, backend=backend, context=64, kv_dtype="f32")
     m.prefill(ids[:36])
     m.decode(ids[36])
     assert m.pos + m.bucket(len(ids) - 37) > m.context          # the padded bucket would not fit
@@ -82,6 +89,7 @@ def session():
     child.close(force=True)
 
 
+@pty
 def test_three_turns_the_third_recalls_the_first(session):
     first, _, _ = ask(session, "My name is Bob.")
     ask(session, "Name a fruit.")
@@ -90,6 +98,7 @@ def test_three_turns_the_third_recalls_the_first(session):
     assert cached > 60 and new < 25, (new, cached)             # only the new turn was prefilled
 
 
+@pty
 def test_reset_forgets(session):
     session.sendline("/reset")
     session.expect_exact("[conversation cleared]")
@@ -100,6 +109,7 @@ def test_reset_forgets(session):
     assert answer.strip() and "Bob" not in answer, answer
 
 
+@pty
 def test_system_and_help_commands(session):
     session.sendline("/help")
     session.expect_exact("/system TEXT")
@@ -112,6 +122,7 @@ def test_system_and_help_commands(session):
     session.expect_exact("[unknown command /bogus; /help lists the commands]")
 
 
+@pty
 def test_exit_exits_zero(session):
     session.sendline("/exit")
     session.expect(pexpect.EOF)
@@ -119,6 +130,7 @@ def test_exit_exits_zero(session):
     assert session.exitstatus == 0
 
 
+@pty
 def test_ctrl_c_stops_the_answer_not_the_session():
     child = spawn("--max-tokens", "200")
     child.sendline("Write a long story about a dragon.")

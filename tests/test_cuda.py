@@ -688,3 +688,11 @@ def test_bench_table_and_generate_options_on_the_gpu():
     stop = full["text"][len(full["text"]) // 2:][:3]
     cut = json.loads(cmd("engine.generate", "--stop", stop, *args))
     assert cut["text"] == full["text"][:full["text"].find(stop)] and cut["finish_reason"] == "stop"
+
+
+def test_smollm2_continuation_prefill_matches_a_fresh_prefill():
+    """``Model.extend`` (the chat's KV cache kept across turns) on the GPU: a continuation at pos
+    and a rewind give one fresh prefill's logits (tests/test_chat.py, where it runs on the CPU)."""
+    from engine.weights import default_model_path, load_model
+    from tests.test_chat import check_extend
+    check_extend(*load_model(default_model_path()), backend="cuda")

@@ -111,13 +111,47 @@ def test_roundtrip_and_stream_property(tok, text):
 
 def test_chat_template_from_gguf(tok):
     msgs = [{"role": "user", "content": "What is 2+2?"}]
-    assert tok.apply_chat_template(msgs) == (
+    assert tok.apply_chat_template(msgs) == (           # no system prompt the messages do not hold
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.apply_chat_template(msgs, default_system=True) == (       # the template verbatim
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
         "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     with_system = [{"role": "system", "content": "Be brief."}] + msgs
     out = tok.apply_chat_template(with_system, add_generation_prompt=False)
     assert out == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
     assert tok.encode(out).count(1) == 2 and tok.encode(out).count(2) == 2
+
+
+_HEADER = "{{ bos_token }}{% if messages[0]['role'] != 'system' %}<|start_header_id|>system<|end_header_id|>" \
+          "\n\nDefault prompt.<|eot_id|>{% endif %}{% for m in messages %}<|start_header_id|>{{ m['role'] }}" \
+          "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}" \
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+_ELSE = "{% if messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n" \
+        "{% else %}<|im_start|>system\nYou are Qwen.<|im_end|>\n{% endif %}{% for m in messages %}" \
+        "{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}" \
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+_REFUSES = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" \
+           "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+_PLAIN = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("template, want, injected", [
+    (_HEADER, "<|endoftext|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n", "Default prompt."),
+    (_ELSE, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "You are Qwen."),
+    (_REFUSES, "<start_of_turn>user\nhi<end_of_turn>\n", None),
+    (_PLAIN, "<|endoftext|>[user]hi", None),
+])
+def test_chat_template_adds_no_default_system_prompt(tok, template, want, injected):
+    """A system block that a template adds on its own is left out, whatever its form, the BOS
+    text kept; templates that add none (or refuse system messages) render as they are."""
+    t = Tokenizer(tok.hf, eos_id=2, bos_id=0, chat_template=template)
+    assert t.apply_chat_template(MSGS) == want
+    verbatim = t.apply_chat_template(MSGS, default_system=True)
+    assert (injected in verbatim) if injected else verbatim == want
+    if template != _REFUSES:
+        with_system = t.apply_chat_template([{"role": "system", "content": "Be brief."}] + MSGS)
+        assert "Be brief." in with_system and "Default prompt." not in with_system
 
 
 def test_chat_template_chatml_fallback(tok):
