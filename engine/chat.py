@@ -94,8 +94,8 @@ class Conversation:
             del self.turns[:dropped]
             on_notice(f"context full: dropped the oldest {dropped} turn{'s' * (dropped > 1)} "
                       f"({len(self.turns)} kept)")
-        start = 0
-        while start < min(len(ids) - 1, len(self.cached)) and ids[start] == self.cached[start]:
+        start, reuse = 0, os.environ.get("VEGAFUSE_CHAT_REUSE", "1") != "0"    # 0: prefill it all, for A/B
+        while reuse and start < min(len(ids) - 1, len(self.cached)) and ids[start] == self.cached[start]:
             start += 1
         feed, pieces = _Continuation(self.model, start), []
 

@@ -101,7 +101,7 @@ class Model:
                               f"({self.context} positions); raise --context")
         self.pos, done = start, 0
         while done < n:
-            rows = self.bucket(n - done)
+            rows = self.bucket(n - done) if n - done > 1 else 1     # one id: the decode step's shape
             if self.pos + rows > self.context:
                 # padded rows past the cache's end would shift the clamped KV write back over
                 # earlier positions: run an exact power-of-two chunk that fits instead
