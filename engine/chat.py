@@ -162,6 +162,7 @@ def main(argv=None):
 
 
 def run(args):
+    from .executable import get_device
     from .model import Model
     from .weights import default_dtype, default_model_path, load_model
     if args.max_tokens < 1:
@@ -172,6 +173,7 @@ def run(args):
         raise ModelError(f"--seed must be >= 0, got {args.seed}")
     if args.context is not None and args.context < 1:
         raise ModelError(f"--context must be at least 1, got {args.context}")
+    get_device(args.backend)                     # a GPU backend that is not there fails before the load
     path = args.model or default_model_path()
     cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
     if args.context is not None and args.context > cfg.max_seq_len:
