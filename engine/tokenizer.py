@@ -343,9 +343,10 @@ def _without_default_system(render, messages, add_generation_prompt, text) -> st
 
     The template's system block is found by rendering a marker system prompt alone
     (``head + _MARK + tail``) and before the conversation (``head + _MARK + tail + rest``):
-    ``text`` holds an added block when it reads ``head + anything + tail + rest``; then the
-    result is ``rest``, after the BOS text if ``head`` starts with the template's ``bos_token``.
-    A template that refuses a system message, or renders it inside another turn, adds none."""
+    ``text`` holds an added block when it reads ``head + anything + tail + rest`` and ``rest``
+    holds the messages' texts (it is the conversation); then the result is ``rest``, after the
+    BOS text if ``head`` starts with the template's ``bos_token``.  A template that refuses a
+    system message, or renders it inside another turn, adds none."""
     system = [{"role": "system", "content": _MARK}]
     try:
         alone = render(system, False)
@@ -357,8 +358,9 @@ def _without_default_system(render, messages, add_generation_prompt, text) -> st
         return text
     head, tail = alone.split(_MARK)
     rest = with_mark[len(alone):]
+    texts = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
     if len(text) < len(alone) - len(_MARK) + len(rest) or not text.startswith(head) \
-            or not text.endswith(tail + rest):
+            or not text.endswith(tail + rest) or not all(t in rest for t in texts):
         return text
     bos = alone[:len(alone) - len(no_bos)] if alone.endswith(no_bos) else ""
     return bos + rest

@@ -141,6 +141,7 @@ _PLAIN = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content']
     (_ELSE, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "You are Qwen."),
     (_REFUSES, "<start_of_turn>user\nhi<end_of_turn>\n", None),
     (_PLAIN, "<|endoftext|>[user]hi", None),
+    ("X{{ messages[0]['content'] }}", "Xhi", None),        # only the first message: no block added
 ])
 def test_chat_template_adds_no_default_system_prompt(tok, template, want, injected):
     """A system block that a template adds on its own is left out, whatever its form, the BOS
