@@ -24,13 +24,16 @@ Ctrl-C stops an answer; at the prompt it clears the line."""
 
 class _Continuation:
     """The model as ``generate`` sees it: prefill continues the KV cache at ``start``, and the
-    ids fed to decode are recorded, so the cache's contents are known even after Ctrl-C."""
+    ids fed to decode are recorded, so the cache's contents are known even after Ctrl-C: once
+    ``started``, positions below ``model.pos`` hold the prompt's ids, then ``fed``."""
 
     def __init__(self, model, start):
-        self.model, self.start, self.fed = model, start, []
+        self.model, self.start, self.fed, self.started = model, start, [], False
 
     def prefill(self, ids):
-        return self.model.extend(ids, self.start)
+        self.model.pos = self.start
+        self.started = True
+        return self.model.extend(ids)
 
     def decode(self, token_id):
         self.fed.append(token_id)
@@ -41,7 +44,7 @@ class Conversation:
     """A conversation with ``model`` (``engine.model.Model``) through ``tok``'s chat template.
 
     ``turns`` holds (user, assistant) texts; ``cached`` the token ids that the model's KV cache
-    holds at positions 0..len-1.  Each question renders the whole conversation and prefills only
+    holds at positions 0..len-1 (len <= ``model.pos``).  Each question renders the whole conversation and prefills only
     the ids after the longest prefix it shares with ``cached``.  ``max_tokens`` bounds an answer;
     when the prompt and room for an answer (``max_tokens``, at most half the context) would not
     fit the context, the oldest turns are dropped.
@@ -102,11 +105,13 @@ class Conversation:
         def text(piece):
             pieces.append(piece)
             on_text(piece)
+        self.cached = self.cached[:start]      # a true prefix of the cache, whenever Ctrl-C comes
         try:
             out, stats = generate(feed, self.tok, ids[start:], min(self.max_tokens, context - len(ids)),
                                   eos_ids=self.eos_ids, on_text=text, **self.sampling)
         finally:       # also on Ctrl-C: what the cache holds, and the answer so far
-            self.cached = (ids + feed.fed)[:self.model.pos]
+            if feed.started:
+                self.cached = (ids + feed.fed)[:self.model.pos]
             if "".join(pieces):
                 self.turns.append((user, "".join(pieces)))
         return dict(stats, prompt_tokens=len(ids), cached_tokens=start, tokens=len(out))

@@ -63,6 +63,36 @@ def check_extend(cfg, params, tok, backend):
         m.extend(ids[:2], start=m.pos + 1)
 
 
+def test_an_answer_stopped_by_ctrl_c_leaves_the_cache_consistent(smol):
+    """Ctrl-C (KeyboardInterrupt from the streaming callback) mid-answer: the partial answer stays in
+    the conversation, ``cached`` names what the KV cache holds, and the next turn, prefilled on top
+    of it, answers as a fresh conversation with the same turns prefilled from scratch does."""
+    from engine.chat import Conversation
+    cfg, params, tok = smol
+    eos = tuple(cfg.eos_ids) + (tok.eos_id,)
+    chat = Conversation(Model(cfg, params, context=256, kv_dtype="f32"), tok, eos, SYSTEM, 12, temperature=0)
+    seen = []
+
+    def stop_after_three(piece):
+        seen.append(piece)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        chat.ask("Write a story about a dragon.", stop_after_three)
+    assert chat.turns == [("Write a story about a dragon.", "".join(seen))]
+    prompt = tok.encode(tok.apply_chat_template(chat.messages("Write a story about a dragon.", [])))
+    assert len(chat.cached) == chat.model.pos == len(prompt) + 2      # two answer ids fed to decode
+    assert chat.cached[:len(prompt)] == prompt
+    got = []
+    stats = chat.ask("Who is in the story?", got.append)
+    assert stats["cached_tokens"] > 20
+    fresh = Conversation(Model(cfg, params, context=256, kv_dtype="f32"), tok, eos, SYSTEM, 12, temperature=0)
+    fresh.turns = list(chat.turns[:1])
+    want = []
+    assert fresh.ask("Who is in the story?", want.append)["cached_tokens"] == 0
+    assert "".join(got) == "".join(want) and "".join(got).strip()
+
+
 def spawn(*args):
     """The chat on a pseudo-terminal, as a user runs it."""
     env = dict(os.environ, TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1")
