@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from .errors import ModelError, run_cli
+from .errors import ModelError, Parser, run_cli
 
 HELP = """commands:
   /reset        forget the conversation (the system prompt stays)
@@ -48,7 +48,8 @@ class Conversation:
     the ids after the longest prefix it shares with ``cached``.  ``max_tokens`` bounds an answer;
     when the prompt and room for an answer (``max_tokens``, at most half the context) would not
     fit the context, the oldest turns are dropped.
-    ``sampling``: generate's keywords (temperature, top_k, top_p, seed)."""
+    ``sampling``: ``engine.generate.generate``'s keywords (temperature, top_k, top_p, min_p,
+    repeat_penalty, stop, seed)."""
 
     def __init__(self, model, tok, eos_ids, system=None, max_tokens=512, **sampling):
         self.model, self.tok, self.eos_ids = model, tok, tuple(eos_ids)
@@ -140,26 +141,52 @@ def read_lines(interactive: bool):
 
 
 def parse_args(argv=None):
-    prog = "vegafuse-chat" if os.path.basename(sys.argv[0]) == "vegafuse-chat" else "python -m engine.chat"
-    p = argparse.ArgumentParser(prog=prog, description="Chat with a model, turn by turn; the KV cache is "
-                                "kept across turns, so a turn prefills only its own tokens.",
-                                epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", metavar="PATH", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--system", metavar="TEXT", default=None, help="the system prompt (default: none, even where the chat template has a default)")
+    """The options of ``engine.chat`` (argparse.Namespace); a bad option prints one line
+    ``error: ...`` and exits with status 2."""
+    p = Parser("engine.chat", "Chat with a model, turn by turn; the KV cache is kept across turns, so a turn "
+               "prefills only its own tokens.", epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", metavar="PATH", help="a GGUF file, a Hugging Face directory, or the id of a "
+                   "Hugging Face repo in the local cache (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--system", metavar="TEXT", help="the system prompt (default: none, even where the chat "
+                   "template has a default)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip", "reference"],
                    help="where kernels run (default cpu; hip is untested on hardware)")
-    p.add_argument("--max-tokens", metavar="N", type=int, default=512, help="most tokens per answer (default 512)")
-    p.add_argument("--temperature", metavar="T", type=float, default=0.8, help="0 is greedy (default 0.8)")
-    p.add_argument("--top-k", metavar="K", type=int, default=40, help="keep the k most likely ids; <= 0: no limit (default 40)")
-    p.add_argument("--top-p", metavar="P", type=float, default=0.95, help="nucleus sampling mass; 1.0 keeps all (default 0.95)")
-    p.add_argument("--seed", metavar="S", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--context", metavar="N", type=int, default=None, help="KV-cache positions (default min(model, 2048))")
+    p.add_argument("-n", "--max-tokens", metavar="N", type=int, default=512, help="most tokens per answer (default 512)")
+    p.add_argument("--temperature", "--temp", metavar="T", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    p.add_argument("--top-k", metavar="K", type=int, default=40,
+                   help="keep the k most likely ids; <= 0: no limit (default 40)")
+    p.add_argument("--top-p", metavar="P", type=float, default=0.95,
+                   help="nucleus sampling mass; 1.0 keeps all (default 0.95)")
+    p.add_argument("--min-p", metavar="P", type=float, default=0.0,
+                   help="keep the ids at least this likely relative to the most likely one; 0: off (default 0)")
+    p.add_argument("--repeat-penalty", metavar="R", type=float, default=1.0,
+                   help="divide the logits of recent ids by this (multiply when negative); 1.0: off (default 1.0)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end an answer before this text (repeatable)")
+    p.add_argument("-s", "--seed", metavar="S", type=int, default=None, help="random seed for sampling")
+    p.add_argument("-c", "--context", metavar="N", type=int, default=None,
+                   help="KV-cache positions (default min(model, 2048))")
     p.add_argument("--dtype", default=None, choices=["native", "f16", "f32"],
                    help="weights in memory (default native for a GGUF on the cpu, else f16)")
     p.add_argument("--quant", default=None, choices=["q4_0", "q4_1", "q8_0"],
                    help="quantize every weight matrix and the embedding to this format at load")
     p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="KV-cache element type (default f16)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_tokens < 1:
+        p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not args.temperature >= 0 or not 0 < args.top_p <= 1:       # also rejects nan
+        p.error("need --temperature >= 0 and 0 < --top-p <= 1")
+    if not 0 <= args.min_p <= 1:
+        p.error(f"--min-p must lie in [0, 1], got {args.min_p}")
+    if not 0 < args.repeat_penalty < float("inf"):
+        p.error(f"--repeat-penalty must be > 0 (1.0 is off), got {args.repeat_penalty}")
+    if "" in args.stop:
+        p.error("--stop takes a non-empty text")
+    if args.seed is not None and args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    if args.context is not None and args.context < 1:
+        p.error(f"--context must be at least 1, got {args.context}")
+    return args
 
 
 def main(argv=None):
@@ -169,17 +196,10 @@ def main(argv=None):
 def run(args):
     from .executable import get_device
     from .model import Model
-    from .weights import default_dtype, default_model_path, load_model
-    if args.max_tokens < 1:
-        raise ModelError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if not args.temperature >= 0 or not 0 < args.top_p <= 1:       # also rejects nan
-        raise ModelError("need --temperature >= 0 and 0 < --top-p <= 1")
-    if args.seed is not None and args.seed < 0:
-        raise ModelError(f"--seed must be >= 0, got {args.seed}")
-    if args.context is not None and args.context < 1:
-        raise ModelError(f"--context must be at least 1, got {args.context}")
+    from .models import resolve_model
+    from .weights import default_dtype, load_model
+    path = resolve_model(args.model)              # checked without opening it: a FIFO would block
     get_device(args.backend)                     # a GPU backend that is not there fails before the load
-    path = args.model or default_model_path()
     cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
     if args.context is not None and args.context > cfg.max_seq_len:
         raise ModelError(f"--context {args.context} exceeds the {cfg.max_seq_len} positions the model was "
@@ -188,7 +208,8 @@ def run(args):
     model.compile()
     eos = tuple(cfg.eos_ids) + ((tok.eos_id,) if tok.eos_id is not None else ())
     chat = Conversation(model, tok, eos, args.system, args.max_tokens, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        repeat_penalty=args.repeat_penalty, stop=tuple(args.stop), seed=args.seed)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     note = lambda line: print(f"[{line}]", file=sys.stderr, flush=True)       # noqa: E731
     if interactive:
