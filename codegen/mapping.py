@@ -42,7 +42,8 @@ def map_kernel(k: L.Kernel, t: Target, lds_limit: int = 0) -> L.Kernel:
     if k.launch is not None:
         return k
     if t.maps_like:                        # another target's kernel text, launched within this one's limits
-        return map_kernel(k, get_target(t.maps_like), t.max_static_lds)
+        # (its LDS; an emulated wave's 15 waves a workgroup: no larger workgroups, _whole_trips)
+        return map_kernel(k, get_target(t.maps_like, emulated_wave=t.emulated_wave), t.max_static_lds)
     body = L.drop_unit_loops(k.body, keep_parallel=k.family == "contract")
     if k.family == "contract":
         body, launch = _contract(body, t, min(t.max_static_lds, lds_limit or t.max_static_lds))
