@@ -42,7 +42,8 @@ def map_kernel(k: L.Kernel, t: Target, lds_limit: int = 0) -> L.Kernel:
     if k.launch is not None:
         return k
     if t.maps_like:                        # another target's kernel text, launched within this one's limits
-        return map_kernel(k, get_target(t.maps_like), t.max_static_lds)
+        # (its LDS; an emulated wave's 15 waves a workgroup: no larger workgroups, _whole_trips)
+        return map_kernel(k, get_target(t.maps_like, emulated_wave=t.emulated_wave), t.max_static_lds)
     body = L.drop_unit_loops(k.body, keep_parallel=k.family == "contract")
     if k.family == "contract":
         body, launch = _contract(body, t, min(t.max_static_lds, lds_limit or t.max_static_lds))
@@ -561,14 +562,14 @@ def _whole_trips(t: Target, info, per_cu: int):
     each, so four workgroups take arrivals on every block): workgroups of f = 32 / gcd(rows, 32) times
     the waves, f times fewer per CU, so that a trip stores whole blocks and the workgroup quantizes them
     itself (``vf_quantize_own``: a barrier, no fences or atomics).  None when the trips are whole
-    already, or f workgroups don't make one (over 1024 threads, an emulated wave, fewer than f per CU),
-    or ``VEGAFUSE_Q8_WHOLE=0``."""
+    already, or f workgroups don't make one (over ``t.whole_block`` threads, an emulated wave, fewer than
+    f per CU), or ``VEGAFUSE_Q8_WHOLE=0``."""
     if "stored_q8" not in info or t.emulated_wave or not _whole_switch():
         return None
     rows = t.waves_per_block // info["split"] * info.get("rows_per_wave", 1)
     srcs = {s.body[0].values[0].buf for s in info["stored_q8"]}
     f = 32 // math.gcd(rows, 32)
-    if f == 1 or any(info["stores"][b][0] % 32 for b in srcs) or t.block * f > 1024 or per_cu % f:
+    if f == 1 or any(info["stores"][b][0] % 32 for b in srcs) or t.block * f > min(1024, t.whole_block) or per_cu % f:
         return None
     return replace(t, block=t.block * f, blocks_per_cu=max(1, t.blocks_per_cu // f), int8_blocks_per_cu=per_cu // f,
                    int8_prologue_budget=0)

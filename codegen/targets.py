@@ -60,6 +60,9 @@ class Target:
     balance_k: int = 0           # float GEMVs of a wave per row and K >= this (0: never) whose grid fits one round
                                  # unevenly take one workgroup per CU of ceil(rows / CUs) waves instead
                                  # (codegen.mapping._balanced); see the sm_90 entry
+    whole_block: int = 1024      # the largest workgroup codegen.mapping._whole_trips takes so that a GEMV's trips
+                                 # store whole q8_1 blocks: its registers a lane shrink as the workgroup grows
+                                 # (see the gfx906 entry)
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
     attention_block: int = 256   # threads of an attention workgroup (codegen.mapping.attention_tiles)
@@ -92,6 +95,9 @@ TARGETS = {
                      sgprs_per_simd=800,      # LLVM getTotalNumSGPRs (gfx8+)
                      sgpr_granule=16,         # LLVM getSGPRAllocGranule (gfx8-gfx9)
                      max_barriers=16,         # LLVM getMaxWorkGroupsPerCU
+                     # 1024 threads are 4 waves per SIMD, 64 VGPRs each; the int8 GEMV of 8 rows a lane takes
+                     # about 90 (D 8192, F 1024 gate/up spilled 32 VGPRs); 512: 128 VGPRs a lane
+                     whole_block=512,
                      attention_vgprs=128),    # two waves per SIMD (6 heads x 4 keys took 220: one wave)
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
                     attention_lds=46 * 1024,   # tiles of 64 keys for decode at head dim 128 (4 workgroups per SM)

@@ -7,8 +7,9 @@ prologue is ``act[k] = buf[k]``: the down projection reading the gate/up kernel'
 producer also writes the q8_1 form of the buffer, ``{buf}_q8``, and the consumer reads that:
 
 * producer: a trailing loop ``for b: {buf}_q8.block[b] = q8_1(buf[32 b .. 32 b + 31])`` (``QuantizeQ8``
-  of whole blocks), which the GPU mapping runs as arrivals: each block is quantized by the workgroup
-  that stores its last value;
+  of whole blocks), which the GPU mapping runs after the wave loop: where a workgroup's trips store
+  whole blocks, it quantizes them itself (``vf_quantize_own``); else by arrivals, each block quantized
+  by the workgroup that stores its last value (``vf_quantize_stored``);
 * consumer: its fill reads ``{buf}_q8`` (``QLoad`` of format q8_1r / q8_1: the block's values), which the
   int8 mapping copies into LDS as it is.
 

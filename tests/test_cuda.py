@@ -289,7 +289,7 @@ def test_the_down_projection_reads_the_q8_1_blocks_the_gate_up_kernel_wrote(fmt,
 
 def test_a_kernel_storing_two_int8_activations_quantizes_both(monkeypatch):
     """fusion/q8.py: one GEMV kernel stores a and b (two segments), each read by an int8 GEMV; both
-    buffers' q8_1 blocks are quantized by arrival in that kernel (``tests/test_review12.py``): bit for bit
+    buffers' q8_1 blocks are quantized in that kernel (``tests/test_review12.py``): bit for bit
     the results of VEGAFUSE_Q8_PRODUCER=0 over several launches, and the float64 interpreter's within the
     activation's quantization error."""
     from tests.test_quant_kernels import quantized

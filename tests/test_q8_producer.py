@@ -1,8 +1,9 @@
 """A GEMV activation quantized once, by the GEMV that produces it (``fusion/q8.py``; on GPUs): the plan
-step, the kernel text of the producer (per-block arrivals, ``vf_quantize_stored``) and of the consumer
-(its q8_1 blocks copied into LDS), run on the CPU through ``tests/gpu_emulation.h`` at wave 32 (sm_90's
-text) and 64 (gfx906's) against the q8_1 arithmetic modelled in numpy and the float64 interpreter, and
-the gfx906 compile with its ISA gates.  ``tests/test_cuda.py`` runs the same on an NVIDIA GPU."""
+step, the kernel text of the producer (whole blocks by their workgroup, ``vf_quantize_own``, or per-block
+arrivals, ``vf_quantize_stored``) and of the consumer (its q8_1 blocks copied into LDS), run on the CPU
+through ``tests/gpu_emulation.h`` at wave 32 (sm_90's text) and 64 (gfx906's) against the q8_1
+arithmetic modelled in numpy and the float64 interpreter, and the gfx906 compile with its ISA gates.
+``tests/test_cuda.py`` runs the same on an NVIDIA GPU."""
 
 import numpy as np
 import pytest
