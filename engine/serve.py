@@ -24,38 +24,30 @@ from .errors import ModelError, run_cli
 
 def stream(model, tok, prompt_ids, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None,
            eos_ids=(), stop=(), cancelled=lambda: False):
-    """Prefill ``prompt_ids`` (list of int), then decode up to ``max_tokens`` ids, yielding
-    ``(text, n, finish)``: the new text, the ids generated so far, and ``None`` until the last
-    item, whose ``finish`` is "stop" (an EOS id, or a ``stop`` string: the text ends before it),
-    "length" (``max_tokens``) or "cancelled" (``cancelled()`` turned true).  Text that may start
-    a stop string is held back until it is known not to; the pieces never split a UTF-8
-    character and, without stop strings, join to ``tok.decode(ids)``."""
-    import numpy as np
-    from .sampling import is_eos, sample
-    from .tokenizer import StreamDecoder
-    rng = np.random.default_rng(seed)
-    dec, held, n = StreamDecoder(tok), "", 0
-    logits = model.prefill(prompt_ids)
-    while True:
-        finish = "cancelled" if cancelled() else "length" if n == max_tokens else None
-        nxt = None if finish else sample(logits, temperature, top_k, top_p, rng)
-        if nxt is not None and is_eos(nxt, eos_ids):
-            finish = "stop"
-        text = held + (dec.flush() if finish else dec.push(nxt))
-        n += finish is None
-        hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-        if hits:
-            yield text[:min(hits)], n, "stop"
-            return
-        keep = 0 if finish else max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1)
-                                     if text.endswith(s[:k])), default=0)
-        held, piece = text[len(text) - keep:], text[:len(text) - keep]
-        if piece or finish:
-            yield piece, n, finish
-        if finish:
-            return
-        if n < max_tokens:
-            logits = model.decode(nxt)
+    """:func:`engine.generate.stream` as ``(text, n, finish)`` items: the new text, the ids generated
+    so far, and ``None`` until the last item, whose ``finish`` is "stop" (an EOS id, or a ``stop``
+    string: the text ends before it), "length" (``max_tokens``) or "cancelled" (``cancelled()``
+    turned true: checked before the prefill and after each piece of text).  No repeat penalty:
+    OpenAI's requests have none of llama.cpp's kind."""
+    from .generate import Finished
+    from .generate import stream as generate
+    if cancelled():
+        yield "", 0, "cancelled"
+        return
+    pieces = generate(model, tok, prompt_ids, max_tokens, temperature, top_k, top_p, seed=seed, eos_ids=eos_ids,
+                      stop=stop, repeat_last_n=0)
+    try:
+        for item in pieces:
+            if isinstance(item, Finished):
+                yield "", len(item.ids), item.finish_reason
+                return
+            n = model.pos - len(prompt_ids) + 1          # the last id sampled is not in the KV cache yet
+            finish = "cancelled" if cancelled() else None
+            yield item, n, finish
+            if finish:
+                return
+    finally:
+        pieces.close()
 
 
 class RequestError(Exception):
