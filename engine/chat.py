@@ -195,25 +195,19 @@ def main(argv=None):
 
 def run(args):
     from .executable import get_device
-    from .model import Model
+    from .model import open_model
     from .models import resolve_model
-    from .weights import default_dtype, load_model
     path = resolve_model(args.model)              # checked without opening it: a FIFO would block
     get_device(args.backend)                     # a GPU backend that is not there fails before the load
-    cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
-    if args.context is not None and args.context > cfg.max_seq_len:
-        raise ModelError(f"--context {args.context} exceeds the {cfg.max_seq_len} positions the model was "
-                         f"trained for; use --context {cfg.max_seq_len} or less")
-    model = Model(cfg, params, backend=args.backend, context=args.context, kv_dtype=args.kv_dtype)
+    model, tok, eos = open_model(path, args.backend, args.dtype, args.quant, args.context, args.kv_dtype)
     model.compile()
-    eos = tuple(cfg.eos_ids) + ((tok.eos_id,) if tok.eos_id is not None else ())
     chat = Conversation(model, tok, eos, args.system, args.max_tokens, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, stop=tuple(args.stop), seed=args.seed)
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     note = lambda line: print(f"[{line}]", file=sys.stderr, flush=True)       # noqa: E731
     if interactive:
-        note(f"{cfg.name or path}, context {model.context} tokens; /help lists the commands")
+        note(f"{model.cfg.name or path}, context {model.context} tokens; /help lists the commands")
 
     def emit(piece):
         sys.stdout.write(piece)

@@ -153,3 +153,18 @@ class Model:
         if n_prompt:
             self.step.compile(self.params, np.zeros(self.bucket(n_prompt), np.int32), 0, 0, self.cache)
         return self.step.compile(self.params, np.zeros(1, np.int32), 0, 0, self.cache)
+
+
+def open_model(path, backend="cpu", dtype=None, quant=None, context=None, kv_dtype="f16"):
+    """``(model, tokenizer, eos_ids)`` for the model file or directory ``path`` on ``backend``
+    (``engine.weights.load_model``; ``dtype`` None: the backend's default for the file, ``quant`` a
+    load-time quantization), with a KV cache of ``context`` positions (None: min(model, 2048)).
+    eos_ids: the config's and the tokenizer's EOS ids.  Raises ModelError for a bad file or a
+    ``context`` beyond the positions the model was trained for."""
+    from .weights import default_dtype, load_model
+    cfg, params, tok = load_model(path, dtype or default_dtype(path, backend), quant)
+    if context is not None and context > cfg.max_seq_len:
+        raise ModelError(f"--context {context} exceeds the {cfg.max_seq_len} positions the model was "
+                         f"trained for; use --context {cfg.max_seq_len} or less")
+    model = Model(cfg, params, backend=backend, context=context, kv_dtype=kv_dtype)
+    return model, tok, tuple(cfg.eos_ids) + ((tok.eos_id,) if tok.eos_id is not None else ())

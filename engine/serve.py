@@ -348,16 +348,11 @@ def run(args):
         raise ModelError(f"the server needs {' and '.join(missing)}: pip install 'vegafuse[serve]'")
     sock = _listen(args.host, args.port)          # before anything slow: a taken port fails at once
     import uvicorn
-    from .model import Model
-    from .weights import default_dtype, default_model_path, load_model
+    from .model import open_model
+    from .weights import default_model_path
     path = args.model or default_model_path()
-    cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
-    if args.context is not None and args.context > cfg.max_seq_len:
-        raise ModelError(f"--context {args.context} exceeds the {cfg.max_seq_len} positions the model was "
-                         f"trained for; use --context {cfg.max_seq_len} or less")
-    model = Model(cfg, params, backend=args.backend, context=args.context, kv_dtype=args.kv_dtype)
+    model, tok, eos = open_model(path, args.backend, args.dtype, args.quant, args.context, args.kv_dtype)
     model.compile()
-    eos = tuple(cfg.eos_ids) + ((tok.eos_id,) if tok.eos_id is not None else ())
     name = args.name or os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
     engine = Engine(model, tok, eos, name)
     app = make_app(engine)
