@@ -10,6 +10,14 @@ compile and one binary.  The canonical source, with the compiler's identity, key
 cache (``engine/codecache.py``: atomic writes, checked reads, corrupt entries rebuilt), so a
 second process compiles nothing.  Within a process each compiler keeps what it built.
 
+A compiler whose source is plain text (the CPU's LLVM IR) also caches what it renders: keyed
+by the canonical Loop IR, its ``render_key()`` (the compiler's own sources and the
+``VEGAFUSE_*`` switches) and its identity, so that a warm start renders nothing either
+(``VEGAFUSE_RENDER_CACHE=0`` renders every kernel again, for A/B).  ``VEGAFUSE_CACHE=0`` turns
+the disk cache off altogether (plans, sources, code: a cold start every run).  ``COUNTS`` holds
+this process's renders and compiles, and the compiles the disk cache saved; kernels that miss
+compile under a progress bar on a terminal (``engine/progress.py``).
+
 A device supplies a :class:`Compiler`: how it renders a kernel (LLVM IR for the CPU, HIP C++
 for the GPUs), ``compile(source, name) -> bytes`` (llvmlite, hiprtc, NVRTC) and its
 ``identity``, the cache-key parts other than the source (compiler version, target, options).
@@ -17,12 +25,28 @@ for the GPUs), ``compile(source, name) -> bytes`` (llvmlite, hiprtc, NVRTC) and 
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from codegen.loopir import Kernel, canonicalize
 from engine.codecache import CodeCache, cache_key, default_cache_dir
+from engine.progress import progress
+
+# Switches that never change generated code: left out of render keys.
+_NOT_CODEGEN = {"VEGAFUSE_CACHE", "VEGAFUSE_CACHE_DIR", "VEGAFUSE_DEBUG", "VEGAFUSE_PLAN_CACHE",
+                "VEGAFUSE_RENDER_CACHE", "VEGAFUSE_PROGRESS", "VEGAFUSE_SPIN_US", "VEGAFUSE_BACKEND"}
+
+COUNTS = {"renders": 0, "compiles": 0, "cached": 0}      # this process: kernels rendered, compiled, read from disk
+_COUNTS_LOCK = threading.Lock()                          # compiles run on several threads
+
+
+def _count(what: str, n: int = 1) -> None:
+    with _COUNTS_LOCK:
+        COUNTS[what] += n
 
 
 class Compiler:
@@ -43,6 +67,12 @@ class Compiler:
         """The kernel's source: a ``str``, or an object whose ``.source`` is the text (a
         ``HipKernel`` also carries its launch geometry)."""
         raise NotImplementedError
+
+    def render_key(self) -> dict | None:
+        """What ``render`` depends on besides the kernel, as cache-key parts, where its result is
+        a ``str`` that may be cached (see :func:`render_switches`); None (the default): rendered
+        every time."""
+        return None
 
     def compile(self, source: str, name: str) -> bytes:
         """Compile ``source``; ``name`` (the first kernel that needs it) is for diagnostics.
@@ -108,44 +138,78 @@ _cache: CodeCache | None = None
 
 
 def code_cache() -> CodeCache:
-    """The process-wide :class:`CodeCache` (made again if ``VEGAFUSE_CACHE_DIR`` changed)."""
+    """The process-wide :class:`CodeCache` (made again if ``VEGAFUSE_CACHE_DIR`` or
+    ``VEGAFUSE_CACHE`` changed; ``VEGAFUSE_CACHE=0``: a cache that holds nothing)."""
     global _cache
-    if _cache is None or _cache.root != default_cache_dir():
-        _cache = CodeCache()
+    enabled = os.environ.get("VEGAFUSE_CACHE", "1") != "0"
+    if _cache is None or _cache.root != default_cache_dir() or _cache.enabled != enabled:
+        _cache = CodeCache(enabled=enabled)
     return _cache
 
 
-def render(kernels, compiler: Compiler) -> list[Source]:
-    """Render each kernel's canonical form (once per distinct one) for ``compiler``."""
+def render_switches() -> dict:
+    """The ``VEGAFUSE_*`` environment switches that may change generated code (all but the
+    cache's, debug output's and the thread pool's own), part of every render key: a switch
+    that does not change the code only costs a render."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("VEGAFUSE_") and k not in _NOT_CODEGEN}
+
+
+def render(kernels, compiler: Compiler, cache: CodeCache | None = None) -> list[Source]:
+    """Render each kernel's canonical form (once per distinct one) for ``compiler``; a compiler
+    with a ``render_key`` reads the text from the disk cache where it was rendered before."""
     seen, out = {}, []
     for k in kernels:
         c = canonicalize(k)
         key = repr(c)                       # every field: equal canonical kernels render equally
         if key not in seen:
-            seen[key] = compiler.render(c)
+            seen[key] = _render_cached(compiler, c, key, cache)
         out.append(Source(k, seen[key], compiler))
     return out
 
 
+def _render_cached(compiler: Compiler, canonical: Kernel, loop_ir: str, cache: CodeCache | None):
+    """``compiler.render(canonical)``, through the disk cache where the compiler has a render key."""
+    parts = compiler.render_key()
+    if parts is None or os.environ.get("VEGAFUSE_RENDER_CACHE", "1") == "0":
+        _count("renders")
+        return compiler.render(canonical)
+
+    def fresh():
+        _count("renders")
+        return compiler.render(canonical).encode()
+    key = {**compiler.identity, **parts, "kind": "render", "loop_ir": loop_ir}
+    return (cache or code_cache()).get_or_build(key, fresh)[0].decode()
+
+
 def compile_source(compiler: Compiler, source: str, name: str, cache: CodeCache | None = None) -> Binary:
-    """Compile one source through the disk cache (the path every build takes)."""
+    """Compile one source through the disk cache (the path every build takes).  A cached entry
+    that is not this compiler's code for ``source`` (``compiler.holds``) is built again, with one
+    warning line."""
     cache = cache or code_cache()
     key = {**compiler.identity, "source": source}
     t0 = time.perf_counter()
-    code, hit = cache.get_or_build(key, lambda: compiler.compile(source, name))
+
+    def fresh():
+        _count("compiles")
+        return compiler.compile(source, name)
+    code, hit = cache.get_or_build(key, fresh)
     if hit and not compiler.holds(code, compiler.entry(source)):         # a wrong entry: rebuild it
-        code, hit = compiler.compile(source, name), False
+        print(f"warning: cache entry {cache.path(key)} holds no code for kernel {name}; built again",
+              file=sys.stderr)
+        code, hit = fresh(), False
         try:
             cache.put(key, code)
         except OSError:
             pass
+    _count("cached", hit)
     return Binary(code, source, name, compiler.entry(source), hit, 0.0 if hit else time.perf_counter() - t0)
 
 
 def build(sources, compiler: Compiler, cache: CodeCache | None = None) -> list[Binary]:
     """One :class:`Binary` per source; each distinct canonical source is compiled once (looked up
-    in ``compiler.built``, then in the disk cache).  Misses compile on ``compiler.jobs`` threads.
-    A compile error raises the compiler's exception, naming the kernel."""
+    in ``compiler.built``, then in the disk cache).  Misses compile on ``compiler.jobs`` threads,
+    under a progress bar on a terminal (drawn when this takes more than 0.3 s).  A compile error
+    raises the compiler's exception, naming the kernel."""
     cache = cache or code_cache()
     ident = cache_key(compiler.identity)
     keys, todo = [], {}
@@ -160,8 +224,8 @@ def build(sources, compiler: Compiler, cache: CodeCache | None = None) -> list[B
         items = list(todo.values())
         if compiler.jobs > 1 and len(items) > 1:
             with ThreadPoolExecutor(min(compiler.jobs, len(items))) as ex:
-                done = list(ex.map(one, items))
+                done = list(progress(ex.map(one, items), "building kernels", len(items), "kernel"))
         else:
-            done = [one(s) for s in items]
+            done = [one(s) for s in progress(items, "building kernels", unit="kernel")]
         compiler.built.update(zip(todo, done))
     return [compiler.built[h] for h in keys]

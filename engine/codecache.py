@@ -19,7 +19,8 @@ a 48-byte header followed by the payload::
     16 32  sha256 of the payload
 
 A read checks all three; a short, truncated or otherwise corrupt entry counts
-as a miss: it is deleted and rebuilt (``stats["corrupt"]`` counts these).  So
+as a miss: it is deleted and rebuilt (``stats["corrupt"]`` counts these), and one line
+``warning: ...`` on stderr names it.  So
 does an entry that is not a regular file (a directory, FIFO, device, ...): it
 is opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read, so a
 FIFO never blocks; it is removed if it can be (a directory only if empty).
@@ -31,6 +32,10 @@ or full disk, a directory in the way, ...) is skipped and counted in
 ``stats["write_errors"]``; a corrupt entry that cannot be deleted is left for
 the next write to replace.  The last such problem is kept, as text, in
 ``CodeCache.last_error``.
+
+Off: ``CodeCache(enabled=False)`` (what :func:`engine.build.code_cache` gives under
+``VEGAFUSE_CACHE=0``) reads nothing and writes nothing, so every caller builds: a cold start on
+every run, for A/B measurements.
 
 Concurrency: writes go to a temp file in the same directory, are fsync'ed and
 then ``os.replace``-d into place, which is atomic on POSIX.  A reader therefore
@@ -46,6 +51,7 @@ import json
 import os
 import stat
 import struct
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -89,6 +95,7 @@ def unpack_entry(blob: bytes) -> bytes | None:
 class CodeCache:
     """Code objects on disk under ``root`` (default: :func:`default_cache_dir`).
 
+    ``enabled=False``: a cache that holds nothing (every lookup misses, nothing is stored).
     ``stats``: this instance's counts of ``hits``, ``misses`` (each miss runs
     ``build`` once), ``corrupt`` (entries found damaged or not a regular file;
     deleted where possible and rebuilt), ``read_errors`` (entries that could not
@@ -100,8 +107,9 @@ class CodeCache:
     # Read no more than this from an entry (a code object is a few MB at most).
     MAX_ENTRY_BYTES = 1 << 30
 
-    def __init__(self, root: str | os.PathLike | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, enabled: bool = True):
         self.root = Path(root) if root is not None else default_cache_dir()
+        self.enabled = enabled
         self.stats = {"hits": 0, "misses": 0, "corrupt": 0, "read_errors": 0, "write_errors": 0}
         self.last_error: str | None = None
         self._lock = threading.Lock()                 # builds may run on several threads
@@ -122,14 +130,15 @@ class CodeCache:
         """The cached payload, or None: absent, unreadable (``stats["read_errors"]``), or
         corrupt / not a regular file (``stats["corrupt"]``; the entry is then deleted if it
         can be).  Never raises OSError and never blocks on a FIFO or device."""
+        if not self.enabled:
+            return None
         path = self.path(key_parts)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             return None
         except IsADirectoryError:                     # platforms that refuse to open a directory
-            self._count("corrupt")
-            self._discard(path, None)
+            self._corrupt(path, None)
             return None
         except OSError as e:
             self._count("read_errors")
@@ -138,8 +147,7 @@ class CodeCache:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                self._count("corrupt")
-                self._discard(path, st)
+                self._corrupt(path, st)
                 return None
             blob = self._read_all(fd, min(st.st_size, self.MAX_ENTRY_BYTES) + 1)
         except OSError as e:
@@ -150,9 +158,15 @@ class CodeCache:
             os.close(fd)
         payload = unpack_entry(blob) if len(blob) <= self.MAX_ENTRY_BYTES else None
         if payload is None:
-            self._count("corrupt")
-            self._discard(path, st)
+            self._corrupt(path, st)
         return payload
+
+    def _corrupt(self, path: Path, seen: os.stat_result | None) -> None:
+        """A damaged entry (or not a regular file): counted, named in one warning line, removed."""
+        self._count("corrupt")
+        print(f"warning: damaged cache entry {path} (not a whole entry); removed and built again",
+              file=sys.stderr)
+        self._discard(path, seen)
 
     @staticmethod
     def _read_all(fd: int, limit: int) -> bytes:
@@ -185,8 +199,10 @@ class CodeCache:
         """Store ``payload`` atomically (temp file in the same directory, fsync, ``os.replace``).
 
         Raises OSError if it cannot (:meth:`get_or_build` counts and ignores that); no temp
-        file is left behind."""
+        file is left behind.  A disabled cache stores nothing."""
         path = self.path(key_parts)
+        if not self.enabled:
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:

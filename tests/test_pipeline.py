@@ -411,6 +411,7 @@ def test_a_cpu_cache_entry_with_the_wrong_object_is_rebuilt_not_loaded(tmp_path,
     from engine.pipeline import lower_program
     monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("VEGAFUSE_PLAN_CACHE", "0")                 # only kernel objects in this cache
+    monkeypatch.setenv("VEGAFUSE_RENDER_CACHE", "0")
     x = np.random.default_rng().standard_normal(7).astype("f4")
     dev = get_device("cpu")
     srcs = [render(lower_program(dsl.jit(fn).lower(x)).kernels, dev.compiler)[0]

@@ -43,7 +43,7 @@ import llvmlite.binding as llvm
 
 from codegen.llvm import render_llvm
 from codegen.loopir import Kernel, Load, Loop, Store, plain, walk_exprs, walk_stmts
-from engine.build import Compiler, build, render
+from engine.build import Compiler, build, render, render_switches
 
 NP_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32),
              "bool": np.dtype(np.bool_)}
@@ -594,6 +594,13 @@ class LLVMCompiler(Compiler):
         vnni = bool(feats.get("avx512vnni") and feats.get("avx512vl") or feats.get("avxvnni")) and switch != "0"
         wide = vnni and bool(feats.get("avx512vnni") and feats.get("avx512bw")) and switch != "256"
         return render_llvm(kernel, vnni=512 if wide else 256 if vnni else 0)
+
+    def render_key(self) -> dict:
+        """What :meth:`render` depends on besides the kernel: the compiler's sources (dsl, fusion,
+        codegen) and the ``VEGAFUSE_*`` switches; with the identity (host CPU features decide
+        VNNI) it keys the rendered LLVM IR in the disk cache, so a warm start renders nothing."""
+        from engine.pipeline import _compiler_sources
+        return {"renderer": _compiler_sources(), "switches": render_switches()}
 
     def entry(self, source: str) -> str:
         return "vf_" + hashlib.sha256(source.encode()).hexdigest()[:16]
