@@ -32,10 +32,16 @@ _array._numpy_names()
 # numpy's dtypes under jax.numpy's names (dsl.float32 is np.float32); bfloat16 from ml_dtypes is a
 # storage dtype: bf16 arrays are traced as f32 and converted on load
 from numpy import bool_, float16, float32, int32  # noqa: E402,F401
-try:
-    from ml_dtypes import bfloat16  # noqa: F401
-except ImportError:                  # pragma: no cover
-    pass
+
+
+def __getattr__(name):
+    """``dsl.bfloat16``: ml_dtypes is imported when first asked for (its import takes over a second)."""
+    if name == "bfloat16":
+        from ml_dtypes import bfloat16
+        return bfloat16
+    raise AttributeError(f"module 'dsl' has no attribute {name!r}")
+
+
 from .array import take_along_axis  # noqa: F401,E402  (indexing: x[ids], x.at[...], dsl.take(axis=))
 # numpy's names for the arithmetic and comparison operators (jnp.subtract, jnp.less, ...)
 subtract, multiply, negative, divide, true_divide, absolute = sub, mul, neg, div, div, abs  # noqa: F821

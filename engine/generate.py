@@ -174,6 +174,8 @@ def main(argv=None):
 
 
 def run(args):
+    from .devices.probe import check_backend
+    check_backend(args.backend)                # a GPU that is not there: one line, before anything loads
     from .models import resolve_model
     prompt = args.prompt
     try:
@@ -195,8 +197,11 @@ def run(args):
     if args.context is not None and args.context < 1:
         raise ModelError(f"--context must be at least 1, got {args.context}")
     path = resolve_model(args.model)             # checked without opening it: a FIFO would block
+    from .build import COUNTS
+    from .executable import get_device
     from .model import Model
     from .weights import default_dtype, format_resident, load_model
+    get_device(args.backend)                     # the device starts (or fails) before the model loads
     t_load = time.perf_counter()
     cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
     t_load = time.perf_counter() - t_load
@@ -207,11 +212,13 @@ def run(args):
     if args.context is not None and args.context > cfg.max_seq_len:
         raise ModelError(f"--context {args.context} exceeds the {cfg.max_seq_len} positions the model was "
                          f"trained for; use --context {cfg.max_seq_len} or less")
+    t_compile = time.perf_counter()
     model = Model(cfg, params, backend=args.backend, context=args.context, kv_dtype=args.kv_dtype)
     if len(prompt_ids) >= model.context:
         raise ModelError(f"the prompt has {len(prompt_ids)} tokens but the context holds {model.context}; "
                          "shorten the prompt or raise --context")
     model.compile(len(prompt_ids))
+    t_compile = time.perf_counter() - t_compile
     max_tokens = min(args.max_tokens, model.context - len(prompt_ids))
     eos = tuple(cfg.eos_ids) + ((tok.eos_id,) if tok.eos_id is not None else ())
 
@@ -230,9 +237,12 @@ def run(args):
                           "prefill_s": round(stats["prefill_s"], 4)}))
     else:
         sys.stdout.write("\n")
-    print(f"[{len(prompt_ids)} prompt tokens, prefill {stats['prefill_s']:.2f} s; {len(ids)} generated, "
-          f"decode {stats['decode_tokens_per_s']:.1f} tokens/s; backend {args.backend}]", file=sys.stderr)
-    print(f"[{format_resident(params)}; loaded in {t_load:.2f} s]", file=sys.stderr)
+    built = COUNTS["compiles"]
+    print(f"[{len(prompt_ids)} prompt tokens, {len(ids)} generated, decode {stats['decode_tokens_per_s']:.1f} "
+          f"tokens/s; backend {args.backend}; {format_resident(params)}]", file=sys.stderr)
+    print(f"[load {t_load:.2f} s, compile {t_compile:.2f} s ({built} object{'s' * (built != 1)} compiled, "
+          f"{COUNTS['cached']} from the cache), prefill {stats['prefill_s']:.2f} s, "
+          f"decode {stats['decode_s']:.2f} s]", file=sys.stderr)
     return 0
 
 
