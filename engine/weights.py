@@ -146,9 +146,11 @@ def _config_summary(cfg: LlamaConfig) -> str:
 
 
 def _build_params(cfg, dtype, quant, source, fetch, gguf_names: bool):
-    """Assemble the params pytree; ``fetch(name)`` returns a float array, a QArray or None."""
+    """Assemble the params pytree; ``fetch(name)`` returns a float array, a QArray or None.
+    A progress bar counts the tensors on a terminal (``engine/progress.py``)."""
+    from .progress import progress
     params = {"embed": None, "layers": [{} for _ in range(cfg.n_layers)], "norm": None}
-    for key, layer, gname, hname, shape in _tensor_specs(cfg):
+    for key, layer, gname, hname, shape in progress(list(_tensor_specs(cfg)), "loading weights", unit="tensor"):
         name = gname if gguf_names else hname
         w = fetch(name)
         if w is None:
