@@ -408,6 +408,13 @@ out:
 """
 
 
+def _dispatch_object(text: str, tm) -> bytes:
+    """The dispatcher's object code for the host, through the disk cache (a warm start compiles
+    nothing)."""
+    from engine.build import code_cache, compile_source
+    return compile_source(_DispatchCompiler(tm), text, "the thread pool's dispatcher", code_cache()).code
+
+
 class _Pool:
     """``nworkers`` persistent threads running ``vf_worker``; one control block."""
 
@@ -417,10 +424,8 @@ class _Pool:
         text = _DISPATCH_IR.format(pause_decl="declare void @llvm.x86.sse2.pause()" if x86 else "",
                                    pause="call void @llvm.x86.sse2.pause()" if x86 else "")
         tm = _host_target_machine(jit=True)
-        mod = llvm.parse_assembly(text)
-        mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
-        mod.verify()
-        self._engine = llvm.create_mcjit_compiler(mod, tm)
+        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), tm)
+        self._engine.add_object_file(llvm.ObjectFileRef.from_data(_dispatch_object(text, tm)))
         self._engine.finalize_object()
         addr = self._engine.get_function_address
         self.ticks = ctypes.CFUNCTYPE(ctypes.c_int64)(addr("vf_ticks"))
@@ -578,12 +583,17 @@ class LLVMCompiler(Compiler):
         if _VEC_ISA is None:
             _VEC_ISA = _libmvec_widths()                # loaded now: cached objects may call it
         self.jobs = jobs
+        self.identity = self.identity_of()
+
+    @staticmethod
+    def identity_of() -> dict:
+        """The cache identity of this host's objects (see the class)."""
         import llvmlite
         here = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:16]
-        self.identity = {"kind": "llvm-object", "compiler": f"llvmlite {llvmlite.__version__}, LLVM "
-                         + ".".join(map(str, llvm.llvm_version_info)), "arch": llvm.get_process_triple(),
-                         "cpu": llvm.get_host_cpu_name(), "features": llvm.get_host_cpu_features().flatten(),
-                         "libmvec": sorted(_VEC_ISA.items()), "pipeline": here}
+        return {"kind": "llvm-object", "compiler": f"llvmlite {llvmlite.__version__}, LLVM "
+                + ".".join(map(str, llvm.llvm_version_info)), "arch": llvm.get_process_triple(),
+                "cpu": llvm.get_host_cpu_name(), "features": llvm.get_host_cpu_features().flatten(),
+                "libmvec": sorted((_VEC_ISA or {}).items()), "pipeline": here}
 
     def render(self, kernel: Kernel) -> str:
         """LLVM IR of ``kernel``; int8 dot products call ``vpdpbusd`` where the host has VNNI
@@ -650,6 +660,26 @@ class LLVMCompiler(Compiler):
         sym = re.escape(binary.entry)
         m = re.search(rf'^"?{sym}"?:.*?(?=^\.Lfunc_end|\Z)', text, re.S | re.M)
         return m.group(0) if m else text
+
+
+class _DispatchCompiler(LLVMCompiler):
+    """The worker pool's dispatcher (``_DISPATCH_IR``, several functions) compiled as it is."""
+
+    def __init__(self, tm):
+        Compiler.__init__(self)
+        self.tm = tm
+        ident = self.identity_of()
+        ident.pop("libmvec")                          # calls no vector math
+        self.identity = {**ident, "kind": "llvm-dispatch"}
+
+    def entry(self, source: str) -> str:
+        return "vf_run_plan"
+
+    def compile(self, source: str, name: str) -> bytes:
+        mod = llvm.parse_assembly(source)
+        mod.triple, mod.data_layout = self.tm.triple, str(self.tm.target_data)
+        mod.verify()
+        return self.tm.emit_object(mod)
 
 
 # ----------------------------------------------------------------------------- device
