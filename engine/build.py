@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from codegen.loopir import Kernel, canonicalize
-from engine.codecache import CodeCache, cache_key, default_cache_dir
+from engine.codecache import CodeCache, cache_key, default_cache_dir, warn
 from engine.progress import progress
 
 # Switches that never change generated code: left out of render keys.
@@ -194,8 +193,7 @@ def compile_source(compiler: Compiler, source: str, name: str, cache: CodeCache 
         return compiler.compile(source, name)
     code, hit = cache.get_or_build(key, fresh)
     if hit and not compiler.holds(code, compiler.entry(source)):         # a wrong entry: rebuild it
-        print(f"warning: cache entry {cache.path(key)} holds no code for kernel {name}; built again",
-              file=sys.stderr)
+        warn(f"cache entry {cache.path(key)} holds no code for kernel {name}; built again")
         code, hit = fresh(), False
         try:
             cache.put(key, code)

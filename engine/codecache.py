@@ -60,6 +60,16 @@ MAGIC = b"VFCODE1\n"
 _HEADER = struct.Struct("<8sQ32s")            # magic, payload length, payload sha256
 
 
+_WARN_LOCK = threading.Lock()
+
+
+def warn(line: str) -> None:
+    """Print ``warning: line`` on stderr as one whole line (builds run on several threads)."""
+    with _WARN_LOCK:
+        sys.stderr.write(f"warning: {line}\n")
+        sys.stderr.flush()
+
+
 def default_cache_dir() -> Path:
     """``$VEGAFUSE_CACHE_DIR`` if set, else ``~/.cache/vegafuse``."""
     env = os.environ.get("VEGAFUSE_CACHE_DIR")
@@ -164,8 +174,7 @@ class CodeCache:
     def _corrupt(self, path: Path, seen: os.stat_result | None) -> None:
         """A damaged entry (or not a regular file): counted, named in one warning line, removed."""
         self._count("corrupt")
-        print(f"warning: damaged cache entry {path} (not a whole entry); removed and built again",
-              file=sys.stderr)
+        warn(f"damaged cache entry {path} (not a whole entry); removed and built again")
         self._discard(path, seen)
 
     @staticmethod
