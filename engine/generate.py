@@ -199,28 +199,24 @@ def run(args):
     path = resolve_model(args.model)             # checked without opening it: a FIFO would block
     from .build import COUNTS
     from .executable import get_device
-    from .model import Model
-    from .weights import default_dtype, format_resident, load_model
+    from .model import open_model
+    from .weights import format_resident
     get_device(args.backend)                     # the device starts (or fails) before the model loads
     t_load = time.perf_counter()
-    cfg, params, tok = load_model(path, args.dtype or default_dtype(path, args.backend), args.quant)
+    model, tok, eos = open_model(path, args.backend, args.dtype, args.quant, args.context, args.kv_dtype)
     t_load = time.perf_counter() - t_load
+    params = model.params
     text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
     prompt_ids = tok.encode(text)
     if not prompt_ids:
         raise ModelError("the prompt encodes to no tokens: give some text")
-    if args.context is not None and args.context > cfg.max_seq_len:
-        raise ModelError(f"--context {args.context} exceeds the {cfg.max_seq_len} positions the model was "
-                         f"trained for; use --context {cfg.max_seq_len} or less")
-    t_compile = time.perf_counter()
-    model = Model(cfg, params, backend=args.backend, context=args.context, kv_dtype=args.kv_dtype)
     if len(prompt_ids) >= model.context:
         raise ModelError(f"the prompt has {len(prompt_ids)} tokens but the context holds {model.context}; "
                          "shorten the prompt or raise --context")
+    t_compile = time.perf_counter()
     model.compile(len(prompt_ids))
     t_compile = time.perf_counter() - t_compile
     max_tokens = min(args.max_tokens, model.context - len(prompt_ids))
-    eos = tuple(cfg.eos_ids) + ((tok.eos_id,) if tok.eos_id is not None else ())
 
     def emit(piece):
         if piece:
