@@ -91,7 +91,7 @@ def find_cached(spec: str, cache_dir=None) -> str | None:
         raise ModelError(f"{spec}: the cached repo holds {len(ggufs)} GGUF files; pick one, e.g. "
                          f"--model {repo_id}/{ggufs[0]} (others: {', '.join(ggufs[1:])})")
     raise ModelError(f"{spec}: the cached repo holds neither config.json nor a .gguf file; "
-                     "download the model's files with: huggingface-cli download " + repo_id)
+                     "download the model's files with: hf download " + repo_id)
 
 
 def resolve_model(spec: str | None, cache_dir=None) -> str:
@@ -172,7 +172,7 @@ def _list(args):
         print(f"default model: not installed ({e})")
     models = local_models()
     print(f"in the Hugging Face cache {hf_cache_dir()}: {len(models) or 'no'} supported models"
-          f"{':' if models else ' (llama, mistral, qwen2; download one with: huggingface-cli download ORG/NAME)'}")
+          f"{':' if models else ' (llama, mistral, qwen2; download one with: hf download ORG/NAME)'}")
     for spec, arch, _, size in models:
         print(f"  --model {spec:<60} {arch:<8} {size / 1e6:9.1f} MB")
     return 0

@@ -7,7 +7,6 @@ stream and notice clients that went away (their generation stops).  Bad requests
 OpenAI's error JSON; start-up failures (missing model, port in use) print one ``error:`` line
 and exit with status 2.  Needs ``pip install 'vegafuse[serve]'`` (FastAPI and uvicorn).
 """
-import argparse
 import asyncio
 import importlib.util
 import json
@@ -19,7 +18,7 @@ import threading
 import time
 import uuid
 
-from .errors import ModelError, run_cli
+from .errors import ModelError, Parser, run_cli
 
 
 def stream(model, tok, prompt_ids, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None,
@@ -303,8 +302,9 @@ def make_app(engine):
 
 def parse_args(argv=None):
     """The command line (``argv``: a list of str, default ``sys.argv[1:]``) as an argparse Namespace."""
-    p = argparse.ArgumentParser(prog="vegafuse-serve", description=__doc__.split("\n")[0].replace("``", ""))
-    p.add_argument("--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
+    p = Parser("engine.serve", __doc__.split("\n")[0].replace("``", ""))
+    p.add_argument("-m", "--model", help="a GGUF file, a Hugging Face directory or a repo id in the local Hugging "
+                                         "Face cache (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--name", help="the model id clients send (default: the file or directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
@@ -349,8 +349,8 @@ def run(args):
     sock = _listen(args.host, args.port)          # before anything slow: a taken port fails at once
     import uvicorn
     from .model import open_model
-    from .weights import default_model_path
-    path = args.model or default_model_path()
+    from .models import resolve_model
+    path = resolve_model(args.model)              # checked without opening it: a FIFO would block
     model, tok, eos = open_model(path, args.backend, args.dtype, args.quant, args.context, args.kv_dtype)
     model.compile()
     name = args.name or os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
