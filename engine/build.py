@@ -176,8 +176,17 @@ def _render_cached(compiler: Compiler, canonical: Kernel, loop_ir: str, cache: C
     def fresh():
         _count("renders")
         return compiler.render(canonical).encode()
-    key = {**compiler.identity, **parts, "kind": "render", "loop_ir": loop_ir}
+    key = {**compiler.identity, **parts, "kind": "render", "loop_ir": loop_ir, "user_ops": _user_ops(loop_ir)}
     return (cache or code_cache()).get_or_build(key, fresh)[0].decode()
+
+
+def _user_ops(loop_ir: str) -> dict:
+    """The definitions (``codegen.loopir.OPS`` entries) of the primitives a user defined
+    (``dsl.define_elementwise``) whose names the kernel's Loop IR text holds: the Loop IR names
+    such an op, and its rendering comes from the definition, which a user may redefine."""
+    from codegen import loopir as L
+    from dsl.primitives import USER
+    return {n: repr(L.OPS[n]) for n in sorted(USER) if n in L.OPS and n in loop_ir}
 
 
 def compile_source(compiler: Compiler, source: str, name: str, cache: CodeCache | None = None) -> Binary:
