@@ -55,9 +55,10 @@ def sample(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: 
             raise ValueError(f"recent ids must lie in [0, {logits.size}), got {ids[0]} .. {ids[-1]}")
         x = logits[ids]
         logits[ids] = np.where(x <= 0, x * repeat_penalty, x / repeat_penalty)
+    dropped = np.zeros(logits.size, bool)        # min-p's cut, applied after top-p (llama.cpp's order)
     if min_p > 0 and np.isfinite(logits.max()):
         with np.errstate(divide="ignore"):
-            logits[logits < logits.max() + np.log(min_p)] = -np.inf
+            dropped = logits < logits.max() + np.log(min_p)
     if temperature == 0 or top_k == 1 or not np.isfinite(logits).any() or np.isposinf(logits).any():
         return int(np.argmax(logits))          # greedy; also when no finite logit is left to weigh
     if rng is None:
@@ -78,7 +79,8 @@ def sample(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: 
     p /= p.sum()
     if top_p < 1:
         keep = int(np.searchsorted(np.cumsum(p), top_p)) + 1   # first prefix with sum >= top_p
-        p = p[:keep] / p[:keep].sum()
+        p = p[:keep]
+    p = np.where(dropped[order[:len(p)]] if order is not None else dropped, 0.0, p)
     cdf = np.cumsum(p)
     i = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(p) - 1)
     return int(i if order is None else order[i])

@@ -204,3 +204,14 @@ def test_bad_min_p_and_repeat_penalty():
                {"repeat_penalty": 1.2, "recent": [1000]}):
         with pytest.raises(ValueError):
             sample(lg, 1.0, rng=rng, **kw)
+
+
+def test_top_p_weighs_the_distribution_before_min_p_cuts_it():
+    # p = [.5, .3, .12, .08]: min-p 0.2 drops id 3 (.08 < .1); top-p 0.85 over the whole row keeps
+    # ids 0-2 (.5 + .3 + .12 >= .85).  Cutting min-p first would renormalize to .54, .33, .13 and
+    # let top-p stop at two ids, so id 2 (drawn .12 / .92 of the time here) would never appear.
+    lg = np.log(np.array([0.5, 0.3, 0.12, 0.08]))
+    got = draws(lg, n=20000, seed=int(np.random.default_rng().integers(1 << 30)),
+                temperature=1.0, top_p=0.85, min_p=0.2)
+    freq = np.bincount(got, minlength=4) / len(got)
+    np.testing.assert_allclose(freq, np.array([0.5, 0.3, 0.12, 0.0]) / 0.92, atol=0.015)
