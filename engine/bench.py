@@ -22,6 +22,10 @@ launches per token; beside it, the peer measured in the same run: Hugging Face t
 static KV cache and ``torch.compile(mode="reduce-overhead", fullgraph=True)``, same shape and dtype.
 ``--capacity-check`` decodes 64 tokens with KV caches of 512 and 32768 positions.
 
+Streaming: ``python -m engine.bench --backend cuda --stream`` times ``engine.generate.stream``
+(the CLI's, chat's and server's loop; ids drawn on the device and read a few steps behind), greedy
+and sampled, beside the device loop measured in the same run (``main_stream``).
+
 Prefill: ``python -m engine.bench --prefill N`` times the forward over an N-token prompt (median
 of ``--repeat`` runs) and prints tokens/s beside Hugging Face eager f32 on the CPU (the fixed text's
 tokens), or with ``--backend cuda [--model qwen2.5-1.5b]`` (random weights, random ids) beside the
@@ -292,6 +296,54 @@ def main_gpu(args):
     return 0
 
 
+# ------------------------------------------------------------------------------ streaming (--stream)
+def main_stream(args):
+    """``--stream``: ``engine.generate.stream`` on the GPU (what the CLI, the chat and the server run)
+    against the device loop (``Model.decode_greedy``: ids kept on the device, read once at the end),
+    on a real model and prompt, measured in the same run in rounds A/B/A: the device loop, the stream
+    greedy, the stream sampled (temperature 0.8, top-p 0.95), and the stream with its draws on the
+    host (``VEGAFUSE_DEVICE_SAMPLING=0``: the logits read back every step).  Each rate counts the
+    ``--tokens`` decode steps after the prompt's token; no EOS stops a run."""
+    from .generate import Finished, stream
+    from .model import open_model
+    model, tok, _ = open_model(args.model, backend="cuda", context=args.context, kv_dtype=args.kv_dtype)
+    ids, n = tok.encode(args.prompt), args.tokens
+
+    def device_loop():
+        first = int(np.argmax(np.asarray(model.prefill(ids))))
+        t0 = time.perf_counter()
+        model.decode_greedy(first, n)
+        return n / (time.perf_counter() - t0)
+
+    def streamed(on_host=False, **kw):
+        os.environ["VEGAFUSE_DEVICE_SAMPLING"] = "0" if on_host else "1"
+        try:
+            for item in stream(model, tok, ids, max_tokens=n + 1, seed=0, **kw):
+                if isinstance(item, Finished):
+                    return item.stats["decode_tokens_per_s"]
+        finally:
+            os.environ.pop("VEGAFUSE_DEVICE_SAMPLING")
+
+    runs = {"device loop, greedy": device_loop,
+            "stream, greedy": lambda: streamed(temperature=0.0),
+            "stream, temp 0.8 top-p 0.95": lambda: streamed(temperature=0.8, top_p=0.95),
+            "stream, greedy, host draws": lambda: streamed(on_host=True, temperature=0.0)}
+    for f in runs.values():                     # compile, capture the graphs
+        f()
+    got = {k: [] for k in runs}
+    for _ in range(2):                          # A/B/A: each kind runs in two rounds
+        for k, f in runs.items():
+            got[k].append(f())
+    table, tg = Table(), f"tg{n}"
+    for k, rates in got.items():
+        table.row(f"{os.path.basename(args.model)}"[:28], "", f"cuda {k}", tg, max(rates))
+    best = {k: max(v) for k, v in got.items()}
+    print(f"stream / device loop, greedy: {ratio(best['stream, greedy'], best['device loop, greedy'])};  "
+          f"sampled / greedy, streamed: {ratio(best['stream, temp 0.8 top-p 0.95'], best['stream, greedy'])};  "
+          f"rounds: " + ", ".join(f"{k} {' '.join(f'{r:.0f}' for r in v)}" for k, v in got.items()))
+    return 0
+
+
 # ------------------------------------------------------------------------------ prefill (--prefill N)
 def prefill_ids(n, vocab, tok=None):
     """An N-token prompt: the fixed public-domain text's tokens (repeated as needed) with a
@@ -475,6 +527,8 @@ def parse_args(argv=None):
     p.add_argument("--reference-tokens", type=int, default=8, help="tokens for the slow interpreter (default 8)")
     p.add_argument("-p", "--prompt", default="The capital of France is")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
+    p.add_argument("--stream", action="store_true",
+                   help="time engine.generate's streaming, greedy and sampled, against the device loop (cuda)")
     p.add_argument("--prefill", type=int, metavar="N", help="time the prefill of an N-token prompt instead of decode")
     p.add_argument("--repeat", type=int, default=5, help="prefill runs to take the median of (default 5)")
     args = p.parse_args(argv)
@@ -496,6 +550,9 @@ def parse_args(argv=None):
         if args.quant not in (None, args.dtype):
             p.error(f"--dtype {args.dtype} and --quant {args.quant} disagree: give one of them")
         args.quant = args.dtype
+    if args.stream and (args.backend != "cuda" or args.random_weights or args.model in SHAPES or args.prefill):
+        p.error("--stream times a real model's text with --backend cuda: give a model file or leave --model "
+                "out for the default SmolLM2 (no --random-weights, shape or --prefill)")
     if args.prefill is not None and args.prefill < 1:
         p.error("--prefill takes a prompt length of at least 1 token")
     return args
@@ -508,13 +565,15 @@ def main(argv=None):
 
 def run(args):
     """Run the measurement ``args`` asks for (parsed by :func:`parse_args`); returns 0."""
-    if args.model not in SHAPES and not args.random_weights and (args.backend == "cpu" or args.model):
+    if args.model not in SHAPES and not args.random_weights and (args.backend == "cpu" or args.model or args.stream):
         from .models import resolve_model
         args.model = resolve_model(args.model)          # checked before loading: a FIFO would block
     if args.prefill is not None:
         if args.backend == "cuda" and args.dtype in (None, "native"):
             args.dtype = "f16"
         return main_prefill(args)
+    if args.stream:
+        return main_stream(args)
     if args.backend == "cuda":
         random = args.random_weights or (args.model or "smollm2-135m") in SHAPES
         if random and args.dtype == "native":

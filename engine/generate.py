@@ -10,6 +10,7 @@ with status 2.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import NamedTuple
@@ -43,6 +44,13 @@ def _held(text: str, stop) -> int:
                 if text.endswith(s[:n])), default=0)
 
 
+def _on_device(model, repeat_penalty) -> bool:
+    """Whether decode steps draw their ids on the device (``Model.decode_ids``): on GPU backends,
+    without a repeat penalty (it needs the ids' history), unless ``VEGAFUSE_DEVICE_SAMPLING=0``."""
+    return (repeat_penalty == 1 and hasattr(model, "decode_ids") and getattr(model, "backend", "") in ("cuda", "hip")
+            and os.environ.get("VEGAFUSE_DEVICE_SAMPLING", "1") != "0")
+
+
 def stream(model, tokenizer, prompt_ids, max_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
            repeat_penalty=1.0, seed=None, eos_ids=(), stop=(), repeat_last_n=64):
     """Prefill ``prompt_ids``, then decode up to ``max_tokens`` ids; yield the text as it is decoded.
@@ -52,7 +60,10 @@ def stream(model, tokenizer, prompt_ids, max_tokens=128, temperature=0.0, top_k=
     ``stop`` strings: the text before it is yielded, the stop string and what follows are not.  Text
     that could be the start of a stop string is held back until it is known not to be.  Sampling
     is :func:`engine.sampling.sample` with a ``np.random.default_rng(seed)``; the repeat penalty
-    looks at the last ``repeat_last_n`` ids of the prompt and the generated text (0: none).
+    looks at the last ``repeat_last_n`` ids of the prompt and the generated text (0: none).  On a
+    GPU backend the decode steps draw their ids on the device (``Model.decode_ids``: the same
+    distribution, ``stdlib.sampling.sample``, with uniforms from the same generator), and the
+    host reads them a few steps behind; a repeat penalty keeps the draws here.
     ``model``: an ``engine.model.Model`` (``prefill(ids)`` and ``decode(id)`` return logits [V]).
     Closing the generator early (``.close()``, or leaving a for loop) stops decoding.
 
@@ -69,24 +80,41 @@ def stream(model, tokenizer, prompt_ids, max_tokens=128, temperature=0.0, top_k=
     t1 = time.perf_counter()
     window = (lambda h: h[-repeat_last_n:]) if repeat_last_n > 0 else (lambda h: [])  # noqa: E731
     ids, text, pending, history, reason, hit = [], [], "", window(list(prompt_ids)), "length", -1
-    for step in range(max_tokens):
-        if step:
-            logits = model.decode(ids[-1])
+
+    def draws(logits):
+        """The generated ids: the first from the prompt's logits, the rest from decode steps,
+        drawn on the device when the model can (``_on_device``), else here from the logits."""
         nxt = sample(logits, temperature, top_k, top_p, rng, min_p, repeat_penalty, history)
-        if is_eos(nxt, eos_ids):
-            reason = "stop"
-            break
-        ids.append(nxt)
-        history = window(history + [nxt])
-        pending += decoder.push(nxt)
-        hit = _find_stop(pending, stop)
-        if hit >= 0:
-            break
-        n = len(pending) - _held(pending, stop)
-        if n:
-            text.append(pending[:n])
-            yield pending[:n]
-            pending = pending[n:]
+        yield nxt
+        if _on_device(model, repeat_penalty):
+            greedy = temperature == 0 or top_k == 1
+            yield from model.decode_ids(nxt, max_tokens - 1, rng=rng, sampling=None if greedy else dict(
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+            return
+        while True:
+            logits = model.decode(nxt)
+            nxt = sample(logits, temperature, top_k, top_p, rng, min_p, repeat_penalty, history)
+            yield nxt
+
+    ids_drawn = draws(logits)
+    try:
+        for _, nxt in zip(range(max_tokens), ids_drawn):
+            if is_eos(nxt, eos_ids):
+                reason = "stop"
+                break
+            ids.append(nxt)
+            history = window(history + [nxt])
+            pending += decoder.push(nxt)
+            hit = _find_stop(pending, stop)
+            if hit >= 0:
+                break
+            n = len(pending) - _held(pending, stop)
+            if n:
+                text.append(pending[:n])
+                yield pending[:n]
+                pending = pending[n:]
+    finally:
+        ids_drawn.close()               # a device loop running ahead stops, and the model's position is set
     if hit < 0:
         pending += decoder.flush()
         hit = _find_stop(pending, stop)

@@ -18,6 +18,7 @@ import numpy as np
 
 import dsl
 from stdlib import llama
+from stdlib.sampling import sample as draw_token
 from stdlib.config import LlamaConfig
 
 from .errors import ModelError
@@ -59,8 +60,15 @@ class Model:
         def greedy(params, tokens, pos, last, cache):
             nxt, _, cache = llama.greedy_forward(cfg, params, tokens, pos, last, cache)
             return dsl.reshape(nxt, (1,)), cache
+        def sampled(params, tokens, pos, last, cache, uniforms, settings, top_k):
+            logits, cache = llama.forward(cfg, params, tokens, pos, last, cache)
+            u = dsl.reshape(dsl.take(uniforms, dsl.reshape(pos, (1,))), ())    # this position's draw
+            return dsl.reshape(draw_token(logits, u, settings, top_k), (1,)), cache
         self.step = dsl.jit(forward, donate_argnums=(4,), backend=backend, fusion=fusion)
         self.greedy_step = dsl.jit(greedy, donate_argnums=(4,), backend=backend, fusion=fusion)
+        self.sample_step = dsl.jit(sampled, donate_argnums=(4,), static_argnums=(7,), backend=backend,
+                                   fusion=fusion)
+        self._draw = self._ring = None            # decode_ids' uniforms and settings; its id ring
 
     def _run(self, tokens, last):
         logits, self.cache = self.step(self.params, tokens, self.pos, last, self.cache)
@@ -121,19 +129,36 @@ class Model:
         self.pos += 1
         return logits
 
+    def _device_step(self, sampling=None):
+        """The decode step that draws its next id on the device, bound to this model's cache:
+        (executable, its token input buffer, its position scalar's name, its next-id buffer).
+        ``sampling``: None for greedy (argmax), else a dict of temperature, top_k, top_p, min_p
+        (``stdlib.sampling.sample``; the settings are uploaded, top_k selects the program)."""
+        args = [self.params, np.zeros(1, np.int32), self.pos, 0, self.cache]
+        if sampling is None:
+            ex = self.greedy_step.compile(*args)
+        else:
+            dev = self.device
+            if self._draw is None:
+                self._draw = (dev.empty((self.context,), "f32"), dev.empty((3,), "f32"))
+            dev.copy_in(self._draw[1], np.array([sampling["temperature"], sampling["top_p"],
+                                                 sampling["min_p"]], np.float32))
+            args += list(self._draw)
+            ex = self.sample_step.compile(*args, int(sampling["top_k"]))
+        bufs = ex.bind(*dsl.tree_flatten(args)[0])
+        tokens = bufs[ex.plan.inputs[len(dsl.tree_flatten(self.params)[0])]]
+        pos_name = [name for name in ex.plan.inputs if name in ex.plan.scalars][0]
+        return ex, tokens, pos_name, ex.output_buffers()[0]
+
     def decode_greedy(self, token_id, n):
         """Greedy-decode ``n`` tokens after ``token_id`` with everything on the device: the argmax
         runs in a kernel, its id is copied device-to-device into the next step's input, the
         position advances in device memory, and the host waits once at the end.  Returns the ids."""
         if self.pos + n > self.context:
             raise ContextFull(f"{n} more tokens do not fit the KV cache ({self.context} positions)")
-        ex = self.greedy_step.compile(self.params, np.zeros(1, np.int32), 0, 0, self.cache)
-        args = [self.params, np.array([token_id], np.int32), self.pos, 0, self.cache]
-        bufs = ex.bind(*dsl.tree_flatten(args)[0])
-        tokens = bufs[ex.plan.inputs[len(dsl.tree_flatten(self.params)[0])]]
-        pos_name = [name for name in ex.plan.inputs if name in ex.plan.scalars][0]
-        nxt = ex.output_buffers()[0]
+        ex, tokens, pos_name, nxt = self._device_step()
         dev = self.device
+        dev.copy_in(tokens, np.array([token_id], np.int32))
         ids = dev.empty((n,), "i32")
         for i in range(n):
             ex.set_scalar(pos_name, self.pos)
@@ -142,6 +167,51 @@ class Model:
             dev.copy(ids.ptr + 4 * i if hasattr(ids, "ptr") else ids[i:i + 1], nxt, 4)
             self.pos += 1
         return [int(x) for x in dev.to_host(ids)]
+
+    def decode_ids(self, token_id, n, sampling=None, rng=None, lag=4):
+        """Yield up to ``n`` ids decoded after ``token_id``, each drawn on the device (GPU backends).
+
+        Each step's id comes from a kernel (argmax, or ``stdlib.sampling.sample`` when ``sampling``
+        is a dict of temperature > 0, top_k, top_p, min_p, with one uniform number a step drawn
+        from ``rng``, an ``np.random.Generator``, and uploaded up front).  It is copied on the
+        device into the next step's input and asynchronously into pinned host memory; the host
+        reads it ``lag`` steps later, so the GPU never waits for the host, and a captured graph
+        replays each step.  Closing the generator stops decoding: ``pos`` then counts the ids
+        yielded (the steps run past them are overwritten by the next decode).
+
+        Raises:
+            ModelError: not a GPU backend, or sampling without ``rng``.
+            ContextFull: the KV cache filled before ``n`` ids (the ids that fitted were yielded).
+        """
+        dev = self.device
+        if dev is None or not hasattr(dev, "id_ring"):
+            raise ModelError(f"decode_ids needs a GPU backend (cuda or hip), not {self.backend}")
+        if sampling is not None and rng is None:
+            raise ModelError("sampling on the device needs an np.random.Generator")
+        ex, tokens, pos_name, nxt = self._device_step(sampling)
+        if sampling is not None:
+            dev.copy_in(self._draw[0], rng.random(self.context, dtype=np.float32))   # u for each position
+        dev.copy_in(tokens, np.array([token_id], np.int32))
+        if self._ring is None or self._ring.n <= lag:
+            self._ring = dev.id_ring(max(16, lag + 1))
+        ring, start, launched, done = self._ring, self.pos, 0, 0
+        try:
+            while done < n:
+                while launched < n and launched - done < lag and start + launched < self.context:
+                    ex.set_scalar(pos_name, start + launched)
+                    ex.launch()
+                    dev.copy(tokens, nxt, 4)                  # the next step's input, on the device
+                    ring.post(launched, nxt.ptr)
+                    launched += 1
+                if done == launched:
+                    raise ContextFull(f"the KV cache is full ({self.context} positions); raise --context")
+                token = ring.read(done)
+                done += 1
+                self.pos = start + done
+                yield token
+        finally:
+            self.pos = start + done
+            dev.synchronize()
 
     def bucket(self, n):
         """Padded prefill length for an n-token prompt: a power of two, at least 8."""

@@ -696,3 +696,45 @@ def test_smollm2_continuation_prefill_matches_a_fresh_prefill():
     from engine.weights import default_model_path, load_model
     from tests.test_chat import check_extend
     check_extend(*load_model(default_model_path()), backend="cuda")
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.8, top_p=0.95), dict(temperature=0.7, top_k=40, min_p=0.05)])
+def test_device_sampler_draws_the_reference_inverse_cdf(kw):
+    """stdlib.sampling.sample over a SmolLM2-sized row (49152 ids) on the GPU, id for id against
+    the float64 reference's inverse CDF (tests/test_device_sampling.py runs it on the CPU)."""
+    from tests.test_device_sampling import check_draws
+    check_draws(kw, backend="cuda", V=49152, n=30)
+
+
+def test_smollm2_streams_with_its_ids_drawn_on_the_device():
+    """engine.generate.stream on the GPU draws its ids on the device and reads them behind: greedy,
+    it gives the reference ids (and the host-drawn path's); seeded sampling repeats; stopping early
+    leaves the model's position at the ids taken, from where decoding continues the reference."""
+    import os
+    from engine.generate import Finished, stream
+    from engine.model import Model
+    from engine.weights import default_model_path, load_model
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    cfg, params, tok = load_model(default_model_path())
+    m = Model(cfg, params, backend="cuda", context=64)
+
+    def run(**kw):
+        out = [x for x in stream(m, tok, PROMPT_IDS, max_tokens=20, **kw)][-1]
+        assert isinstance(out, Finished)
+        return out.ids
+    assert run(temperature=0.0) == REFERENCE_IDS
+    os.environ["VEGAFUSE_DEVICE_SAMPLING"] = "0"
+    try:
+        assert run(temperature=0.0) == REFERENCE_IDS
+        host = run(temperature=0.8, top_p=0.95, seed=3)
+    finally:
+        del os.environ["VEGAFUSE_DEVICE_SAMPLING"]
+    a, b = run(temperature=0.8, top_p=0.95, seed=3), run(temperature=0.8, top_p=0.95, seed=3)
+    assert a == b and len(a) == 20 and a[0] == host[0]     # the first id is drawn from the prefill's logits
+    m.reset()
+    m.prefill(PROMPT_IDS)
+    ids = m.decode_ids(REFERENCE_IDS[0], 19)
+    taken = [next(ids) for _ in range(5)]
+    ids.close()
+    assert taken == REFERENCE_IDS[1:6] and m.pos == len(PROMPT_IDS) + 5
+    assert m.decode_greedy(REFERENCE_IDS[5], 14) == REFERENCE_IDS[6:]

@@ -139,6 +139,9 @@ class CUDADevice(GPUDevice):
     def _dtod_async(self, dst, src, n):
         _check(self.drv.cuMemcpyDtoDAsync(dst, src, n, self.stream), "cuMemcpyDtoDAsync")
 
+    def _dtoh_async(self, dst, src, n):
+        _check(self.drv.cuMemcpyDtoHAsync(dst, src, n, self.stream), "cuMemcpyDtoHAsync")
+
     def _host_alloc(self, n):
         return _check(self.drv.cuMemHostAlloc(n, 0), "cuMemHostAlloc")
 
@@ -153,6 +156,9 @@ class CUDADevice(GPUDevice):
 
     def _elapsed_ms(self, ev0, ev1):
         return _check(self.drv.cuEventElapsedTime(ev0, ev1), "cuEventElapsedTime")
+
+    def _event_wait(self, ev):
+        _check(self.drv.cuEventSynchronize(ev), "cuEventSynchronize")
 
     def _launch(self, ck, args):
         h = ck.hip

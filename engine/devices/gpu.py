@@ -14,10 +14,12 @@ here over a handful of driver primitives that each backend supplies:
 ``_htod(dst, src, n)``                 host -> device, synchronous
 ``_dtoh(dst, src, n)``                 device -> host, synchronous
 ``_dtod_async(dst, src, n)``           device -> device on the stream
-``_host_alloc(n) -> int``              pinned host memory (the scalar upload ring)
+``_dtoh_async(dst, src, n)``           device -> pinned host memory on the stream
+``_host_alloc(n) -> int``              pinned host memory (the scalar upload ring, the id ring)
 ``_sync(what, kernel=None)``           wait for the stream; a failure names ``what`` and the kernel
-``_event()``, ``_record(ev)``,         timing events on the stream
-``_elapsed_ms(ev0, ev1)``
+``_event()``, ``_record(ev)``,         events on the stream: timing, and waiting for one step
+``_elapsed_ms(ev0, ev1)``,
+``_event_wait(ev)``
 ``_launch(ck, args)``                  launch ``ck`` on the stream; ``args``: uint64 array of the
                                        addresses of each parameter's value (``kernelParams``)
 ``_capture(launches) -> (graph, exec)`` record the launches into a graph
@@ -127,6 +129,28 @@ class ScalarSlots:
         ctypes.memmove(host, self.values.ctypes.data, n)
         self.device._htod_async(self.buf.ptr, host, n, stream)
         self.dirty = False
+
+
+class IdRing:
+    """``n`` slots of pinned host memory for i32 values read back a few steps late: ``post(i, src)``
+    queues, on the stream, a copy of the i32 at device address ``src`` into slot ``i % n`` and
+    records the slot's event; ``read(i)`` waits for that event only and returns the value.  The
+    caller keeps fewer than ``n`` posts unread (a slot is reused ``n`` posts later)."""
+
+    def __init__(self, device, n=16):
+        self.device, self.n = device, n
+        self.host = device._host_alloc(4 * n)
+        self.events = [device._event() for _ in range(n)]
+
+    def post(self, i, src):
+        d, slot = self.device, i % self.n
+        d._dtoh_async(int(self.host) + 4 * slot, src, 4)
+        d._record(self.events[slot])
+
+    def read(self, i) -> int:
+        slot = i % self.n
+        self.device._event_wait(self.events[slot])
+        return int(ctypes.c_int32.from_address(int(self.host) + 4 * slot).value)
 
 
 class GPUKernel:
@@ -260,6 +284,10 @@ class GPUDevice:
 
     def synchronize(self):
         self._sync(self._SYNC)
+
+    def id_ring(self, n=16):
+        """An :class:`IdRing` of ``n`` pinned slots (generated ids read while the GPU runs ahead)."""
+        return IdRing(self, n)
 
     def is_device_array(self, x):
         return isinstance(x, DeviceArray)

@@ -164,6 +164,9 @@ class HIPDevice(GPUDevice):
     def _dtod_async(self, dst, src, n):
         _check(self.hip.hipMemcpyDtoDAsync(dst, src, n, self.stream), "hipMemcpyDtoDAsync")
 
+    def _dtoh_async(self, dst, src, n):
+        _check(self.hip.hipMemcpyDtoHAsync(dst, src, n, self.stream), "hipMemcpyDtoHAsync")
+
     def _host_alloc(self, n):
         return int(_check(self.hip.hipHostMalloc(n, 0), "hipHostMalloc"))
 
@@ -178,6 +181,9 @@ class HIPDevice(GPUDevice):
 
     def _elapsed_ms(self, ev0, ev1):
         return _check(self.hip.hipEventElapsedTime(ev0, ev1), "hipEventElapsedTime")
+
+    def _event_wait(self, ev):
+        _check(self.hip.hipEventSynchronize(ev), "hipEventSynchronize")
 
     def _launch(self, ck, args):
         h = ck.hip

@@ -1,0 +1,86 @@
+"""stdlib.sampling.sample, the sampler a decode step runs on the device, against the float64
+reference distribution of engine.sampling.sample: for each uniform number u the draw must be
+the inverse CDF of the reference's kept probabilities (ids in order), so every setting is checked
+id for id, not by counting frequencies."""
+import numpy as np
+import pytest
+
+import dsl
+from stdlib.sampling import sample as draw
+
+from tests.test_sampling import reference_probs
+
+SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_p=0.95),
+    dict(temperature=0.7, top_k=20),
+    dict(temperature=1.3, top_k=50, top_p=0.8, min_p=0.05),
+    dict(temperature=0.5, min_p=0.1),
+    dict(temperature=2.0, top_p=0.3),
+]
+
+
+def inverse_cdf(q, u):
+    """The smallest id whose prefix sum of q exceeds u."""
+    return int(np.searchsorted(np.cumsum(q), u, side="right"))
+
+
+def check_draws(kw, backend="cpu", V=None, n=60):
+    """The device sampler on ``backend`` against the reference's inverse CDF for ``n`` fresh u's."""
+    rng = np.random.default_rng()
+    V = V or int(rng.integers(200, 700))
+    logits = (rng.standard_normal(V) * rng.uniform(1.0, 4.0)).astype(np.float32)
+    kw = dict(dict(top_k=0, top_p=1.0, min_p=0.0), **kw)
+    q = reference_probs(logits, **kw)
+    f = dsl.jit(lambda lg, u, s: draw(lg, u, s, kw["top_k"]), backend=backend)
+    settings = np.array([kw["temperature"], kw["top_p"], kw["min_p"]], np.float32)
+    cdf = np.cumsum(q)
+    checked = 0
+    for u in rng.random(n).astype(np.float32):
+        if np.min(np.abs(cdf - u)) < 1e-4:          # on a boundary: f32 sums may fall either side
+            continue
+        got = int(np.asarray(f(logits, u, settings)))
+        assert got == inverse_cdf(q, u), (u, got, inverse_cdf(q, u), q[got])
+        checked += 1
+    assert checked > n // 2
+
+
+@pytest.mark.parametrize("kw", SETTINGS)
+def test_draws_are_the_reference_inverse_cdf(kw):
+    check_draws(kw)
+
+
+def test_nan_and_masked_logits_are_never_drawn():
+    rng = np.random.default_rng()
+    logits = rng.standard_normal(64).astype(np.float32)
+    logits[rng.choice(64, 20, replace=False)] = np.nan
+    logits[rng.choice(64, 10, replace=False)] = -np.inf
+    bad = ~np.isfinite(logits)
+    f = dsl.jit(lambda lg, u, s: draw(lg, u, s), backend="cpu")
+    s = np.array([1.5, 1.0, 0.0], np.float32)
+    got = {int(np.asarray(f(logits, u, s))) for u in rng.random(40).astype(np.float32)}
+    assert not any(bad[i] for i in got) and len(got) > 3
+
+
+def test_min_p_one_keeps_only_the_most_likely_id():
+    rng = np.random.default_rng()
+    logits = rng.standard_normal(100).astype(np.float32)
+    f = dsl.jit(lambda lg, u, s: draw(lg, u, s, 7), backend="cpu")
+    s = np.array([1.0, 0.9, 1.0], np.float32)
+    assert {int(np.asarray(f(logits, u, s))) for u in rng.random(10).astype(np.float32)} == {int(np.argmax(logits))}
+
+
+def test_the_cpu_model_keeps_drawing_on_the_host(monkeypatch):
+    from engine.generate import _on_device
+
+    class GPUModel:
+        backend = "cuda"
+
+        def decode_ids(self):
+            pass
+    assert _on_device(GPUModel(), 1.0) and not _on_device(GPUModel(), 1.1)
+    monkeypatch.setenv("VEGAFUSE_DEVICE_SAMPLING", "0")
+    assert not _on_device(GPUModel(), 1.0)
+    monkeypatch.delenv("VEGAFUSE_DEVICE_SAMPLING")
+    GPUModel.backend = "cpu"
+    assert not _on_device(GPUModel(), 1.0)
