@@ -8,6 +8,7 @@ import pytest
 import dsl
 from stdlib.sampling import sample as draw
 
+from tests.emulation import GXX
 from tests.test_sampling import reference_probs
 
 SETTINGS = [
@@ -84,3 +85,45 @@ def test_the_cpu_model_keeps_drawing_on_the_host(monkeypatch):
     monkeypatch.delenv("VEGAFUSE_DEVICE_SAMPLING")
     GPUModel.backend = "cpu"
     assert not _on_device(GPUModel(), 1.0)
+
+
+def emulate_plan(f, args, target, tmp):
+    """Every kernel of ``f``'s plan as ``target``'s GPU kernel text, run in order by the CPU emulation
+    (``tests/gpu_emulation.h``); returns the outputs (buffers start as NaN: one never written shows)."""
+    from codegen import prelude
+    from codegen.hip import render_hip
+    from engine.pipeline import lower_program
+    from tests.emulation import emulated, launch
+    plan = lower_program(dsl.jit(f).lower(*args))
+    bufs = {n: np.atleast_1d(np.ascontiguousarray(a)).copy() for n, a in zip(plan.inputs, args)}
+    for k in plan.kernels:
+        h = render_hip(k, target)
+        for p in k.params:
+            if p.name not in bufs:
+                bufs[p.name] = np.full(max(1, int(np.prod(p.shape))), np.nan if p.dtype == "f32" else -7,
+                                       np.float32 if p.dtype == "f32" else np.int32)
+        defines = f"#define VF_BLOCK {h.block[0]}\n#define VF_WAVES (VF_BLOCK / VF_WAVE)\n#define VF_ATT_BLOCK VF_BLOCK\n"
+        launch(emulated(h, tmp, defines, prelude._NV_WAVE_SUM + prelude._COMMON.format()), h,
+               [bufs[p.name] for p in k.params])
+    return [bufs[plan.aliases.get(o[1], o[1])] for o in plan.outputs]
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+def test_the_gpu_kernel_text_draws_the_reference_inverse_cdf(target, tmp_path_factory):
+    """The sampler's kernels as the GPU runs them (wave 32 on sm_90, 64 on gfx906: block reductions,
+    the bisection loops on one workgroup), on top-k + top-p + min-p, id for id against the reference."""
+    from codegen.targets import get_target
+    rng = np.random.default_rng()
+    V = int(rng.integers(300, 900))
+    logits = (rng.standard_normal(V) * 2.5).astype(np.float32)
+    kw = dict(temperature=0.9, top_k=60, top_p=0.9, min_p=0.02)
+    q = reference_probs(logits, **kw)
+    cdf = np.cumsum(q)
+    settings = np.array([kw["temperature"], kw["top_p"], kw["min_p"]], np.float32)
+    tmp = str(tmp_path_factory.mktemp("sampler"))
+    us = [u for u in rng.random(12).astype(np.float32) if np.min(np.abs(cdf - u)) > 1e-4][:4]
+    for u in us:
+        (got,) = emulate_plan(lambda lg, u, s: draw(lg, u, s, kw["top_k"]), (logits, u, settings),
+                              get_target(target), tmp)
+        assert int(got[0]) == inverse_cdf(q, u), (u, int(got[0]), inverse_cdf(q, u))
