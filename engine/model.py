@@ -129,11 +129,12 @@ class Model:
         self.pos += 1
         return logits
 
-    def _device_step(self, sampling=None):
+    def _device_step(self, sampling=None, uniforms=None):
         """The decode step that draws its next id on the device, bound to this model's cache:
         (executable, its token input buffer, its position scalar's name, its next-id buffer).
         ``sampling``: None for greedy (argmax), else a dict of temperature, top_k, top_p, min_p
-        (``stdlib.sampling.sample``; the settings are uploaded, top_k selects the program)."""
+        (``stdlib.sampling.sample``; the settings and ``uniforms``, f32 [context], one per position,
+        are uploaded before binding; top_k selects the program)."""
         args = [self.params, np.zeros(1, np.int32), self.pos, 0, self.cache]
         if sampling is None:
             ex = self.greedy_step.compile(*args)
@@ -141,6 +142,7 @@ class Model:
             dev = self.device
             if self._draw is None:
                 self._draw = (dev.empty((self.context,), "f32"), dev.empty((3,), "f32"))
+            dev.copy_in(self._draw[0], uniforms)
             dev.copy_in(self._draw[1], np.array([sampling["temperature"], sampling["top_p"],
                                                  sampling["min_p"]], np.float32))
             args += list(self._draw)
@@ -169,7 +171,7 @@ class Model:
         return [int(x) for x in dev.to_host(ids)]
 
     def decode_ids(self, token_id, n, sampling=None, rng=None, lag=4):
-        """Yield up to ``n`` ids decoded after ``token_id``, each drawn on the device (GPU backends).
+        """Yield up to ``n`` ids decoded after ``token_id``, each drawn on the device.
 
         Each step's id comes from a kernel (argmax, or ``stdlib.sampling.sample`` when ``sampling``
         is a dict of temperature > 0, top_k, top_p, min_p, with one uniform number a step drawn
@@ -180,17 +182,16 @@ class Model:
         yielded (the steps run past them are overwritten by the next decode).
 
         Raises:
-            ModelError: not a GPU backend, or sampling without ``rng``.
+            ModelError: the reference backend (no device), or sampling without ``rng``.
             ContextFull: the KV cache filled before ``n`` ids (the ids that fitted were yielded).
         """
         dev = self.device
         if dev is None or not hasattr(dev, "id_ring"):
-            raise ModelError(f"decode_ids needs a GPU backend (cuda or hip), not {self.backend}")
+            raise ModelError(f"decode_ids runs compiled kernels: the {self.backend} backend has none")
         if sampling is not None and rng is None:
             raise ModelError("sampling on the device needs an np.random.Generator")
-        ex, tokens, pos_name, nxt = self._device_step(sampling)
-        if sampling is not None:
-            dev.copy_in(self._draw[0], rng.random(self.context, dtype=np.float32))   # u for each position
+        uniforms = rng.random(self.context, dtype=np.float32) if sampling is not None else None
+        ex, tokens, pos_name, nxt = self._device_step(sampling, uniforms)         # u for each position
         dev.copy_in(tokens, np.array([token_id], np.int32))
         if self._ring is None or self._ring.n <= lag:
             self._ring = dev.id_ring(max(16, lag + 1))
@@ -201,7 +202,7 @@ class Model:
                     ex.set_scalar(pos_name, start + launched)
                     ex.launch()
                     dev.copy(tokens, nxt, 4)                  # the next step's input, on the device
-                    ring.post(launched, nxt.ptr)
+                    ring.post(launched, nxt)
                     launched += 1
                 if done == launched:
                     raise ContextFull(f"the KV cache is full ({self.context} positions); raise --context")

@@ -127,3 +127,60 @@ def test_the_gpu_kernel_text_draws_the_reference_inverse_cdf(target, tmp_path_fa
         (got,) = emulate_plan(lambda lg, u, s: draw(lg, u, s, kw["top_k"]), (logits, u, settings),
                               get_target(target), tmp)
         assert int(got[0]) == inverse_cdf(q, u), (u, int(got[0]), inverse_cdf(q, u))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from engine.weights import default_model_path, load_model
+    return load_model(default_model_path())
+
+
+def test_decode_ids_greedy_gives_the_reference_and_stops_where_it_is_closed(smollm2):
+    """Model.decode_ids on the CPU backend (the loop the GPU runs: ids fed back on the device, read a
+    few steps behind): the reference greedy ids; closed early, the position counts the ids taken and
+    decoding continues the reference from there; a full cache raises after the ids that fitted."""
+    from engine.model import ContextFull, Model
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    cfg, params, _ = smollm2
+    m = Model(cfg, params, backend="cpu", context=64)
+    m.prefill(PROMPT_IDS)
+    assert list(m.decode_ids(REFERENCE_IDS[0], 19, lag=3)) == REFERENCE_IDS[1:]
+    assert m.pos == len(PROMPT_IDS) + 19
+    m.prefill(PROMPT_IDS)
+    ids = m.decode_ids(REFERENCE_IDS[0], 19, lag=4)
+    taken = [next(ids) for _ in range(5)]
+    ids.close()
+    assert taken == REFERENCE_IDS[1:6] and m.pos == len(PROMPT_IDS) + 5
+    assert list(m.decode_ids(REFERENCE_IDS[5], 14)) == REFERENCE_IDS[6:]
+    m = Model(cfg, params, backend="cpu", context=len(PROMPT_IDS) + 4)
+    m.prefill(PROMPT_IDS)
+    got = []
+    with pytest.raises(ContextFull):
+        for i in m.decode_ids(REFERENCE_IDS[0], 19):
+            got.append(i)
+    assert got == REFERENCE_IDS[1:5] and m.pos == m.context
+
+
+def test_decode_ids_sampled_draws_each_step_from_the_reference_distribution(smollm2):
+    """Sampled decode_ids: step p's id is the inverse CDF, at the uniform number the seeded generator
+    gave position p, of the reference distribution of that step's logits (the same ids fed through
+    Model.decode on the host)."""
+    from engine.model import Model
+    from tests.test_model import PROMPT_IDS
+    cfg, params, _ = smollm2
+    kw = dict(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02)
+    m = Model(cfg, params, backend="cpu", context=48)
+    first = int(np.argmax(m.prefill(PROMPT_IDS)))
+    seed = int(np.random.default_rng().integers(1 << 30))
+    ids = list(m.decode_ids(first, 12, sampling=kw, rng=np.random.default_rng(seed)))
+    u = np.random.default_rng(seed).random(48, dtype=np.float32)
+    m.prefill(PROMPT_IDS)
+    fed, checked = [first] + ids, 0
+    for step, got in enumerate(ids):
+        q = reference_probs(np.asarray(m.decode(fed[step])), **kw)
+        p = len(PROMPT_IDS) + step
+        assert q[got] > 0
+        if np.min(np.abs(np.cumsum(q) - u[p])) > 1e-4:
+            assert got == inverse_cdf(q, u[p]), (step, got, inverse_cdf(q, u[p]))
+            checked += 1
+    assert checked >= 8

@@ -683,6 +683,19 @@ class _DispatchCompiler(LLVMCompiler):
 
 
 # ----------------------------------------------------------------------------- device
+class _IdRing:
+    """Generated ids kept for ``Model.decode_ids`` (see ``CPUDevice.id_ring``)."""
+
+    def __init__(self, n):
+        self.n, self.slots = n, [0] * n
+
+    def post(self, i, src):
+        self.slots[i % self.n] = int(src.reshape(-1)[0])
+
+    def read(self, i) -> int:
+        return self.slots[i % self.n]
+
+
 class CPUDevice:
     """JIT compiler + launcher for the host CPU.
 
@@ -825,6 +838,11 @@ class CPUDevice:
 
     def scalar_slots(self, names):
         return ScalarSlots(names)
+
+    def id_ring(self, n=16):
+        """``gpu.IdRing``'s interface where the kernels have already run: ``post(i, src)`` keeps the
+        first value of ``src`` (a numpy array), ``read(i)`` returns it."""
+        return _IdRing(n)
 
     @staticmethod
     def _check_buffer(k, p, a):

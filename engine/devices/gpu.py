@@ -133,7 +133,7 @@ class ScalarSlots:
 
 class IdRing:
     """``n`` slots of pinned host memory for i32 values read back a few steps late: ``post(i, src)``
-    queues, on the stream, a copy of the i32 at device address ``src`` into slot ``i % n`` and
+    queues, on the stream, a copy of the first i32 of device array ``src`` into slot ``i % n`` and
     records the slot's event; ``read(i)`` waits for that event only and returns the value.  The
     caller keeps fewer than ``n`` posts unread (a slot is reused ``n`` posts later)."""
 
@@ -144,7 +144,7 @@ class IdRing:
 
     def post(self, i, src):
         d, slot = self.device, i % self.n
-        d._dtoh_async(int(self.host) + 4 * slot, src, 4)
+        d._dtoh_async(int(self.host) + 4 * slot, src.ptr, 4)
         d._record(self.events[slot])
 
     def read(self, i) -> int:
