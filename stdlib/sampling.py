@@ -12,6 +12,7 @@ import dsl
 from dsl import lax
 
 THRESHOLD_STEPS = 24      # bisection steps of a logit threshold: the bracket shrinks 2^24 times
+EXP_FLOOR = -104.0        # exp(z) is 0 in f32 below about -103.97: the thresholds' lowest bracket end
 
 
 def _largest_threshold(lo, hi, holds, steps=THRESHOLD_STEPS):
@@ -41,32 +42,28 @@ def sample(logits, u, settings, top_k=0):
     z >= the k-th largest z (ties at the k-th value all kept); top-p keeps z >= the largest t whose
     set {z >= t} holds at least top_p of the top-k set's probability (the nucleus; Holtzman et al.,
     arXiv:1904.09751); min-p keeps logits >= max + ln(min_p) (llama.cpp's ``min_p``).  The draw is
-    the smallest id j whose prefix sum of kept probabilities exceeds u times their total.  The
-    thresholds are exact up to 2^-24 of the logit range: ids closer than that to a cut may fall
-    on either side of it."""
+    the smallest id j whose prefix sum of kept probabilities exceeds u times their total.  A
+    threshold is searched in [-104, 1] (below -104, exp(z) is 0 in f32: such ids are never drawn)
+    to within 105 / 2^24, about 6e-6 in z: ids closer than that to a cut may fall on either side."""
     V = logits.shape[0]
     x = dsl.where(logits == logits, logits, -float("inf"))                # (V,)  NaN -> -inf
-    m = dsl.max(x)
     temperature, top_p, min_p = settings[0], settings[1], settings[2]
-    z = (x - m) / temperature                                            # (V,)  <= 0
-    finite = z > -float("inf")
-    keep = finite
-    z_low = dsl.min(dsl.where(finite, z, 0.0))                           # the bracket's floor
+    z = (x - dsl.max(x)) / temperature                                   # (V,)  <= 0
+    keep = z > -float("inf")
     if 0 < top_k < V:
         count = lambda t: dsl.sum(dsl.where(z >= t, 1, 0)) >= top_k      # noqa: E731
-        keep = keep & (z >= _largest_threshold(z_low, 1.0, count))
+        keep = keep & (z >= _largest_threshold(EXP_FLOOR, 1.0, count))
     p = dsl.where(keep, dsl.exp(z), 0.0)                                 # (V,)  unnormalized
     nucleus = top_p * dsl.sum(p)
     mass = lambda t: dsl.sum(dsl.where(z >= t, p, 0.0)) >= nucleus     # noqa: E731
-    keep = keep & ((top_p >= 1.0) | (z >= _largest_threshold(z_low, 1.0, mass)))
-    keep = keep & (x >= m + dsl.log(min_p))                              # min_p = 0: log -> -inf
+    keep = keep & ((top_p >= 1.0) | (z >= _largest_threshold(EXP_FLOOR, 1.0, mass)))
+    keep = keep & (z >= dsl.log(min_p) / temperature)                    # logit >= max + ln(min_p)
     p = dsl.where(keep, p, 0.0)                                          # (V,)
     target = u * dsl.sum(p)
-    ids = dsl.iota((V,), dtype="i32")
 
     def step(_, bracket):              # bracket: (2,) = lo, hi; prefix(lo) <= target < prefix(hi)
         mid = (bracket[0] + bracket[1]) // 2
-        over = dsl.sum(dsl.where(ids <= mid, p, 0.0)) > target
+        over = dsl.sum(dsl.where(dsl.iota((V,), dtype="i32") <= mid, p, 0.0)) > target
         return dsl.where(over, dsl.stack([bracket[0], mid]), dsl.stack([mid, bracket[1]]))
     bracket = lax.fori_loop(0, max(1, V.bit_length()), step, dsl.stack([dsl.full((), -1, "i32"),
                                                                         dsl.full((), V - 1, "i32")]))
