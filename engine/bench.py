@@ -33,6 +33,7 @@ torch model's forward in the same dtype, measured in the same run.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -527,6 +528,11 @@ def parse_args(argv=None):
     p.add_argument("--reference-tokens", type=int, default=8, help="tokens for the slow interpreter (default 8)")
     p.add_argument("-p", "--prompt", default="The capital of France is")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peer")
+    p.add_argument("--ab", metavar="SWITCH",
+                   help="A/B/A of one switch: a fusion rule (B: off) or VEGAFUSE_NAME=VALUE (B: set), each side a "
+                        "fresh process timing --repeat decodes")
+    p.add_argument("--cooldown", type=float, default=0.0, metavar="S", help="pause between the A/B/A runs (s)")
+    p.add_argument("--decode-rates", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stream", action="store_true",
                    help="time engine.generate's streaming, greedy and sampled, against the device loop (cuda)")
     p.add_argument("--prefill", type=int, metavar="N", help="time the prefill of an N-token prompt instead of decode")
@@ -550,6 +556,11 @@ def parse_args(argv=None):
         if args.quant not in (None, args.dtype):
             p.error(f"--dtype {args.dtype} and --quant {args.quant} disagree: give one of them")
         args.quant = args.dtype
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.ab and (args.stream or args.prefill is not None or args.profile or args.capacity_check):
+        p.error("--ab times greedy decode: leave out --stream, --prefill, --profile and --capacity-check")
+    if args.cooldown < 0:
+        p.error(f"--cooldown takes seconds >= 0, got {args.cooldown}")
     if args.stream and (args.backend != "cuda" or args.random_weights or args.model in SHAPES or args.prefill):
         p.error("--stream times a real model's text with --backend cuda: give a model file or leave --model "
                 "out for the default SmolLM2 (no --random-weights, shape or --prefill)")
@@ -579,8 +590,10 @@ def run(args):
         if random and args.dtype == "native":
             raise ModelError("random weights are f16, f32, q4_0, q4_1 or q8_0: pick one with --dtype")
         args.dtype = (args.quant if random else None) or args.dtype or "f16"
-        return main_gpu(args)
-    return main_cpu(args)
+    if args.ab or args.decode_rates:
+        from .ab import decode_rates, main_ab
+        return decode_rates(args) if args.decode_rates else main_ab(args, args.argv)
+    return main_gpu(args) if args.backend == "cuda" else main_cpu(args)
 
 
 def main_cpu(args):
