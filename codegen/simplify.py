@@ -14,6 +14,9 @@ Four steps, each a short function over the IR:
    local named after what it holds, when nothing in between writes what it reads.
 4. identical locals declared in one block, with nothing in between writing what they read,
    become one.
+5. ``merge_reductions`` (kernels of the reduce and loop families): adjacent reductions over the
+   same range, the second not reading the first's accumulators, become one pass with both
+   accumulators (``sum(x)`` and ``sum(x * x)`` read x once).  ``VEGAFUSE_MERGE_REDUCE=0`` keeps them apart.
 
 The passes rebuild nodes generically (``dataclasses.fields``/``replace``): statement and
 expression kinds added to ``codegen/loopir.py`` are traversed without changes here (their
@@ -26,6 +29,7 @@ keeps that shape.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import MISSING, fields, is_dataclass, replace
 from typing import get_args
@@ -587,12 +591,37 @@ def merge_locals(body, ours):
 
 
 # ------------------------------------------------------------------------------ the pass
+def _mergeable(a, b) -> bool:
+    """Whether Reduce ``b`` can join the Reduce ``a`` just before it: the same range and mapping
+    fields, and no value of ``b`` reads an accumulator of ``a``."""
+    same = all(getattr(a, f.name) == getattr(b, f.name) for f in fields(L.Reduce) if f.name not in ("var", "accs"))
+    theirs = {x.name for x in a.accs} | {x.arg for x in a.accs if x.arg}
+    return same and not any(names_read(x.value) & theirs for x in b.accs)
+
+
+def merge_reductions(body):
+    """``body`` with each run of adjacent mergeable Reduces (``_mergeable``) as one Reduce, its
+    accumulators in order (the later ones' loop variable renamed to the first's)."""
+    out = []
+    for s in body:
+        s = map_node(s, lambda e: e, merge_reductions) if not isinstance(s, L.Reduce) else s
+        if isinstance(s, L.Reduce) and out and isinstance(out[-1], L.Reduce) and _mergeable(out[-1], s):
+            a, var = out[-1], L.Sym(out[-1].var, "i32")
+            accs = tuple(replace(x, value=substitute(x.value, L.Sym(s.var, "i32"), var)) for x in s.accs)
+            out[-1] = replace(a, accs=a.accs + accs)
+            continue
+        out.append(s)
+    return tuple(out)
+
+
 def simplify(kernel):
     """The kernel with folded constants and indices, no one- or zero-trip loops, loop invariants
     hoisted and common sub-expressions shared.  Same parameters, same results; ``bytes`` is
     re-estimated from the new body (``loopir.traffic``).  The pipeline runs it on every kernel
     (``engine.pipeline.lower_program``)."""
     body = fold(kernel.body, {})
+    if kernel.family in ("reduce", "loop") and os.environ.get("VEGAFUSE_MERGE_REDUCE", "1") != "0":
+        body = merge_reductions(body)
     taken, ours = all_names(kernel), set()
     readonly = {p.name for p in kernel.params if p.role == "in" and p.kind == "buffer"}
     readonly -= names_written(body)

@@ -398,3 +398,54 @@ def test_typed_statements_keep_loads_conditional_and_accumulators_in_place():
 def _subexprs(e):
     from codegen.simplify import subexprs
     return list(subexprs(e))
+
+
+# ------------------------------------------------------------------------------ merged reductions
+def _reduces(k):
+    out = []
+
+    def walk(body):
+        for s in body:
+            if isinstance(s, L.Reduce):
+                out.append(len(s.accs))
+            for blk in (getattr(s, "body", ()), getattr(s, "then", ()), getattr(s, "orelse", ())):
+                walk(blk)
+    walk(k.body)
+    return out
+
+
+def _plan(f, *args):
+    from engine.pipeline import lower_program
+    return lower_program(dsl.jit(f).lower(*args))
+
+
+def test_sibling_reductions_become_one_pass_and_keep_their_values(monkeypatch):
+    """sum(x) and sum(x * x), and three masked sums inside a fori_loop body: one Reduce each, all
+    accumulators in it, the values of the float64 interpreter; dependent reductions (softmax's sum
+    of exp(x - max)) and different ranges stay apart; VEGAFUSE_MERGE_REDUCE=0 keeps all apart."""
+    rng = np.random.default_rng()
+    x = rng.standard_normal(int(rng.integers(1000, 5000))).astype(np.float32)
+    y = rng.standard_normal(777).astype(np.float32)
+
+    def moments(x):
+        return dsl.sum(x) + dsl.sum(x * x) + dsl.max(x)
+
+    def search(x):
+        def step(_, b):
+            w = (b[1] - b[0]) / 4
+            n = [dsl.sum(dsl.where(x >= b[0] + i * w, 1.0, 0.0)) for i in (1, 2, 3)]
+            return dsl.stack([b[0] + w * sum(dsl.where(c >= 100.0, 1.0, 0.0) for c in n), b[1]])
+        return dsl.lax.fori_loop(0, 5, step, dsl.stack([dsl.min(x), dsl.max(x)]))
+
+    def apart(x, y):
+        return dsl.sum(dsl.exp(x - dsl.max(x))) + dsl.sum(y)
+
+    assert _reduces(_plan(moments, x).kernels[0]) == [3]
+    assert 3 in [n for k in _plan(search, x).kernels for n in _reduces(k)]
+    assert sorted(n for k in _plan(apart, x, y).kernels for n in _reduces(k)) == [1, 1, 1]
+    for f, args in ((moments, (x,)), (search, (x,)), (apart, (x, y))):
+        jf = dsl.jit(f)
+        want = jf.lower(*args).program.run(*args, compute_dtype="f64")[0]
+        np.testing.assert_allclose(np.asarray(jf(*args), np.float64), want, rtol=1e-5, atol=1e-3)
+    monkeypatch.setenv("VEGAFUSE_MERGE_REDUCE", "0")
+    assert _reduces(_plan(moments, x).kernels[0]) == [1, 1, 1]
