@@ -1,29 +1,48 @@
 """Next-token sampling in the DSL, so that a decode step can draw its token on the device.
 
 ``sample`` draws from the distribution of ``engine.sampling.sample`` (temperature, top-k, top-p,
-min-p; no repeat penalty) without sorting the vocabulary: each cut is a threshold found by
-bisection, each bisection step one masked reduction over the row, and the draw itself is an
-inverse-CDF search over token ids with one uniform number.  A bisection carries its bracket as
-two scalars through ``lax.fori_loop``, so each search is one loop kernel.
+min-p; no repeat penalty) without sorting the vocabulary: each cut is a threshold found by a
+search that quarters its bracket each step (three masked reductions over the row, one pass), and
+the draw itself is an inverse-CDF search over token ids with one uniform number.  A search carries
+its bracket as one [2] value through ``lax.fori_loop``, so each search is one loop kernel.
 """
 from __future__ import annotations
 
 import dsl
 from dsl import lax
 
-THRESHOLD_STEPS = 24      # bisection steps of a logit threshold: the bracket shrinks 2^24 times
+THRESHOLD_STEPS = 12      # steps of a logit threshold's search: the bracket shrinks 4^12 = 2^24 times
 EXP_FLOOR = -104.0        # exp(z) is 0 in f32 below about -103.97: the thresholds' lowest bracket end
 
 
-def _largest_threshold(lo, hi, holds, steps=THRESHOLD_STEPS):
-    """The largest t in [lo, hi) (to within (hi - lo) / 2^steps) for which ``holds(t)`` is true,
-    ``holds`` being true at ``lo``, false at ``hi`` and monotone (true below some t*).  The
-    bracket is one f32 [2] carry, so each step computes ``holds`` once."""
+def _search(lo, hi, holds, points, steps):
+    """Narrow the bracket [lo, hi] ``steps`` times, each time to the part between two of its
+    three interior ``points(lo, hi)`` (ascending) where ``holds`` turns from true to false.
+    ``holds`` is monotone (true up to some point, false after), true at ``lo``, false at ``hi``;
+    returns the final bracket, (2,).  The three tests of a step are sibling reductions, one pass
+    over the row (``codegen.simplify.merge_reductions``); the bracket is one [2] carry of a
+    ``fori_loop``, so a search is one loop kernel."""
     def step(_, bracket):                                                # bracket: (2,) = lo, hi
-        mid = (bracket[0] + bracket[1]) * 0.5
-        return dsl.where(holds(mid), dsl.stack([mid, bracket[1]]), dsl.stack([bracket[0], mid]))
-    bracket = lax.fori_loop(0, steps, step, dsl.stack([lo, dsl.full((), hi, "f32")]))
-    return bracket[0]
+        t = points(bracket[0], bracket[1])
+        h = [holds(x) for x in t]
+        lo = dsl.where(h[2], t[2], dsl.where(h[1], t[1], dsl.where(h[0], t[0], bracket[0])))
+        hi = dsl.where(h[0], dsl.where(h[1], dsl.where(h[2], bracket[1], t[2]), t[1]), t[0])
+        return dsl.stack([lo, hi])
+    return lax.fori_loop(0, steps, step, dsl.stack([lo, hi]))
+
+
+def _largest_threshold(lo, hi, holds):
+    """The largest t in [lo, hi) (to within (hi - lo) / 4^THRESHOLD_STEPS) where ``holds(t)``."""
+    quarters = lambda a, b: [a + (b - a) * (i / 4) for i in (1, 2, 3)]      # noqa: E731
+    return _search(dsl.full((), lo, "f32"), dsl.full((), hi, "f32"), holds, quarters, THRESHOLD_STEPS)[0]
+
+
+def _id_steps(n: int) -> int:
+    """Steps of ``_search`` over the ids: each leaves at most a quarter (rounded up) of the bracket."""
+    steps = 0
+    while n > 1:
+        n, steps = -(-n // 4), steps + 1
+    return max(1, steps)
 
 
 def sample(logits, u, settings, top_k=0):
@@ -44,7 +63,7 @@ def sample(logits, u, settings, top_k=0):
     arXiv:1904.09751); min-p keeps logits >= max + ln(min_p) (llama.cpp's ``min_p``).  The draw is
     the smallest id j whose prefix sum of kept probabilities exceeds u times their total.  A
     threshold is searched in [-104, 1] (below -104, exp(z) is 0 in f32: such ids are never drawn)
-    to within 105 / 2^24, about 6e-6 in z: ids closer than that to a cut may fall on either side."""
+    to within 105 / 4^12, about 6e-6 in z: ids closer than that to a cut may fall on either side."""
     V = logits.shape[0]
     x = dsl.where(logits == logits, logits, -float("inf"))                # (V,)  NaN -> -inf
     temperature, top_p, min_p = settings[0], settings[1], settings[2]
@@ -61,11 +80,10 @@ def sample(logits, u, settings, top_k=0):
     p = dsl.where(keep, p, 0.0)                                          # (V,)
     target = u * dsl.sum(p)
 
-    def step(_, bracket):              # bracket: (2,) = lo, hi; prefix(lo) <= target < prefix(hi)
-        mid = (bracket[0] + bracket[1]) // 2
-        over = dsl.sum(dsl.where(dsl.iota((V,), dtype="i32") <= mid, p, 0.0)) > target
-        return dsl.where(over, dsl.stack([bracket[0], mid]), dsl.stack([mid, bracket[1]]))
-    bracket = lax.fori_loop(0, max(1, V.bit_length()), step, dsl.stack([dsl.full((), -1, "i32"),
-                                                                        dsl.full((), V - 1, "i32")]))
-    hi = bracket[1]
-    return hi
+    def quarter_ids(a, b):
+        return [a + (b - a) * i // 4 for i in (1, 2, 3)]
+
+    def prefix_within(j):                     # the kept probability of ids 0..j is at most the target
+        return dsl.sum(dsl.where(dsl.iota((V,), dtype="i32") <= j, p, 0.0)) <= target
+    ends = _search(dsl.full((), -1, "i32"), dsl.full((), V - 1, "i32"), prefix_within, quarter_ids, _id_steps(V))
+    return ends[1]                            # the first id whose prefix exceeds the target

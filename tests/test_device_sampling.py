@@ -184,3 +184,10 @@ def test_decode_ids_sampled_draws_each_step_from_the_reference_distribution(smol
             assert got == inverse_cdf(q, u[p]), (step, got, inverse_cdf(q, u[p]))
             checked += 1
     assert checked >= 8
+
+
+@pytest.mark.parametrize("V", [1, 2, 3, 5, 17, 64, 65])
+def test_small_rows_draw_the_inverse_cdf(V):
+    """The id search's step count (each step keeps a quarter of the bracket, rounded up) reaches
+    one id at every row length, the smallest included."""
+    check_draws(dict(temperature=1.0), V=V, n=24)
