@@ -51,11 +51,15 @@ def rate(n, seconds):
     return n / seconds if n > 0 and seconds > 0 else None
 
 
-def bench_vegafuse(cfg, params, ids, n_tokens, backend, kv_dtype="f16"):
+def bench_vegafuse(cfg, params, ids, n_tokens, backend, kv_dtype="f16", context=None, keep=None):
     """(tokens/s or None, ids): greedy decode of ``n_tokens`` steps after the prefill of ``ids``, timed
-    from the first decode step; ids holds the prefill's token and the ``n_tokens`` decoded."""
+    from the first decode step; ids holds the prefill's token and the ``n_tokens`` decoded.  The KV
+    cache holds ``context`` positions (default: just enough); ``keep``: a list the model is appended
+    to (``--profile`` profiles it afterwards)."""
     from .model import Model
-    m = Model(cfg, params, backend=backend, context=len(ids) + n_tokens + 8, kv_dtype=kv_dtype)
+    m = Model(cfg, params, backend=backend, context=max(context or 0, len(ids) + n_tokens + 8), kv_dtype=kv_dtype)
+    if keep is not None:
+        keep.append(m)
     m.compile(len(ids))
     logits = m.prefill(ids)
     nxt = int(np.argmax(logits))
@@ -151,12 +155,15 @@ def weight_bytes(cfg, params):
     return total
 
 
-def gpu_decode(cfg, params, n_tokens, context, prompt_tokens=32, seed=0, position=None, kv_dtype="f16"):
+def gpu_decode(cfg, params, n_tokens, context, prompt_tokens=32, seed=0, position=None, kv_dtype="f16", keep=None):
     """(tokens/s, executable) of greedy device-side decode after a random prompt of ``prompt_tokens``;
     ``position``: decode from this cache position instead (the positions between the prompt and it
-    hold zeros: the step's speed depends on how many positions attention reads, not their values)."""
+    hold zeros: the step's speed depends on how many positions attention reads, not their values);
+    ``keep``: a list the model is appended to (``--profile`` profiles it afterwards)."""
     from .model import Model
     m = Model(cfg, params, backend="cuda", context=context, kv_dtype=kv_dtype)
+    if keep is not None:
+        keep.append(m)
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_tokens).tolist()
     first = int(np.argmax(np.asarray(m.prefill(prompt))))
     m.decode_greedy(first, 2)                      # compile, capture the graph
@@ -227,23 +234,6 @@ def bench_torch_compile(cfg, n_tokens, context, prompt_tokens=32, dtype="f16", p
     return n_tokens / dt
 
 
-def profile(dev, ex, tps):
-    """Where the time of one decode step goes: kernel time by kind against launch gaps."""
-    import re
-    times = dev.time_launches(ex._plan_run.launches)
-    kinds = {}
-    for launch, us in zip(ex._plan_run.launches, times):
-        k = launch.ck.kernel
-        kind = re.sub(r"\d+", "#", k.name)                 # layers_3_linear_wo_add -> layers_#_linear_wo_add
-        n, t, b = kinds.get(kind, (0, 0.0, 0))
-        kinds[kind] = (n + 1, t + us, b + k.bytes)
-    total = sum(times)
-    step = 1e6 / tps
-    print(f"  profile: kernels {total:.0f} µs of a {step:.0f} µs step; launch gaps and copies {step - total:.0f} µs")
-    for kind, (n, t, b) in sorted(kinds.items(), key=lambda x: -x[1][1])[:10]:
-        print(f"    {kind[:48]:<48} x{n:<3} {t:8.1f} µs  {b / t / 1e3 if t else 0:7.0f} GB/s")
-
-
 def main_gpu(args):
     from .executable import get_device
     from stdlib.config import LlamaConfig
@@ -271,7 +261,9 @@ def main_gpu(args):
         print(format_resident(params), flush=True)
         params = dev.put(params)
     bw = dev.copy_bandwidth()
-    tps, ex = gpu_decode(cfg, params, args.tokens, args.context, position=args.position, kv_dtype=args.kv_dtype)
+    kept = []
+    tps, ex = gpu_decode(cfg, params, args.tokens, args.context, position=args.position, kv_dtype=args.kv_dtype,
+                         keep=kept)
     wb = weight_bytes(cfg, params)
     print(f"{name}: {cfg.n_layers} layers, dim {cfg.dim}, {args.dtype} weights, {args.kv_dtype} KV cache, batch 1, "
           f"{args.tokens} tokens after a 32-token prompt"
@@ -291,10 +283,18 @@ def main_gpu(args):
                       "HF static cache + torch.compile", tg, peer)
             notes.append(f"HF static cache + torch.compile(reduce-overhead), {peer_dtype}: {1e3 / peer:.3f} ms/token"
                          f"  -> vegafuse {ratio(tps, peer)}")
-    print("\n".join(notes))
-    if args.profile:
-        profile(dev, ex, tps)
+    print("\n".join(notes), flush=True)
+    if args.profile is not None:
+        profile(args, kept[0], f"{name} {args.dtype}")
     return 0
+
+
+def profile(args, model, title):
+    """``--profile [DIR]``: ``engine.profile`` over ``--tokens`` decode steps of the model just timed,
+    from its position (every kernel timed, gaps, regimes, the batch-1 ceiling; DIR gets
+    profile.json and roofline.png)."""
+    from .profile import profile_model
+    profile_model(model, 0, args.tokens, args.profile, title=title)
 
 
 # ------------------------------------------------------------------------------ streaming (--stream)
@@ -522,7 +522,9 @@ def parse_args(argv=None):
     p.add_argument("--no-peer", action="store_true", help="skip the torch.compile peer (cuda)")
     p.add_argument("--no-graphs", action="store_true", help="launch kernels one by one (cuda A/B)")
     p.add_argument("--capacity-check", action="store_true", help="cache 512 vs 32768 at context 64 (cuda)")
-    p.add_argument("--profile", action="store_true", help="time every kernel of the decode step (cuda)")
+    p.add_argument("--profile", nargs="?", const=".", metavar="DIR",
+                   help="then profile --tokens decode steps: every kernel timed, gaps, regimes, the batch-1 "
+                        "ceiling on stderr; profile.json and roofline.png in DIR (default: the current directory)")
     p.add_argument("-n", "--tokens", type=int, default=None,
                    help="tokens to decode and time after the prefill's (default 64 cpu, 128 cuda)")
     p.add_argument("--reference-tokens", type=int, default=8, help="tokens for the slow interpreter (default 8)")
@@ -564,6 +566,8 @@ def parse_args(argv=None):
     if args.stream and (args.backend != "cuda" or args.random_weights or args.model in SHAPES or args.prefill):
         p.error("--stream times a real model's text with --backend cuda: give a model file or leave --model "
                 "out for the default SmolLM2 (no --random-weights, shape or --prefill)")
+    if args.profile is not None and (args.prefill is not None or args.stream or args.capacity_check):
+        p.error("--profile profiles the decode benchmark: leave out --prefill, --stream and --capacity-check")
     if args.prefill is not None and args.prefill < 1:
         p.error("--prefill takes a prompt length of at least 1 token")
     return args
@@ -612,7 +616,9 @@ def main_cpu(args):
           f"{format_resident(params)}; {args.kv_dtype} KV cache; greedy", flush=True)
     table, tg = Table(), f"tg{args.tokens}"
     kind, nbytes = weights_of(params)
-    tps, ours = bench_vegafuse(cfg, params, ids, args.tokens, "cpu", args.kv_dtype)
+    from .profile import positions_needed
+    kept, context = [], positions_needed(args.tokens) if args.profile is not None else None
+    tps, ours = bench_vegafuse(cfg, params, ids, args.tokens, "cpu", args.kv_dtype, context, kept)
     table.row(f"{name} {kind}", size_text(nbytes), "vegafuse cpu", tg, tps)
     other = "f32" if kind == "f16" else "f16"          # the A/B comparison in the same run
     _, params2, _ = load_model(path, other)
@@ -635,6 +641,9 @@ def main_cpu(args):
               f"({other} weights)")
     else:
         print("no external peer measured (--no-hf, or torch and transformers not importable)")
+    if args.profile is not None:
+        sys.stdout.flush()
+        profile(args, kept[0], f"{name} {kind}")
     return 0
 
 

@@ -178,6 +178,9 @@ def parse_args(argv=None):
                    help="quantize every weight matrix and the embedding to this format at load")
     p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
                    help="KV-cache element type (default f16: half the bytes attention reads)")
+    p.add_argument("--profile", nargs="?", const=".", metavar="DIR",
+                   help="after generating, profile 32 decode steps: a table on stderr, profile.json and "
+                        "roofline.png in DIR (default: the current directory); give the prompt before it or with -p")
     args = p.parse_args(argv)
     if args.prompt_option is not None:
         if args.prompt is not None:
@@ -194,6 +197,8 @@ def parse_args(argv=None):
         p.error(f"--repeat-last-n must be >= 0, got {args.repeat_last_n}")
     if "" in args.stop:
         p.error("--stop takes a non-empty text")
+    if args.profile is not None and args.backend == "reference":
+        p.error("--profile times compiled kernels: the reference backend has none; use --backend cpu, cuda or hip")
     return args
 
 
@@ -213,6 +218,9 @@ def run(args):
         (prompt or "").encode("utf-8")
     except UnicodeError:
         raise ModelError("the prompt is not valid UTF-8 text; re-encode it as UTF-8") from None
+    if not prompt and args.profile not in (None, ".") and not os.path.isdir(args.profile):
+        raise ModelError(f"the prompt is empty: --profile took {args.profile!r} as its DIR; give the prompt "
+                         "before --profile or with -p")
     if not prompt:
         raise ModelError("the prompt is empty: pass it as an argument, e.g. "
                          "python -m engine.generate \"Once upon a time\"")
@@ -267,6 +275,12 @@ def run(args):
     print(f"[load {t_load:.2f} s, compile {t_compile:.2f} s ({built} object{'s' * (built != 1)} compiled, "
           f"{COUNTS['cached']} from the cache), prefill {stats['prefill_s']:.2f} s, "
           f"decode {stats['decode_s']:.2f} s]", file=sys.stderr)
+    if args.profile is not None:
+        from .profile import STEPS, WARMUP, profile_model
+        steps = min(STEPS, (model.context - 1) // 2 - WARMUP)
+        if steps < 1:
+            raise ModelError(f"--profile needs a context of at least {2 * WARMUP + 3} positions; raise --context")
+        profile_model(model, (ids or prompt_ids)[-1], steps, args.profile)
     return 0
 
 

@@ -738,3 +738,13 @@ def test_smollm2_streams_with_its_ids_drawn_on_the_device():
     ids.close()
     assert taken == REFERENCE_IDS[1:6] and m.pos == len(PROMPT_IDS) + 5
     assert m.decode_greedy(REFERENCE_IDS[5], 14) == REFERENCE_IDS[6:]
+
+
+def test_profile_smollm2_on_the_gpu(tmp_path):
+    """engine.profile on the GPU (f16 weights): every kernel timed between device events with graphs
+    off, the plan replayed as a graph beside it; the kernel count is the fusion report's, the bytes
+    per token the weights' plus the KV reads within 5%, kernels plus gaps the token time within 10%,
+    profile.json and roofline.png written (tests/test_profile.py runs it on the CPU)."""
+    from tests.test_profile import check_profile
+    report = check_profile("cuda", tmp_path, steps=16)
+    assert report["ceilings"]["bandwidth_gbs"] > 100 and report["ceilings"]["gflops"] > 1000, report["ceilings"]

@@ -1,0 +1,434 @@
+"""The decode profiler: where the time of a decode step goes, kernel by kernel, against the device's
+measured ceilings (``engine.generate --profile [DIR]``, ``engine.bench --profile [DIR]``).
+
+    report = profile_model(model, token, steps=32, out_dir="prof")   # model: an engine.model.Model
+
+records ``steps`` greedy decode steps (``Model.decode_greedy``: the step that draws its id on the
+device) twice, interleaved step by step so that both see the same machine:
+
+* **timed**: the step's kernels launched one by one, each between two marks: device events on a
+  GPU (graphs off: a captured graph has no marks inside; programmatic dependent launch, where on,
+  cannot overlap kernels across a mark), ``time.perf_counter_ns`` on the CPU (each kernel its own
+  native call instead of the plan's one), with marks around the whole step too;
+* **plan**: the executable's own plan (the CPU's single native call, the GPU's graph replay), timed
+  around the whole step only: the rate a user gets.
+
+From the timed steps: per kernel (kernels of the same name up to their layer numbers grouped, so
+``layers_#_linear_wo_add`` is called 30 times a token) the DSL ops held, calls per token, mean µs,
+bytes moved and FLOPs (``Executable.cost_analysis``, with an attention's KV reads and FLOPs counted
+up to the step's position rather than the whole cache), achieved GB/s and GFLOP/s and their
+percentages of the ceilings, and a regime (``regime``: the two percentages read as in the regime
+table of the founding case studies); per token, the same figures plus the gaps (the step's time
+outside its kernels: between one kernel's end and the next one's start, and before the first and
+after the last), the batch-1 ceiling (bandwidth / bytes per token) and the measured rate (the plan's)
+as a percentage of it.
+
+The ceilings are measured in the same run (``measure_ceilings``): bandwidth as the device's copy
+(``GPUDevice.copy_bandwidth`` on a GPU; on the CPU a DSL kernel ``y = 2 x`` over 64 MiB of f32 on
+all threads, or numpy's single-threaded copy where that is faster), read + write counted; the FLOP
+rate as a matmul of ours (``stdlib.nn.linear``, x [M, K] f32 times w [N, K]^T: M = N = K = 512 with
+f32 weights on the CPU, 4096 with f16 weights on a GPU, where it takes the tiled matmul), the best
+of a few launches.
+
+Output: ``format_table`` (the CLIs print it on stderr) and, with ``out_dir``, ``profile.json`` (the
+report) and ``roofline.png`` (``roofline``: every kernel on the device's roofline; needs matplotlib,
+the ``profile`` extra; without it one line says so and the rest is written).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+
+import numpy as np
+
+HIGH = 50.0            # % of a ceiling that counts as saturating it (the regime table's "high")
+LAUNCH_BOUND = 25.0    # % of the step in gaps that makes unsaturated work launch-bound
+STEPS = 32             # decode steps engine.generate --profile records
+WARMUP = 2             # steps run in each mode before recording
+
+
+# ------------------------------------------------------------------------------ regime
+def regime(pct_bandwidth, pct_flops, gap_share=0.0) -> str:
+    """The regime of work that reaches ``pct_bandwidth`` % of the bandwidth ceiling and
+    ``pct_flops`` % of the FLOP ceiling (None: not measured, as 0), with ``gap_share`` % of its time
+    outside kernels: "bandwidth-bound" (bandwidth high, FLOPs low), "compute-bound" (the reverse),
+    "balanced" (both high: near the ridge), and with both low "launch-bound" when the gaps reach
+    ``LAUNCH_BOUND`` %, else "latency-bound" (nothing saturated).  High is ``HIGH`` % or more."""
+    bw, fl = (pct_bandwidth or 0) >= HIGH, (pct_flops or 0) >= HIGH
+    if bw or fl:
+        return "balanced" if bw and fl else "bandwidth-bound" if bw else "compute-bound"
+    return "launch-bound" if gap_share >= LAUNCH_BOUND else "latency-bound"
+
+
+def _rate(amount, us):
+    """amount per µs / 1e3: bytes -> GB/s, FLOPs -> GFLOP/s; None for no time."""
+    return amount / us / 1e3 if us > 0 else None
+
+
+def _pct(value, ceiling):
+    return 100.0 * value / ceiling if value is not None and ceiling else None
+
+
+# ------------------------------------------------------------------------------ arithmetic
+def analyze(launches, kernel_us, token_us, ceilings, gap_us=None, plan_us=None) -> dict:
+    """The profile's figures from the recorded times (pure arithmetic, no device).
+
+    ``launches``: one dict per kernel of the step, in launch order: ``name``, ``family``, ``ops``
+    (list of DSL op names), ``bytes`` and ``flops`` per call.  ``kernel_us``: [steps, kernels] µs of
+    each kernel at each timed step; ``token_us``: [steps] µs of each timed step; ``gap_us``: [steps]
+    µs of each step outside its kernels, as recorded (None: ``token_us`` minus the kernels' sum);
+    ``plan_us``: [steps] µs of the untimed plan's steps (None: the rate is the timed steps').
+    ``ceilings``: ``bandwidth_gbs`` and ``gflops`` (plus any notes, copied).  Returns the report:
+    ``ceilings``, ``kernels`` (one row per name up to layer numbers, the most time first),
+    ``launches`` (every kernel with its mean µs) and ``token``.  Raises ValueError when the shapes
+    disagree."""
+    kernel_us, token_us = np.asarray(kernel_us, np.float64), np.asarray(token_us, np.float64)
+    if kernel_us.ndim != 2 or kernel_us.shape != (len(token_us), len(launches)) or not len(token_us):
+        raise ValueError(f"kernel_us must be [steps, kernels] = [{len(token_us)}, {len(launches)}] with "
+                         f"steps >= 1, got {list(kernel_us.shape)}")
+    bw, peak = float(ceilings["bandwidth_gbs"]), float(ceilings["gflops"])
+    mean_us, token = kernel_us.mean(0), float(token_us.mean())
+    gap = float(np.mean(gap_us)) if gap_us is not None else token - float(mean_us.sum())
+    groups = {}
+    for i, launch in enumerate(launches):
+        groups.setdefault(re.sub(r"\d+", "#", launch["name"]), []).append(i)
+    rows = []
+    for name, idx in groups.items():
+        us, calls = float(mean_us[idx].sum()), len(idx)
+        nbytes = sum(launches[i]["bytes"] for i in idx) / calls
+        flops = sum(launches[i]["flops"] for i in idx) / calls
+        gbs, gflops = _rate(nbytes * calls, us), _rate(flops * calls, us)
+        ops = list(dict.fromkeys(op for i in idx for op in launches[i]["ops"]))
+        rows.append({"name": name, "kernels": [launches[i]["name"] for i in idx], "family": launches[idx[0]]["family"],
+                     "ops": ops, "calls_per_token": calls, "mean_us": us / calls, "us_per_token": us,
+                     "share": 100.0 * us / token if token > 0 else None, "bytes": nbytes, "flops": flops,
+                     "intensity": flops / nbytes if nbytes else None, "gbs": gbs, "gflops": gflops,
+                     "pct_bandwidth": _pct(gbs, bw), "pct_flops": _pct(gflops, peak)})
+        rows[-1]["regime"] = regime(rows[-1]["pct_bandwidth"], rows[-1]["pct_flops"])
+    rows.sort(key=lambda r: -r["us_per_token"])
+    nbytes, flops = sum(l["bytes"] for l in launches), sum(l["flops"] for l in launches)
+    gbs, gflops = _rate(nbytes, token), _rate(flops, token)
+    gap_share = 100.0 * gap / token if token > 0 else 0.0
+    step = float(np.mean(plan_us)) if plan_us is not None else token
+    tps = 1e6 / step if step > 0 else None
+    ceiling = bw * 1e9 / nbytes if nbytes else None
+    tok = {"kernels": len(launches), "kernel_us": float(mean_us.sum()), "gap_us": gap, "gap_share": gap_share,
+           "token_us": token, "bytes": nbytes, "flops": flops, "gbs": gbs, "gflops": gflops,
+           "pct_bandwidth": _pct(gbs, bw), "pct_flops": _pct(gflops, peak),
+           "plan_us": step if plan_us is not None else None, "tokens_per_s": tps,
+           "ceiling_tokens_per_s": ceiling, "pct_of_ceiling": _pct(tps, ceiling)}
+    tok["regime"] = regime(tok["pct_bandwidth"], tok["pct_flops"], gap_share)
+    return {"ceilings": dict(ceilings), "kernels": rows, "token": tok,
+            "launches": [{"name": l["name"], "mean_us": float(u), "bytes": l["bytes"], "flops": l["flops"]}
+                         for l, u in zip(launches, mean_us)]}
+
+
+def _int_value(e, scalars):
+    """The value of the i32 Loop IR expression ``e`` (constants, scalar parameters, + - * min max)
+    at ``scalars`` (name -> int); None for anything else."""
+    from codegen import loopir as L
+    if isinstance(e, L.Const):
+        return int(e.value)
+    if isinstance(e, L.Sym):
+        return scalars.get(e.name)
+    if isinstance(e, L.Bin) and e.op in ("add", "sub", "mul", "min", "max"):
+        a, b = _int_value(e.a, scalars), _int_value(e.b, scalars)
+        if a is None or b is None:
+            return None
+        return {"add": a + b, "sub": a - b, "mul": a * b, "min": min(a, b), "max": max(a, b)}[e.op]
+    return None
+
+
+def launch_cost(kernel, nbytes, flops, scalars):
+    """(bytes, FLOPs) of one call of Loop IR ``kernel`` at the scalar values ``scalars``, from its
+    static ``nbytes`` and ``flops`` (which count an attention's whole KV cache): each ``Attention``
+    reads and multiplies the keys and values up to its position only (pos + t of its s positions)."""
+    from codegen import loopir as L
+    params = {p.name: p for p in kernel.params}
+    for s in L.walk_stmts(kernel.body):
+        if not isinstance(s, L.Attention):
+            continue
+        pos = _int_value(s.pos, scalars)
+        if pos is None:
+            continue
+        unread = 1.0 - min(s.s, pos + s.t) / s.s
+        nbytes -= unread * sum(params[b].size * L.ITEMSIZE[params[b].dtype] for b in {s.k, s.v})
+        flops -= unread * 4 * s.hq * s.t * s.d * s.s
+    return nbytes, flops
+
+
+# ------------------------------------------------------------------------------ clocks
+class _WallClock:
+    """Marks in host time (the CPU: kernels have finished when their call returns)."""
+
+    def __init__(self):
+        self.t = []
+
+    def mark(self):
+        self.t.append(time.perf_counter_ns())
+
+    def read(self):
+        """µs of each mark since the first; starts over."""
+        out = [(t - self.t[0]) / 1e3 for t in self.t]
+        self.t = []
+        return out
+
+
+class _EventClock:
+    """Marks as device events on the GPU's stream, ``n`` at most between reads."""
+
+    def __init__(self, device, n):
+        self.dev, self.events, self.i = device, [device._event() for _ in range(n)], 0
+
+    def mark(self):
+        self.dev._record(self.events[self.i])
+        self.i += 1
+
+    def read(self):
+        """µs of each mark since the first, once the device has passed them; starts over."""
+        self.dev.synchronize()
+        ev, self.i = self.events[:self.i], 0
+        return [1e3 * self.dev._elapsed_ms(ev[0], e) for e in ev]
+
+
+def _clock(device, n):
+    return _EventClock(device, n) if hasattr(device, "_event") else _WallClock()
+
+
+class _Recorder:
+    """Stands in for an executable's plan: each call runs the step, timed kernel by kernel
+    (``per_kernel``) or as the plan's own call, and keeps the marks (when ``keep``)."""
+
+    def __init__(self, ex, plan, clock):
+        self.ex, self.plan, self.clock = ex, plan, clock
+        self.per_kernel, self.keep = True, False
+        self.timed, self.untimed = [], []          # (marks, scalars) of each kept step
+
+    def __call__(self):
+        ex, c = self.ex, self.clock
+        scalars = {n: ex._slots[n] for n in ex.plan.scalars if n in ex._slots}
+        c.mark()
+        if self.per_kernel:
+            slots = getattr(self.plan, "slots", None)          # a GPU plan uploads its scalars first
+            if slots is not None:
+                slots.flush(self.ex.device.stream)
+            for launch in self.plan.launches:
+                c.mark()
+                launch()
+                c.mark()
+        else:
+            self.plan()
+        c.mark()
+        marks = c.read()
+        if self.keep:
+            (self.timed if self.per_kernel else self.untimed).append((marks, scalars))
+
+
+# ------------------------------------------------------------------------------ ceilings
+def _best_us(ex, leaves, reps):
+    """The fastest of ``reps`` launches of executable ``ex`` on ``leaves``, in µs."""
+    ex.bind(*leaves)
+    ex.launch()
+    clock, best = _clock(ex.device, 2), float("inf")
+    for _ in range(reps):
+        clock.mark()
+        ex.launch()
+        clock.mark()
+        best = min(best, clock.read()[1])
+    return best
+
+
+def measure_ceilings(backend, reps=5) -> dict:
+    """The device's ceilings, measured now (see the module docstring): ``bandwidth_gbs``,
+    ``bandwidth_how``, ``gflops``, ``gflops_how``."""
+    import dsl
+    from stdlib import nn
+    from .executable import get_device
+    dev, rng = get_device(backend), np.random.default_rng(0)
+    if hasattr(dev, "copy_bandwidth"):
+        bw, bw_how = dev.copy_bandwidth(), "device-to-device copy of 1 GiB, read + write"
+    else:
+        x = rng.random(1 << 24, dtype=np.float32)                  # 64 MiB: far beyond the caches
+        ex = dsl.jit(lambda x: x * 2.0, backend=backend).compile(x)
+        bw, bw_how = _rate(ex.cost_analysis()["bytes accessed"], _best_us(ex, [x], reps)), \
+            f"DSL kernel y = 2x over 64 MiB f32 on {dev.nthreads} threads, read + write"
+        y = np.empty_like(x)
+        t = min(_timed(lambda: np.copyto(y, x)) for _ in range(reps))
+        if 2 * x.nbytes / t / 1e9 > bw:
+            bw, bw_how = 2 * x.nbytes / t / 1e9, "numpy copy of 64 MiB f32, read + write"
+    n, wdt = (512, np.float32) if backend == "cpu" else (4096, np.float16)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    w = (rng.standard_normal((n, n), dtype=np.float32) * n ** -0.5).astype(wdt)
+    ex = dsl.jit(lambda x, w: nn.linear(x, w), backend=backend).compile(a, w)
+    gflops = _rate(ex.cost_analysis()["flops"], _best_us(ex, [a, w], reps))
+    return {"bandwidth_gbs": bw, "bandwidth_how": bw_how, "gflops": gflops,
+            "gflops_how": f"DSL matmul {n}x{n}x{n}, {np.dtype(wdt).name} weights, best of {reps}"}
+
+
+def _timed(f):
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+# ------------------------------------------------------------------------------ recording
+def positions_needed(steps) -> int:
+    """KV-cache positions that ``record`` of ``steps`` steps decodes through (both modes, warm-up)."""
+    return 2 * (steps + WARMUP) + 1
+
+
+def record(model, token, steps):
+    """Run ``steps`` greedy decode steps of ``model`` after ``token`` in each mode (timed and plan,
+    interleaved, after ``WARMUP`` steps of each), from the model's position, rewound where the
+    cache has too little room (the cache's values do not change a step's time).  Returns
+    (executable, [(marks, scalars)] timed, [(marks, scalars)] plan).  Raises ModelError for a
+    backend without compiled kernels."""
+    from .errors import ModelError
+    if model.device is None:
+        raise ModelError(f"--profile times compiled kernels: the {model.backend} backend has none; "
+                         "use --backend cpu, cuda or hip")
+    need = positions_needed(steps)
+    if need > model.context:
+        raise ModelError(f"profiling {steps} steps needs {need} cache positions, the context holds "
+                         f"{model.context}: raise --context or profile fewer steps")
+    model.pos = min(model.pos, model.context - need)
+    token = model.decode_greedy(token, 1)[0]          # compiles and binds the step
+    ex = model.greedy_step.compile(model.params, np.zeros(1, np.int32), 0, 0, model.cache)
+    plan = ex._plan_run
+    rec = _Recorder(ex, plan, _clock(model.device, 2 * len(plan.launches) + 2))
+    ex._plan_run = rec
+    try:
+        for i in range(WARMUP + steps):
+            for per_kernel in (True, False):
+                rec.per_kernel, rec.keep = per_kernel, i >= WARMUP
+                token = model.decode_greedy(token, 1)[0]
+    finally:
+        ex._plan_run = plan
+    if len(rec.timed) != steps or len(rec.untimed) != steps:
+        raise RuntimeError("the decode step was bound again while it was profiled; its times are incomplete")
+    return ex, rec.timed, rec.untimed
+
+
+def profile_model(model, token, steps=STEPS, out_dir=None, title=None, file=None) -> dict:
+    """Profile ``steps`` decode steps of ``model`` (an ``engine.model.Model`` on a compiled backend)
+    after ``token``: measure the ceilings, record, ``analyze``; print ``format_table`` to ``file``
+    (default stderr) and, with ``out_dir``, write ``profile.json`` and ``roofline.png`` there
+    (created if needed).  Returns the report (``analyze``'s, plus ``title``, ``backend``,
+    ``device``, ``steps``, ``positions`` and ``fusion_report``)."""
+    file = file or sys.stderr
+    ceilings = measure_ceilings(model.backend)
+    ex, timed, untimed = record(model, token, steps)
+    static = ex.cost_analysis()["per_kernel"]
+    kernels = [ck.kernel for ck in ex.kernels]
+    if [k.name for k in kernels] != [p["name"] for p in static]:
+        raise RuntimeError("the executable's kernels and its plan's disagree")
+    costs = np.array([[launch_cost(k, p["bytes accessed"], p["flops"], sc) for k, p in zip(kernels, static)]
+                      for _, sc in timed])                             # [steps, kernels, (bytes, flops)]
+    launches = [{"name": k.name, "family": k.family, "ops": list(dict.fromkeys(e.prim.name for e in k.eqns)),
+                 "bytes": float(b), "flops": float(f)} for k, (b, f) in zip(kernels, costs.mean(0))]
+    marks = np.array([m for m, _ in timed])                          # [steps, 2 + 2 kernels]
+    starts, ends = marks[:, 1:-1:2], marks[:, 2:-1:2]
+    kernel_us, token_us = ends - starts, marks[:, -1]
+    gap_us = (starts[:, 1:] - ends[:, :-1]).sum(1) + starts[:, 0] + (marks[:, -1] - ends[:, -1])
+    report = analyze(launches, kernel_us, token_us, ceilings, gap_us, [m[-1] for m, _ in untimed])
+    dev = model.device
+    report.update(title=title or getattr(model.cfg, "name", "") or "decode step", backend=model.backend,
+                  device=_device_name(dev), steps=steps,
+                  positions=[timed[0][1].get("pos"), timed[-1][1].get("pos")],
+                  fusion_report=ex.fusion_report().splitlines()[0])
+    print(format_table(report), file=file, flush=True)
+    if out_dir is not None:
+        write(report, out_dir, file)
+    return report
+
+
+def _device_name(dev) -> str:
+    target = getattr(dev, "target", None)
+    if target is not None:
+        return f"{type(dev).__name__.replace('Device', '').lower()} {getattr(target, 'name', target)}"
+    return f"cpu {getattr(dev, 'cpu_name', '')}, {getattr(dev, 'nthreads', 1)} threads"
+
+
+# ------------------------------------------------------------------------------ output
+def _f(v, spec, none="n/a"):
+    return none if v is None else format(v, spec)
+
+
+def format_table(report) -> str:
+    """The report as text: the ceilings, one line per kernel row, the token's line and the batch-1
+    ceiling."""
+    c, t = report["ceilings"], report["token"]
+    lines = [f"decode profile: {report.get('title', '')} on {report.get('device', '')}, {report.get('steps', '?')} steps "
+             f"from position {(report.get('positions') or ['?'])[0]}, kernels timed one by one",
+             f"ceilings: {c['bandwidth_gbs']:.1f} GB/s ({c.get('bandwidth_how', '')}); "
+             f"{c['gflops']:.1f} GFLOP/s ({c.get('gflops_how', '')})",
+             f"{'kernel':<48} {'calls':>5} {'µs/call':>8} {'µs/tok':>8} {'share':>6} {'kB/call':>9} "
+             f"{'MFLOP/call':>10} {'GB/s':>7} {'%bw':>5} {'GFLOP/s':>8} {'%flop':>5}  {'regime':<15} ops"]
+    for r in report["kernels"]:
+        ops = ", ".join(r["ops"])
+        lines.append(f"{r['name'][:48]:<48} {r['calls_per_token']:>5} {r['mean_us']:8.1f} {r['us_per_token']:8.1f} "
+                     f"{_f(r['share'], '5.1f')}% {r['bytes'] / 1e3:9.1f} {r['flops'] / 1e6:10.3f} "
+                     f"{_f(r['gbs'], '7.1f')} {_f(r['pct_bandwidth'], '5.1f')} {_f(r['gflops'], '8.2f')} "
+                     f"{_f(r['pct_flops'], '5.1f')}  {r['regime']:<15} {ops[:60]}{'...' if len(ops) > 60 else ''}")
+    lines.append(f"token: {t['kernels']} kernels {t['kernel_us']:.0f} µs + gaps {t['gap_us']:.0f} µs "
+                 f"({t['gap_share']:.1f}%) = {t['token_us']:.0f} µs timed; {t['bytes'] / 1e6:.2f} MB and "
+                 f"{t['flops'] / 1e6:.1f} MFLOP a token: {_f(t['gbs'], '.1f')} GB/s "
+                 f"({_f(t['pct_bandwidth'], '.1f')}% of the bandwidth), {_f(t['gflops'], '.2f')} GFLOP/s "
+                 f"({_f(t['pct_flops'], '.2f')}% of the FLOP rate): {t['regime']}")
+    plan = f"the plan's {t['plan_us']:.0f} µs a step" if t["plan_us"] is not None else "the timed steps"
+    lines.append(f"batch-1 ceiling: {c['bandwidth_gbs']:.1f} GB/s / {t['bytes'] / 1e6:.2f} MB = "
+                 f"{_f(t['ceiling_tokens_per_s'], '.1f')} tokens/s; measured {_f(t['tokens_per_s'], '.1f')} tokens/s "
+                 f"({plan}) = {_f(t['pct_of_ceiling'], '.1f')}% of it")
+    return "\n".join(lines)
+
+
+def write(report, out_dir, file=None):
+    """``profile.json`` and ``roofline.png`` in ``out_dir`` (created); one line on ``file`` (default
+    stderr) names them, or says the plot was skipped because matplotlib is missing."""
+    file = file or sys.stderr
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "profile.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    png = os.path.join(out_dir, "roofline.png")
+    try:
+        roofline(report, png)
+    except ImportError:
+        print(f"profile: wrote {out_dir}/profile.json; roofline.png skipped: matplotlib is not installed "
+              "(pip install 'vegafuse[profile]')", file=file)
+        return
+    print(f"profile: wrote {out_dir}/profile.json and {png}", file=file)
+
+
+def roofline(report, path):
+    """Draw every kernel row of ``report`` and the token on the roofline of its ceilings (log-log:
+    FLOP/byte against GFLOP/s; a marker's area is its share of the step) into the PNG ``path``.
+    Raises ImportError without matplotlib."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    c, t = report["ceilings"], report["token"]
+    bw, peak = c["bandwidth_gbs"], c["gflops"]
+    rows = [r for r in report["kernels"] if r["intensity"] and r["gflops"]]
+    xs = [r["intensity"] for r in rows] + [peak / bw]
+    lo, hi = min(xs) / 4, max(xs) * 8
+    fig = Figure(figsize=(11, 7), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    grid = np.geomspace(lo, hi, 200)
+    ax.plot(grid, np.minimum(peak, bw * grid), color="black", lw=1.5,
+            label=f"roofline: {bw:.0f} GB/s, {peak:.0f} GFLOP/s (ridge {peak / bw:.2f} FLOP/byte)")
+    for i, r in enumerate(rows):
+        ax.scatter(r["intensity"], r["gflops"], s=30 + 6 * (r["share"] or 0), alpha=0.7, zorder=3,
+                   label=f"{r['name']} x{r['calls_per_token']}: {r['regime']}")
+        ax.annotate(r["name"], (r["intensity"], r["gflops"]), fontsize=7, xytext=(5, 4 + 8 * (i % 3)),
+                    textcoords="offset points")
+    if t["bytes"] and t["gflops"]:
+        ax.scatter(t["flops"] / t["bytes"], t["gflops"], marker="*", s=250, color="red", zorder=4,
+                   label=f"token: {t['regime']}")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="GFLOP/s",
+           title=f"{report.get('title', '')} decode on {report.get('device', '')}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, bbox_inches="tight")
