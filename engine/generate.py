@@ -276,10 +276,10 @@ def run(args):
           f"{COUNTS['cached']} from the cache), prefill {stats['prefill_s']:.2f} s, "
           f"decode {stats['decode_s']:.2f} s]", file=sys.stderr)
     if args.profile is not None:
-        from .profile import STEPS, WARMUP, profile_model
-        steps = min(STEPS, (model.context - 1) // 2 - WARMUP)
+        from .profile import positions_needed, profile_model, steps_fitting
+        steps = steps_fitting(model.context)
         if steps < 1:
-            raise ModelError(f"--profile needs a context of at least {2 * WARMUP + 3} positions; raise --context")
+            raise ModelError(f"--profile needs a context of at least {positions_needed(1)} positions; raise --context")
         profile_model(model, (ids or prompt_ids)[-1], steps, args.profile)
     return 0
 

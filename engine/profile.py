@@ -4,16 +4,21 @@ measured ceilings (``engine.generate --profile [DIR]``, ``engine.bench --profile
     report = profile_model(model, token, steps=32, out_dir="prof")   # model: an engine.model.Model
 
 records ``steps`` greedy decode steps (``Model.decode_greedy``: the step that draws its id on the
-device) twice, interleaved step by step so that both see the same machine:
+device) in each of these modes, interleaved step by step so that all see the same machine:
 
-* **timed**: the step's kernels launched one by one, each between two marks: device events on a
-  GPU (graphs off: a captured graph has no marks inside; programmatic dependent launch, where on,
-  cannot overlap kernels across a mark), ``time.perf_counter_ns`` on the CPU (each kernel its own
-  native call instead of the plan's one), with marks around the whole step too;
-* **plan**: the executable's own plan (the CPU's single native call, the GPU's graph replay), timed
+* **kernels**: the step's kernels launched one by one, each between two marks, with marks around
+  the whole step too.  On the CPU the marks are ``time.perf_counter_ns`` (each kernel its own native
+  call instead of the plan's one), and the host's time between the calls is the step's gaps.  On a
+  GPU they are device events (graphs off: a graph has no marks inside; programmatic dependent
+  launch, where on, cannot overlap kernels across a mark), and the GPU is held busy by copies while
+  the host queues the step (``_Hold``), so the kernels run back to back and each pair of events
+  times a kernel, not the wait for its launch;
+* **launches** (GPUs): the kernels launched one by one as a step without graphs runs, events around
+  the step only: its time minus the kernels' is the gaps (launch-bound work shows here);
+* **plan**: the executable's own plan (the CPU's single native call, a GPU's graph replay), timed
   around the whole step only: the rate a user gets.
 
-From the timed steps: per kernel (kernels of the same name up to their layer numbers grouped, so
+From the timed kernels: per kernel (kernels of the same name up to their layer numbers grouped, so
 ``layers_#_linear_wo_add`` is called 30 times a token) the DSL ops held, calls per token, mean µs,
 bytes moved and FLOPs (``Executable.cost_analysis``, with an attention's KV reads and FLOPs counted
 up to the step's position rather than the whole cache), achieved GB/s and GFLOP/s and their
@@ -191,40 +196,72 @@ class _EventClock:
         """µs of each mark since the first, once the device has passed them; starts over."""
         self.dev.synchronize()
         ev, self.i = self.events[:self.i], 0
-        return [1e3 * self.dev._elapsed_ms(ev[0], e) for e in ev]
+        return [0.0] + [1e3 * self.dev._elapsed_ms(ev[0], e) for e in ev[1:]]
 
 
 def _clock(device, n):
     return _EventClock(device, n) if hasattr(device, "_event") else _WallClock()
 
 
-class _Recorder:
-    """Stands in for an executable's plan: each call runs the step, timed kernel by kernel
-    (``per_kernel``) or as the plan's own call, and keeps the marks (when ``keep``)."""
+class _Hold:
+    """Keeps a GPU busy (device-to-device copies of 256 MiB) while the host queues a step, so that
+    the step's kernels then run back to back and the events around each time the kernel alone, not
+    the wait for its launch.  ``queued(seconds)`` learns how long the host takes to queue a step;
+    the hold lasts twice that."""
+    BYTES = 256 << 20
 
-    def __init__(self, ex, plan, clock):
-        self.ex, self.plan, self.clock = ex, plan, clock
-        self.per_kernel, self.keep = True, False
-        self.timed, self.untimed = [], []          # (marks, scalars) of each kept step
+    def __init__(self, device, bandwidth_gbs):
+        self.dev, self.n = device, 1
+        self.src, self.dst = device.empty((self.BYTES,), np.uint8), device.empty((self.BYTES,), np.uint8)
+        self.copy_s = 2 * self.BYTES / (bandwidth_gbs * 1e9)
 
     def __call__(self):
-        ex, c = self.ex, self.clock
+        for _ in range(self.n):
+            self.dev.copy(self.dst, self.src)
+
+    def queued(self, seconds):
+        self.n = max(self.n, int(np.ceil(2 * seconds / self.copy_s)) + 1)
+
+
+class _Recorder:
+    """Stands in for an executable's plan: each call runs the step in ``mode`` and, when ``keep``,
+    keeps its marks (µs since the step's start) and scalar values in ``steps[mode]``:
+
+    * "kernels": kernel by kernel, a mark before and after each (after ``hold``: a GPU runs them
+      back to back);
+    * "launches": kernel by kernel, marks around the step only (a GPU as launched, graphs off);
+    * "plan": the plan's own call (the CPU's one native call, a GPU's graph), marks around it."""
+
+    def __init__(self, ex, plan, clock, hold=None):
+        self.ex, self.plan, self.clock, self.hold = ex, plan, clock, hold
+        self.mode, self.keep = "kernels", False
+        self.steps = {"kernels": [], "launches": [], "plan": []}
+
+    def __call__(self):
+        ex, c, kernels = self.ex, self.clock, self.mode == "kernels"
         scalars = {n: ex._slots[n] for n in ex.plan.scalars if n in ex._slots}
+        if kernels and self.hold:
+            self.hold()
+        t0 = time.perf_counter()
         c.mark()
-        if self.per_kernel:
+        if self.mode == "plan":
+            self.plan()
+        else:
             slots = getattr(self.plan, "slots", None)          # a GPU plan uploads its scalars first
             if slots is not None:
-                slots.flush(self.ex.device.stream)
+                slots.flush(ex.device.stream)
             for launch in self.plan.launches:
-                c.mark()
+                if kernels:
+                    c.mark()
                 launch()
-                c.mark()
-        else:
-            self.plan()
+                if kernels:
+                    c.mark()
         c.mark()
+        if kernels and self.hold:
+            self.hold.queued(time.perf_counter() - t0)
         marks = c.read()
         if self.keep:
-            (self.timed if self.per_kernel else self.untimed).append((marks, scalars))
+            self.steps[self.mode].append((marks, scalars))
 
 
 # ------------------------------------------------------------------------------ ceilings
@@ -276,16 +313,23 @@ def _timed(f):
 
 # ------------------------------------------------------------------------------ recording
 def positions_needed(steps) -> int:
-    """KV-cache positions that ``record`` of ``steps`` steps decodes through (both modes, warm-up)."""
-    return 2 * (steps + WARMUP) + 1
+    """KV-cache positions that ``record`` of ``steps`` steps decodes through (three modes, warm-up)."""
+    return 3 * (steps + WARMUP) + 1
 
 
-def record(model, token, steps):
-    """Run ``steps`` greedy decode steps of ``model`` after ``token`` in each mode (timed and plan,
-    interleaved, after ``WARMUP`` steps of each), from the model's position, rewound where the
-    cache has too little room (the cache's values do not change a step's time).  Returns
-    (executable, [(marks, scalars)] timed, [(marks, scalars)] plan).  Raises ModelError for a
-    backend without compiled kernels."""
+def steps_fitting(context, most=STEPS) -> int:
+    """The most steps, up to ``most``, whose ``positions_needed`` fit a cache of ``context`` positions
+    (0: none do)."""
+    return max(0, min(most, (context - 1) // 3 - WARMUP))
+
+
+def record(model, token, steps, bandwidth_gbs=None):
+    """Run ``steps`` greedy decode steps of ``model`` after ``token`` in each of ``_Recorder``'s
+    modes ("launches" on GPUs only), interleaved step by step, after ``WARMUP`` steps of each, from
+    the model's position, rewound where the cache has too little room (the cache's values do not
+    change a step's time).  ``bandwidth_gbs``: the device's copy bandwidth (sizes a GPU's hold).
+    Returns (executable, {mode: [(marks, scalars)] of each kept step}).  Raises ModelError for a
+    backend without compiled kernels or a cache too small for the steps."""
     from .errors import ModelError
     if model.device is None:
         raise ModelError(f"--profile times compiled kernels: the {model.backend} backend has none; "
@@ -297,19 +341,22 @@ def record(model, token, steps):
     model.pos = min(model.pos, model.context - need)
     token = model.decode_greedy(token, 1)[0]          # compiles and binds the step
     ex = model.greedy_step.compile(model.params, np.zeros(1, np.int32), 0, 0, model.cache)
-    plan = ex._plan_run
-    rec = _Recorder(ex, plan, _clock(model.device, 2 * len(plan.launches) + 2))
+    plan, dev = ex._plan_run, model.device
+    gpu = hasattr(dev, "_event")
+    hold = _Hold(dev, bandwidth_gbs or dev.copy_bandwidth()) if gpu else None
+    rec = _Recorder(ex, plan, _clock(dev, 2 * len(plan.launches) + 2), hold)
+    modes = ("kernels", "launches", "plan") if gpu else ("kernels", "plan")
     ex._plan_run = rec
     try:
         for i in range(WARMUP + steps):
-            for per_kernel in (True, False):
-                rec.per_kernel, rec.keep = per_kernel, i >= WARMUP
+            for rec.mode in modes:
+                rec.keep = i >= WARMUP
                 token = model.decode_greedy(token, 1)[0]
     finally:
         ex._plan_run = plan
-    if len(rec.timed) != steps or len(rec.untimed) != steps:
+    if any(len(rec.steps[m]) != steps for m in modes):
         raise RuntimeError("the decode step was bound again while it was profiled; its times are incomplete")
-    return ex, rec.timed, rec.untimed
+    return ex, {m: rec.steps[m] for m in modes}
 
 
 def profile_model(model, token, steps=STEPS, out_dir=None, title=None, file=None) -> dict:
@@ -320,7 +367,8 @@ def profile_model(model, token, steps=STEPS, out_dir=None, title=None, file=None
     ``device``, ``steps``, ``positions`` and ``fusion_report``)."""
     file = file or sys.stderr
     ceilings = measure_ceilings(model.backend)
-    ex, timed, untimed = record(model, token, steps)
+    ex, steps_of = record(model, token, steps, ceilings["bandwidth_gbs"])
+    timed = steps_of["kernels"]
     static = ex.cost_analysis()["per_kernel"]
     kernels = [ck.kernel for ck in ex.kernels]
     if [k.name for k in kernels] != [p["name"] for p in static]:
@@ -331,12 +379,19 @@ def profile_model(model, token, steps=STEPS, out_dir=None, title=None, file=None
                  "bytes": float(b), "flops": float(f)} for k, (b, f) in zip(kernels, costs.mean(0))]
     marks = np.array([m for m, _ in timed])                          # [steps, 2 + 2 kernels]
     starts, ends = marks[:, 1:-1:2], marks[:, 2:-1:2]
-    kernel_us, token_us = ends - starts, marks[:, -1]
-    gap_us = (starts[:, 1:] - ends[:, :-1]).sum(1) + starts[:, 0] + (marks[:, -1] - ends[:, -1])
-    report = analyze(launches, kernel_us, token_us, ceilings, gap_us, [m[-1] for m, _ in untimed])
+    kernel_us = ends - starts
+    if "launches" in steps_of:          # a GPU: the kernels ran back to back; the step as launched has the gaps
+        token_us, gap_us = np.array([m[-1] for m, _ in steps_of["launches"]]), None
+    else:                               # the CPU: the gaps are the host's time between the kernel calls
+        token_us = marks[:, -1]
+        gap_us = (starts[:, 1:] - ends[:, :-1]).sum(1) + starts[:, 0] + (marks[:, -1] - ends[:, -1])
+    report = analyze(launches, kernel_us, token_us, ceilings, gap_us, [m[-1] for m, _ in steps_of["plan"]])
     dev = model.device
     report.update(title=title or getattr(model.cfg, "name", "") or "decode step", backend=model.backend,
-                  device=_device_name(dev), steps=steps,
+                  device=_device_name(dev), steps=steps, modes=list(steps_of),
+                  timing="kernels queued back to back between device events, the step as launched one by one "
+                         "(graphs off)" if "launches" in steps_of else
+                         "each kernel its own native call, the gaps the host's time between the calls",
                   positions=[timed[0][1].get("pos"), timed[-1][1].get("pos")],
                   fusion_report=ex.fusion_report().splitlines()[0])
     print(format_table(report), file=file, flush=True)
@@ -362,7 +417,7 @@ def format_table(report) -> str:
     ceiling."""
     c, t = report["ceilings"], report["token"]
     lines = [f"decode profile: {report.get('title', '')} on {report.get('device', '')}, {report.get('steps', '?')} steps "
-             f"from position {(report.get('positions') or ['?'])[0]}, kernels timed one by one",
+             f"from position {(report.get('positions') or ['?'])[0]}; {report.get('timing', '')}",
              f"ceilings: {c['bandwidth_gbs']:.1f} GB/s ({c.get('bandwidth_how', '')}); "
              f"{c['gflops']:.1f} GFLOP/s ({c.get('gflops_how', '')})",
              f"{'kernel':<48} {'calls':>5} {'µs/call':>8} {'µs/tok':>8} {'share':>6} {'kB/call':>9} "
@@ -404,7 +459,8 @@ def write(report, out_dir, file=None):
 
 def roofline(report, path):
     """Draw every kernel row of ``report`` and the token on the roofline of its ceilings (log-log:
-    FLOP/byte against GFLOP/s; a marker's area is its share of the step) into the PNG ``path``.
+    FLOP/byte against GFLOP/s; each kernel numbered as in the legend, which names it; a marker's
+    area is its share of the step) into the PNG ``path``.
     Raises ImportError without matplotlib."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -419,11 +475,10 @@ def roofline(report, path):
     grid = np.geomspace(lo, hi, 200)
     ax.plot(grid, np.minimum(peak, bw * grid), color="black", lw=1.5,
             label=f"roofline: {bw:.0f} GB/s, {peak:.0f} GFLOP/s (ridge {peak / bw:.2f} FLOP/byte)")
-    for i, r in enumerate(rows):
+    for i, r in enumerate(rows, 1):
         ax.scatter(r["intensity"], r["gflops"], s=30 + 6 * (r["share"] or 0), alpha=0.7, zorder=3,
-                   label=f"{r['name']} x{r['calls_per_token']}: {r['regime']}")
-        ax.annotate(r["name"], (r["intensity"], r["gflops"]), fontsize=7, xytext=(5, 4 + 8 * (i % 3)),
-                    textcoords="offset points")
+                   label=f"{i}  {r['name']} x{r['calls_per_token']}: {r['share'] or 0:.1f}% of the step, {r['regime']}")
+        ax.annotate(str(i), (r["intensity"], r["gflops"]), fontsize=8, xytext=(6, 2), textcoords="offset points")
     if t["bytes"] and t["gflops"]:
         ax.scatter(t["flops"] / t["bytes"], t["gflops"], marker="*", s=250, color="red", zorder=4,
                    label=f"token: {t['regime']}")

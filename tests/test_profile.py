@@ -147,7 +147,7 @@ def check_profile(backend, out_dir, steps=6, context=64):
     assert t["kernels"] == int(ex.fusion_report().split()[0]) == len(ex.plan.kernels)
     assert sum(r["calls_per_token"] for r in report["kernels"]) == t["kernels"]
     p0, p1 = report["positions"]
-    assert p1 == p0 + 2 * (steps - 1)                        # timed and plan steps interleave
+    assert p1 == p0 + len(report["modes"]) * (steps - 1)      # the modes' steps interleave
     keys = (p0 + p1) / 2 + 1                                 # the mean keys a timed step reads
     kv_layer = 2 * cfg.n_kv_heads * cfg.head_dim * np.dtype(KV_DTYPES[m.kv_dtype]).itemsize * keys
     weights = sum(int(a.nbytes) for a in tree_flatten(m.params)[0])
@@ -211,3 +211,33 @@ def test_bench_profile_on_a_tiny_model(tmp_path):
     assert "| tiny f16" in r.stdout and "decode profile:" in r.stderr
     report = json.loads((tmp_path / "prof" / "profile.json").read_text())
     assert report["steps"] == 4 and report["token"]["tokens_per_s"] > 0
+
+
+def test_the_gpu_modes_on_the_cpu_device_with_host_time_events(tmp_path, monkeypatch):
+    """The GPU's path through the profiler (events as marks, the hold while the step is queued, the
+    step as launched one by one beside the kernels) run on the CPU device given event primitives
+    that read the host's clock: three modes interleaved, the gaps the launched step's time minus the
+    kernels' (tests/test_cuda.py runs it on a GPU)."""
+    import time
+    from engine import profile
+    from engine.executable import get_device
+    dev, held = get_device("cpu"), []
+
+    class Event:
+        t = 0.0
+    hold = profile._Hold.__call__
+
+    def counted_hold(self):
+        held.append(self.n)
+        hold(self)
+    monkeypatch.setattr(profile._Hold, "BYTES", 1 << 12)                # copies of 4 KiB on the CPU
+    monkeypatch.setattr(profile._Hold, "__call__", counted_hold)
+    for name, value in dict(_event=Event, _record=lambda ev: setattr(ev, "t", time.perf_counter()),
+                            _elapsed_ms=lambda a, b: 1e3 * (b.t - a.t), copy_bandwidth=lambda: 1.0,
+                            stream=None).items():
+        monkeypatch.setattr(dev, name, value, raising=False)
+    report = check_profile("cpu", tmp_path, steps=3)
+    t = report["token"]
+    assert report["modes"] == ["kernels", "launches", "plan"] and "graphs off" in report["timing"]
+    assert t["gap_us"] == pytest.approx(t["token_us"] - t["kernel_us"])
+    assert len(held) == profile.WARMUP + 3 and held[-1] >= 1
