@@ -85,7 +85,8 @@ def analyze(launches, kernel_us, token_us, ceilings, gap_us=None, plan_us=None) 
     (list of DSL op names), ``bytes`` and ``flops`` per call.  ``kernel_us``: [steps, kernels] µs of
     each kernel at each timed step; ``token_us``: [steps] µs of each timed step; ``gap_us``: [steps]
     µs of each step outside its kernels, as recorded (None: ``token_us`` minus the kernels' sum);
-    ``plan_us``: [steps] µs of the untimed plan's steps (None: the rate is the timed steps').
+    ``plan_us``: [steps] µs of the untimed plan's steps (None: the rate is the timed steps'; the
+    token's ``plan_gap_us`` is the plan's step minus the kernels).
     ``ceilings``: ``bandwidth_gbs`` and ``gflops`` (plus any notes, copied).  Returns the report:
     ``ceilings``, ``kernels`` (one row per name up to layer numbers, the most time first),
     ``launches`` (every kernel with its mean µs) and ``token``.  Raises ValueError when the shapes
@@ -123,7 +124,8 @@ def analyze(launches, kernel_us, token_us, ceilings, gap_us=None, plan_us=None) 
     tok = {"kernels": len(launches), "kernel_us": float(mean_us.sum()), "gap_us": gap, "gap_share": gap_share,
            "token_us": token, "bytes": nbytes, "flops": flops, "gbs": gbs, "gflops": gflops,
            "pct_bandwidth": _pct(gbs, bw), "pct_flops": _pct(gflops, peak),
-           "plan_us": step if plan_us is not None else None, "tokens_per_s": tps,
+           "plan_us": step if plan_us is not None else None,
+           "plan_gap_us": step - float(mean_us.sum()) if plan_us is not None else None, "tokens_per_s": tps,
            "ceiling_tokens_per_s": ceiling, "pct_of_ceiling": _pct(tps, ceiling)}
     tok["regime"] = regime(tok["pct_bandwidth"], tok["pct_flops"], gap_share)
     return {"ceilings": dict(ceilings), "kernels": rows, "token": tok,
@@ -278,7 +280,7 @@ def _best_us(ex, leaves, reps):
     return best
 
 
-def measure_ceilings(backend, reps=5) -> dict:
+def measure_ceilings(backend, reps=10) -> dict:
     """The device's ceilings, measured now (see the module docstring): ``bandwidth_gbs``,
     ``bandwidth_how``, ``gflops``, ``gflops_how``."""
     import dsl
@@ -433,7 +435,12 @@ def format_table(report) -> str:
                  f"{t['flops'] / 1e6:.1f} MFLOP a token: {_f(t['gbs'], '.1f')} GB/s "
                  f"({_f(t['pct_bandwidth'], '.1f')}% of the bandwidth), {_f(t['gflops'], '.2f')} GFLOP/s "
                  f"({_f(t['pct_flops'], '.2f')}% of the FLOP rate): {t['regime']}")
-    plan = f"the plan's {t['plan_us']:.0f} µs a step" if t["plan_us"] is not None else "the timed steps"
+    if t["plan_us"] is None:
+        plan = "the timed steps"
+    elif t["plan_gap_us"] >= 0:
+        plan = f"the plan's {t['plan_us']:.0f} µs a step, {t['plan_gap_us']:.0f} µs of it outside the kernels"
+    else:
+        plan = f"the plan's {t['plan_us']:.0f} µs a step, {-t['plan_gap_us']:.0f} µs less than the kernels timed alone"
     lines.append(f"batch-1 ceiling: {c['bandwidth_gbs']:.1f} GB/s / {t['bytes'] / 1e6:.2f} MB = "
                  f"{_f(t['ceiling_tokens_per_s'], '.1f')} tokens/s; measured {_f(t['tokens_per_s'], '.1f')} tokens/s "
                  f"({plan}) = {_f(t['pct_of_ceiling'], '.1f')}% of it")

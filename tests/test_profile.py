@@ -76,6 +76,7 @@ def test_analyze_groups_layers_and_computes_rates_shares_and_the_batch1_ceiling(
     assert t["bytes"] == pytest.approx(nbytes) and t["flops"] == pytest.approx(flops)
     assert t["gbs"] == pytest.approx(nbytes / token / 1e3) and t["gflops"] == pytest.approx(flops / token / 1e3)
     assert t["plan_us"] == pytest.approx(plan_us.mean()) and t["tokens_per_s"] == pytest.approx(1e6 / plan_us.mean())
+    assert t["plan_gap_us"] == pytest.approx(plan_us.mean() - kernel_us.mean(0).sum())
     assert t["ceiling_tokens_per_s"] == pytest.approx(ceil["bandwidth_gbs"] * 1e9 / nbytes)
     assert t["pct_of_ceiling"] == pytest.approx(100 * t["tokens_per_s"] / t["ceiling_tokens_per_s"])
     assert [x["mean_us"] for x in r["launches"]] == pytest.approx(list(kernel_us.mean(0)))
