@@ -86,7 +86,8 @@ def analyze(launches, kernel_us, token_us, ceilings, gap_us=None, plan_us=None) 
     each kernel at each timed step; ``token_us``: [steps] µs of each timed step; ``gap_us``: [steps]
     µs of each step outside its kernels, as recorded (None: ``token_us`` minus the kernels' sum);
     ``plan_us``: [steps] µs of the untimed plan's steps (None: the rate is the timed steps'; the
-    token's ``plan_gap_us`` is the plan's step minus the kernels).
+    token's ``plan_gap_us`` is the plan's step minus the kernels, ``plan_pct_bandwidth``,
+    ``plan_pct_flops`` and ``plan_regime`` the token's figures at the plan's step time).
     ``ceilings``: ``bandwidth_gbs`` and ``gflops`` (plus any notes, copied).  Returns the report:
     ``ceilings``, ``kernels`` (one row per name up to layer numbers, the most time first),
     ``launches`` (every kernel with its mean µs) and ``token``.  Raises ValueError when the shapes
@@ -128,6 +129,10 @@ def analyze(launches, kernel_us, token_us, ceilings, gap_us=None, plan_us=None) 
            "plan_gap_us": step - float(mean_us.sum()) if plan_us is not None else None, "tokens_per_s": tps,
            "ceiling_tokens_per_s": ceiling, "pct_of_ceiling": _pct(tps, ceiling)}
     tok["regime"] = regime(tok["pct_bandwidth"], tok["pct_flops"], gap_share)
+    if plan_us is not None:             # the same reading of the step as the plan runs it
+        pct_bw, pct_fl = _pct(_rate(nbytes, step), bw), _pct(_rate(flops, step), peak)
+        tok.update(plan_pct_bandwidth=pct_bw, plan_pct_flops=pct_fl,
+                   plan_regime=regime(pct_bw, pct_fl, max(0.0, 100.0 * tok["plan_gap_us"] / step)))
     return {"ceilings": dict(ceilings), "kernels": rows, "token": tok,
             "launches": [{"name": l["name"], "mean_us": float(u), "bytes": l["bytes"], "flops": l["flops"]}
                          for l, u in zip(launches, mean_us)]}
@@ -441,6 +446,9 @@ def format_table(report) -> str:
         plan = f"the plan's {t['plan_us']:.0f} µs a step, {t['plan_gap_us']:.0f} µs of it outside the kernels"
     else:
         plan = f"the plan's {t['plan_us']:.0f} µs a step, {-t['plan_gap_us']:.0f} µs less than the kernels timed alone"
+    if t["plan_us"] is not None:
+        plan += (f"; {_f(t['plan_pct_bandwidth'], '.1f')}% of the bandwidth, {_f(t['plan_pct_flops'], '.2f')}% "
+                 f"of the FLOP rate: {t['plan_regime']}")
     lines.append(f"batch-1 ceiling: {c['bandwidth_gbs']:.1f} GB/s / {t['bytes'] / 1e6:.2f} MB = "
                  f"{_f(t['ceiling_tokens_per_s'], '.1f')} tokens/s; measured {_f(t['tokens_per_s'], '.1f')} tokens/s "
                  f"({plan}) = {_f(t['pct_of_ceiling'], '.1f')}% of it")

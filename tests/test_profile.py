@@ -77,6 +77,10 @@ def test_analyze_groups_layers_and_computes_rates_shares_and_the_batch1_ceiling(
     assert t["gbs"] == pytest.approx(nbytes / token / 1e3) and t["gflops"] == pytest.approx(flops / token / 1e3)
     assert t["plan_us"] == pytest.approx(plan_us.mean()) and t["tokens_per_s"] == pytest.approx(1e6 / plan_us.mean())
     assert t["plan_gap_us"] == pytest.approx(plan_us.mean() - kernel_us.mean(0).sum())
+    assert t["plan_pct_bandwidth"] == pytest.approx(100 * nbytes / plan_us.mean() / 1e3 / ceil["bandwidth_gbs"])
+    assert t["plan_pct_flops"] == pytest.approx(100 * flops / plan_us.mean() / 1e3 / ceil["gflops"])
+    assert t["plan_regime"] == regime(t["plan_pct_bandwidth"], t["plan_pct_flops"],
+                                      max(0.0, 100 * t["plan_gap_us"] / plan_us.mean()))
     assert t["ceiling_tokens_per_s"] == pytest.approx(ceil["bandwidth_gbs"] * 1e9 / nbytes)
     assert t["pct_of_ceiling"] == pytest.approx(100 * t["tokens_per_s"] / t["ceiling_tokens_per_s"])
     assert [x["mean_us"] for x in r["launches"]] == pytest.approx(list(kernel_us.mean(0)))
@@ -96,6 +100,23 @@ def test_gaps_default_to_the_step_minus_its_kernels_and_launch_bound_steps_say_s
     assert r["token"]["tokens_per_s"] == pytest.approx(1e4)          # no plan: the timed steps' rate
     assert {row["regime"] for row in r["kernels"]} == {"latency-bound"}
     assert r["kernels"][0]["pct_bandwidth"] == pytest.approx(1.0)
+
+
+def test_a_step_launch_bound_one_by_one_and_bandwidth_bound_as_a_graph():
+    """Kernels at 80% of the bandwidth whose step, launched one by one, spends 5 µs per kernel
+    between them, while the plan's graph adds 5% to the kernels: launch-bound as launched, and
+    bandwidth-bound as the plan runs the step (the batch-1 ceiling's percentage follows the plan)."""
+    n, us = 150, rng.uniform(1.0, 3.0)
+    launches = [{"name": f"layers_{i}_gemv", "family": "contract", "ops": ["dot"], "bytes": 800.0 * us * 4,
+                 "flops": 2.0 * us * 4} for i in range(n)]                  # 3.2 GB/s of a 4 GB/s ceiling
+    kernel_us = np.full((4, n), us)
+    r = analyze(launches, kernel_us, np.full(4, n * (us + 5.0)), {"bandwidth_gbs": 4.0, "gflops": 100.0},
+                plan_us=np.full(4, 1.05 * n * us))
+    t, (row,) = r["token"], r["kernels"]
+    assert row["regime"] == "bandwidth-bound" and row["pct_bandwidth"] == pytest.approx(80.0)
+    assert t["regime"] == "launch-bound" and t["gap_share"] == pytest.approx(100 * 5 / (us + 5))
+    assert t["plan_regime"] == "bandwidth-bound" and t["plan_pct_bandwidth"] == pytest.approx(80 / 1.05)
+    assert t["pct_of_ceiling"] == pytest.approx(80 / 1.05)
 
 
 def test_analyze_rejects_times_of_the_wrong_shape():
