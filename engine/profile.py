@@ -423,15 +423,16 @@ def format_table(report) -> str:
     """The report as text: the ceilings, one line per kernel row, the token's line and the batch-1
     ceiling."""
     c, t = report["ceilings"], report["token"]
-    lines = [f"decode profile: {report.get('title', '')} on {report.get('device', '')}, {report.get('steps', '?')} steps "
-             f"from position {(report.get('positions') or ['?'])[0]}; {report.get('timing', '')}",
+    first = (report.get("positions") or ["?"])[0]
+    lines = [f"decode profile: {report.get('title', '')} on {report.get('device', '')}, "
+             f"{report.get('steps', '?')} steps from position {first}; {report.get('timing', '')}",
              f"ceilings: {c['bandwidth_gbs']:.1f} GB/s ({c.get('bandwidth_how', '')}); "
              f"{c['gflops']:.1f} GFLOP/s ({c.get('gflops_how', '')})",
              f"{'kernel':<48} {'calls':>5} {'µs/call':>8} {'µs/tok':>8} {'share':>6} {'kB/call':>9} "
              f"{'MFLOP/call':>10} {'GB/s':>7} {'%bw':>5} {'GFLOP/s':>8} {'%flop':>5}  {'regime':<15} ops"]
     for r in report["kernels"]:
         ops = ", ".join(r["ops"])
-        lines.append(f"{r['name'][:48]:<48} {r['calls_per_token']:>5} {r['mean_us']:8.1f} {r['us_per_token']:8.1f} "
+        lines.append(f"{r['name'][:48]:<48} {r['calls_per_token']:>5} {r['mean_us']:8.2f} {r['us_per_token']:8.1f} "
                      f"{_f(r['share'], '5.1f')}% {r['bytes'] / 1e3:9.1f} {r['flops'] / 1e6:10.3f} "
                      f"{_f(r['gbs'], '7.1f')} {_f(r['pct_bandwidth'], '5.1f')} {_f(r['gflops'], '8.2f')} "
                      f"{_f(r['pct_flops'], '5.1f')}  {r['regime']:<15} {ops[:60]}{'...' if len(ops) > 60 else ''}")
@@ -440,15 +441,14 @@ def format_table(report) -> str:
                  f"{t['flops'] / 1e6:.1f} MFLOP a token: {_f(t['gbs'], '.1f')} GB/s "
                  f"({_f(t['pct_bandwidth'], '.1f')}% of the bandwidth), {_f(t['gflops'], '.2f')} GFLOP/s "
                  f"({_f(t['pct_flops'], '.2f')}% of the FLOP rate): {t['regime']}")
-    if t["plan_us"] is None:
-        plan = "the timed steps"
-    elif t["plan_gap_us"] >= 0:
-        plan = f"the plan's {t['plan_us']:.0f} µs a step, {t['plan_gap_us']:.0f} µs of it outside the kernels"
-    else:
-        plan = f"the plan's {t['plan_us']:.0f} µs a step, {-t['plan_gap_us']:.0f} µs less than the kernels timed alone"
+    plan = "the timed steps"
     if t["plan_us"] is not None:
-        plan += (f"; {_f(t['plan_pct_bandwidth'], '.1f')}% of the bandwidth, {_f(t['plan_pct_flops'], '.2f')}% "
-                 f"of the FLOP rate: {t['plan_regime']}")
+        gap = t["plan_gap_us"]
+        plan = (f"the plan's {t['plan_us']:.0f} µs a step, "
+                + (f"{gap:.0f} µs of it outside the kernels" if gap >= 0 else
+                   f"{-gap:.0f} µs less than the kernels timed alone")
+                + f"; {_f(t['plan_pct_bandwidth'], '.1f')}% of the bandwidth, {_f(t['plan_pct_flops'], '.2f')}% "
+                f"of the FLOP rate: {t['plan_regime']}")
     lines.append(f"batch-1 ceiling: {c['bandwidth_gbs']:.1f} GB/s / {t['bytes'] / 1e6:.2f} MB = "
                  f"{_f(t['ceiling_tokens_per_s'], '.1f')} tokens/s; measured {_f(t['tokens_per_s'], '.1f')} tokens/s "
                  f"({plan}) = {_f(t['pct_of_ceiling'], '.1f')}% of it")
