@@ -496,7 +496,10 @@ def roofline(report, path):
         ax.annotate(str(i), (r["intensity"], r["gflops"]), fontsize=8, xytext=(6, 2), textcoords="offset points")
     if t["bytes"] and t["gflops"]:
         ax.scatter(t["flops"] / t["bytes"], t["gflops"], marker="*", s=250, color="red", zorder=4,
-                   label=f"token: {t['regime']}")
+                   label=f"token, kernels launched one by one: {t['regime']}")
+    if t["bytes"] and t.get("plan_us"):
+        ax.scatter(t["flops"] / t["bytes"], t["flops"] / t["plan_us"] / 1e3, marker="*", s=250, color="black",
+                   zorder=4, label=f"token as the plan runs it: {t['plan_regime']}")
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="GFLOP/s",
            title=f"{report.get('title', '')} decode on {report.get('device', '')}")
     ax.grid(True, which="both", alpha=0.3)
