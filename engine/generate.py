@@ -9,6 +9,7 @@ with status 2.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -46,9 +47,11 @@ def _held(text: str, stop) -> int:
 
 def _on_device(model, repeat_penalty) -> bool:
     """Whether decode steps draw their ids on the device (``Model.decode_ids``): on GPU backends,
-    without a repeat penalty (it needs the ids' history), unless ``VEGAFUSE_DEVICE_SAMPLING=0``."""
+    without a repeat penalty (it needs the ids' history), unless ``VEGAFUSE_DEVICE_SAMPLING=0`` or a
+    run is verified (``engine.verify`` checks the kernels of executable calls, one at a time)."""
+    from .verify import active
     return (repeat_penalty == 1 and hasattr(model, "decode_ids") and getattr(model, "backend", "") in ("cuda", "hip")
-            and os.environ.get("VEGAFUSE_DEVICE_SAMPLING", "1") != "0")
+            and os.environ.get("VEGAFUSE_DEVICE_SAMPLING", "1") != "0" and active() is None)
 
 
 def stream(model, tokenizer, prompt_ids, max_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -181,6 +184,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", nargs="?", const=".", metavar="DIR",
                    help="after generating, profile 32 decode steps: a table on stderr, profile.json and "
                         "roofline.png in DIR (default: the current directory); give the prompt before it or with -p")
+    p.add_argument("--verify", action="store_true",
+                   help="check every kernel's output against the reference interpreter (float64) on the "
+                        "kernel's own inputs, at every step; stops at the first mismatch (slow)")
     args = p.parse_args(argv)
     if args.prompt_option is not None:
         if args.prompt is not None:
@@ -232,6 +238,9 @@ def run(args):
         raise ModelError(f"--seed must be >= 0, got {args.seed}")
     if args.context is not None and args.context < 1:
         raise ModelError(f"--context must be at least 1, got {args.context}")
+    if args.verify and args.backend == "reference":
+        raise ModelError("--verify checks compiled kernels and the reference backend has none; "
+                         "use --backend cpu, cuda or hip")
     path = resolve_model(args.model)             # checked without opening it: a FIFO would block
     from .build import COUNTS
     from .executable import get_device
@@ -258,10 +267,12 @@ def run(args):
         if piece:
             sys.stdout.write(piece)
             sys.stdout.flush()
-    for out in stream(model, tok, prompt_ids, max_tokens, args.temperature, args.top_k, args.top_p, args.min_p,
-                      args.repeat_penalty, args.seed, eos, args.stop, args.repeat_last_n):
-        if isinstance(out, str) and not args.json:
-            emit(out)
+    from .verify import checking
+    with checking() if args.verify else contextlib.nullcontext() as checked:
+        for out in stream(model, tok, prompt_ids, max_tokens, args.temperature, args.top_k, args.top_p,
+                          args.min_p, args.repeat_penalty, args.seed, eos, args.stop, args.repeat_last_n):
+            if isinstance(out, str) and not args.json:
+                emit(out)
     ids, stats = out.ids, out.stats
     if args.json:
         print(json.dumps({"prompt_ids": prompt_ids, "ids": ids, "text": out.text, "finish_reason": out.finish_reason,
@@ -275,6 +286,8 @@ def run(args):
     print(f"[load {t_load:.2f} s, compile {t_compile:.2f} s ({built} object{'s' * (built != 1)} compiled, "
           f"{COUNTS['cached']} from the cache), prefill {stats['prefill_s']:.2f} s, "
           f"decode {stats['decode_s']:.2f} s]", file=sys.stderr)
+    if checked is not None:
+        print(f"[{checked.summary()}]", file=sys.stderr)
     if args.profile is not None:
         from .profile import positions_needed, profile_model, steps_fitting
         steps = steps_fitting(model.context)

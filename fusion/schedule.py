@@ -41,6 +41,7 @@ class Plan:
     scalars: list                  # names of i32 scalar inputs
     aliases: dict = field(default_factory=dict)   # output buffer written in place -> the input it overwrites
     rules: frozenset = frozenset()
+    computed: dict = field(default_factory=dict)  # index of an equation in the program -> the buffer of its value
 
 
 def sanitize(name):
@@ -876,5 +877,6 @@ def _lower_all(lw) -> Plan:
         outputs.append(("lit", o.value, o.dtype) if isinstance(o, Lit) else
                        ("buf", lw.buffer_of(lw.g.views.get(o, o)), tuple(o.shape)))
     scalars = [lw.names[v] for v in lw.prog.inputs if is_scalar_param(v)]
+    computed = {i: lw.names[e.out] for i, e in enumerate(lw.prog.eqns) if e.out in lw.names}
     return Plan(kernels, buffers, [lw.names[v] for v in lw.prog.inputs], outputs, scalars,
-                {lw.buffer_of(r): lw.buffer_of(o) for r, o in aliases.items()}, lw.rules)
+                {lw.buffer_of(r): lw.buffer_of(o) for r, o in aliases.items()}, lw.rules, computed)
