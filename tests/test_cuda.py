@@ -748,3 +748,30 @@ def test_profile_smollm2_on_the_gpu(tmp_path):
     from tests.test_profile import check_profile
     report = check_profile("cuda", tmp_path, steps=16)
     assert report["ceilings"]["bandwidth_gbs"] > 100 and report["ceilings"]["gflops"] > 1000, report["ceilings"]
+@pytest.mark.parametrize("dtype", ["native", "f16", "f32"])
+def test_verify_passes_on_smollm2_for_20_tokens_on_the_gpu(dtype, capsys):
+    """engine.generate --verify on the GPU (tests/test_verify.py runs it on the CPU): every kernel of the
+    prefill and of 20 decode steps against the float64 interpreter on its own inputs, read back from the
+    device, with the Q4_1 file as it is (int8 GEMVs, q8_1 blocks written by producers) and with f16 and
+    f32 weights; the text is an unchecked run's."""
+    import json
+    from tests.test_verify import SUMMARY, generate
+    rc, out, err = generate(capsys, "--backend", "cuda", "--dtype", dtype, "-n", "20", "--json", "--verify")
+    assert rc == 0, err
+    m = SUMMARY.search(err)
+    assert m and "not compared" not in err, err
+    checked = json.loads(out)
+    assert int(m.group(4)) == 1 + len(checked["ids"]) - (checked["finish_reason"] == "length")
+    rc, out, err = generate(capsys, "--backend", "cuda", "--dtype", dtype, "-n", "20", "--json")
+    assert rc == 0 and json.loads(out)["ids"] == checked["ids"], err
+
+
+def test_verify_names_a_broken_kernel_on_the_gpu(capsys, monkeypatch):
+    """Layer 3's down projection reading its residual mirrored, rendered for the GPU: --verify stops at
+    the prefill naming the kernel, its output and the first bad index."""
+    import re
+    from tests.test_verify import break_kernel, generate
+    break_kernel(monkeypatch, "layers_3_linear_w_down_add")
+    rc, out, err = generate(capsys, "--backend", "cuda", "--dtype", "f16", "-n", "2", "--verify")
+    assert rc == 2 and re.search(r"error: verify: kernel layers_3_linear_w_down_add wrote layers_3_x_2\[0, \d+\] = ",
+                                 err), err
