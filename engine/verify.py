@@ -184,8 +184,8 @@ def kernel_checks(ex) -> list:
                 raise ModelError(f"verify: kernel {k.name} reads a {a.dtype}{list(a.shape)} value that no buffer "
                                  "holds; it cannot be checked on its own")
         written = [p for p in k.params if p.kind == "buffer" and p.role != "in"]
-        outputs = [(where[e.out], e.out) for e in eqns if where.get(e.out) in {p.name for p in written}]
-        outputs = list(dict.fromkeys(outputs))
+        names = {p.name for p in written}        # a buffer written twice holds its last value
+        outputs = list({where[e.out]: e.out for e in eqns if where.get(e.out) in names}.items())
         q8 = {p.name: p.dtype for p in written if p.dtype in ACT_Q8 and p.name.removesuffix("_q8") in
               {n for n, _ in outputs}}
         rest = {p.name for p in written} - {n for n, _ in outputs} - set(q8)
