@@ -47,9 +47,11 @@ def test_verify_passes_on_smollm2_for_20_tokens(dtype, capsys):
 
 
 def wrong_residual_index(k: L.Kernel) -> L.Kernel:
-    """``k`` with one wrong index in its epilogue: the first store that adds a buffer read at the index
-    it writes (the residual) reads it mirrored, at element size - 1 - i of that buffer instead of i."""
+    """``k`` with one wrong index in its epilogue: the first store into an output buffer that adds a
+    buffer read at the index it writes (the residual) reads it mirrored, at element size - 1 - i of that
+    buffer instead of i.  (Stores into the kernel's local arrays, the prologue's, are left alone.)"""
     sizes = {p.name: p.size for p in k.params}
+    outputs = {p.name for p in k.params if p.role != "in"}
 
     def swap(store):
         def mirror(x):
@@ -60,7 +62,7 @@ def wrong_residual_index(k: L.Kernel) -> L.Kernel:
     def walk(body):
         out, done = [], False
         for s in body:
-            if not done and isinstance(s, L.Store) and swap(s) != s:
+            if not done and isinstance(s, L.Store) and s.buf in outputs and swap(s) != s:
                 s, done = swap(s), True
             elif not done and isinstance(getattr(s, "body", None), tuple):
                 inner, done = walk(s.body)
