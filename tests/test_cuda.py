@@ -748,6 +748,8 @@ def test_profile_smollm2_on_the_gpu(tmp_path):
     from tests.test_profile import check_profile
     report = check_profile("cuda", tmp_path, steps=16)
     assert report["ceilings"]["bandwidth_gbs"] > 100 and report["ceilings"]["gflops"] > 1000, report["ceilings"]
+
+
 @pytest.mark.parametrize("dtype", ["native", "f16", "f32"])
 def test_verify_passes_on_smollm2_for_20_tokens_on_the_gpu(dtype, capsys):
     """engine.generate --verify on the GPU (tests/test_verify.py runs it on the CPU): every kernel of the
