@@ -49,7 +49,8 @@ def sample(logits, u, settings, top_k=0):
     """Draw one token id from ``logits`` f32 [V].
 
     Args:
-        logits: f32 [V]; NaN counts as -inf (never drawn).
+        logits: f32 [V]; NaN counts as -inf (never drawn).  With no finite maximum (a +inf logit,
+            or no finite logit) the draw is the first id of the maximum, as the host's argmax.
         u: f32 [] uniform in [0, 1): the draw's only randomness (the caller's seeded generator).
         settings: f32 [3]: temperature (> 0), top_p in (0, 1], min_p in [0, 1], as
             ``engine.sampling.sample`` takes them (runtime values: changing them never retraces).
@@ -63,11 +64,14 @@ def sample(logits, u, settings, top_k=0):
     arXiv:1904.09751); min-p keeps logits >= max + ln(min_p) (llama.cpp's ``min_p``).  The draw is
     the smallest id j whose prefix sum of kept probabilities exceeds u times their total.  A
     threshold is searched in [-104, 1] (below -104, exp(z) is 0 in f32: such ids are never drawn)
-    to within 105 / 4^12, about 6e-6 in z: ids closer than that to a cut may fall on either side."""
+    to within 105 / 4^12, about 6e-6 in z: ids closer than that to a cut may fall on either side.
+    Where it differs from ``engine.sampling.sample`` by design: ids tied at a top-k or top-p cut
+    are all kept (the host keeps the lower ids), and ids below -104 are never drawn."""
     V = logits.shape[0]
     x = dsl.where(logits == logits, logits, -float("inf"))                # (V,)  NaN -> -inf
     temperature, top_p, min_p = settings[0], settings[1], settings[2]
-    z = (x - dsl.max(x)) / temperature                                   # (V,)  <= 0
+    m = dsl.max(x)
+    z = dsl.where(x == m, 0.0, (x - m) / temperature)                   # (V,)  <= 0; 0 at an infinite max
     keep = z > -float("inf")
     if 0 < top_k < V:
         count = lambda t: dsl.sum(dsl.where(z >= t, 1, 0)) >= top_k      # noqa: E731
@@ -78,7 +82,7 @@ def sample(logits, u, settings, top_k=0):
     keep = keep & ((top_p >= 1.0) | (z >= _largest_threshold(EXP_FLOOR, 1.0, mass)))
     keep = keep & (z >= dsl.log(min_p) / temperature)                    # logit >= max + ln(min_p)
     p = dsl.where(keep, p, 0.0)                                          # (V,)
-    target = u * dsl.sum(p)
+    target = dsl.where(dsl.abs(m) < float("inf"), u, 0.0) * dsl.sum(p)  # no finite max: the first id of it
 
     def quarter_ids(a, b):
         return [a + (b - a) * i // 4 for i in (1, 2, 3)]
