@@ -32,6 +32,24 @@ class ContextFull(ModelError):
 KV_DTYPES = {"f16": np.float16, "f32": np.float32}
 
 
+def _device_sampling(sampling) -> dict:
+    """``Model.decode_ids``' ``sampling`` dict checked and completed with ``engine.sampling.sample``'s
+    defaults: {temperature, top_k, top_p, min_p}.  Raises ModelError naming the bad setting."""
+    unknown = sorted(set(sampling) - {"temperature", "top_k", "top_p", "min_p"})
+    if unknown:
+        raise ModelError(f"sampling on the device takes temperature, top_k, top_p and min_p, not "
+                         f"{', '.join(unknown)} (a repeat penalty needs the host's draws)")
+    s = dict(dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), **sampling)
+    t, k, p, mp = s["temperature"], s["top_k"], s["top_p"], s["min_p"]
+    if not 0 < t < np.inf:
+        raise ModelError(f"sampling on the device needs 0 < temperature < inf, got {t} (greedy: sampling=None)")
+    if not 0 < p <= 1 or not 0 <= mp <= 1:
+        raise ModelError(f"sampling on the device needs 0 < top_p <= 1 and 0 <= min_p <= 1, got {p}, {mp}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise ModelError(f"top_k must be an integer (<= 0: no limit), got {k!r}")
+    return s
+
+
 class Model:
     """``cfg`` and ``params`` (``engine.weights.load_model``) on ``backend`` with a static KV cache
     of ``context`` positions per layer, k and v each [Hkv, context, hd] of ``kv_dtype``: "f16"
@@ -174,22 +192,34 @@ class Model:
         """Yield up to ``n`` ids decoded after ``token_id``, each drawn on the device.
 
         Each step's id comes from a kernel (argmax, or ``stdlib.sampling.sample`` when ``sampling``
-        is a dict of temperature > 0, top_k, top_p, min_p, with one uniform number a step drawn
-        from ``rng``, an ``np.random.Generator``, and uploaded up front).  It is copied on the
-        device into the next step's input and asynchronously into pinned host memory; the host
-        reads it ``lag`` steps later, so the GPU never waits for the host, and a captured graph
-        replays each step.  Closing the generator stops decoding: ``pos`` then counts the ids
-        yielded (the steps run past them are overwritten by the next decode).
+        is a dict of temperature, top_k, top_p, min_p, as ``engine.sampling.sample`` takes them and
+        with its defaults, with one uniform number a step drawn from ``rng``, an
+        ``np.random.Generator``, and uploaded up front).  It is copied on the device into the next
+        step's input and asynchronously into pinned host memory; the host reads it ``lag`` (>= 1)
+        steps later, so the GPU never waits for the host, and a captured graph replays each step.
+        Closing the generator stops decoding: ``pos`` then counts the ids yielded (the steps run
+        past them are overwritten by the next decode).  The arguments are checked when it is called.
 
         Raises:
-            ModelError: the reference backend (no device), or sampling without ``rng``.
+            ModelError: the reference backend (no device), sampling without ``rng``, a setting out of
+                range (temperature not in (0, inf), top_p not in (0, 1], min_p not in [0, 1], top_k
+                not an integer, another key), or ``lag`` < 1.
             ContextFull: the KV cache filled before ``n`` ids (the ids that fitted were yielded).
         """
         dev = self.device
         if dev is None or not hasattr(dev, "id_ring"):
             raise ModelError(f"decode_ids runs compiled kernels: the {self.backend} backend has none")
-        if sampling is not None and rng is None:
-            raise ModelError("sampling on the device needs an np.random.Generator")
+        if sampling is not None:
+            sampling = _device_sampling(sampling)
+            if rng is None:
+                raise ModelError("sampling on the device needs an np.random.Generator")
+        if not (isinstance(lag, (int, np.integer)) and lag >= 1):
+            raise ModelError(f"lag must be an integer >= 1 (the steps the host reads behind), got {lag!r}")
+        return self._ids(token_id, n, sampling, rng, int(lag))
+
+    def _ids(self, token_id, n, sampling, rng, lag):
+        """:meth:`decode_ids`' loop, its arguments checked."""
+        dev = self.device
         uniforms = rng.random(self.context, dtype=np.float32) if sampling is not None else None
         ex, tokens, pos_name, nxt = self._device_step(sampling, uniforms)         # u for each position
         dev.copy_in(tokens, np.array([token_id], np.int32))

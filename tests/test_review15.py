@@ -121,3 +121,198 @@ def test_the_gpu_kernel_text_handles_masks_and_infinities(target, tmp_path_facto
             continue
         (got,) = emulate_plan(lambda a, u, s: draw(a, u, s, kw["top_k"]), (lg, u, s), get_target(target), tmp)
         assert int(got[0]) == want, (float(u), int(got[0]), want)
+
+
+# ----------------------------------------------------------------------------- Model.decode_ids (CPU)
+@pytest.fixture(scope="module")
+def smollm2():
+    from engine.weights import default_model_path, load_model
+    return load_model(default_model_path())
+
+
+def model(smollm2, context):
+    from engine.model import Model
+    cfg, params, _ = smollm2
+    return Model(cfg, params, backend="cpu", context=context)
+
+
+@pytest.mark.parametrize("bad,what", [
+    (dict(temperature=0.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(min_p=-0.1), "min_p"), (dict(min_p=2.0), "min_p"), (dict(top_k=2.5), "top_k"),
+    (dict(repeat_penalty=1.3), "repeat_penalty"), (dict(lag=0), "lag")])
+def test_decode_ids_rejects_bad_settings_in_one_line(smollm2, bad, what):
+    """Settings out of range reached the kernel: top_p = 0 drew id V - 1 every step, min_p = 2 and a
+    NaN temperature drew the argmax, top_k = 2.5 ran top-k 2, a repeat penalty was ignored, lag 0
+    raised ContextFull.  Now one ModelError line names the setting, when decode_ids is called."""
+    from engine.errors import ModelError
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    m = model(smollm2, 32)
+    m.prefill(PROMPT_IDS)
+    bad = dict(bad)
+    lag = bad.pop("lag", 4)
+    with pytest.raises(ModelError, match=what) as e:
+        m.decode_ids(REFERENCE_IDS[0], 3, sampling=dict(dict(temperature=0.9), **bad) if bad else None,
+                     rng=np.random.default_rng(), lag=lag)
+    assert "\n" not in str(e.value) and m.pos == len(PROMPT_IDS)
+
+
+def test_decode_ids_closed_at_every_point_for_any_lag(smollm2):
+    """n = 0, lag 1, lag past n: closed after k ids, pos counts the k ids, and the host's decode
+    continues the reference greedy ids from there (the steps run ahead are overwritten)."""
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    m, P, n = model(smollm2, 40), len(PROMPT_IDS), 6
+    m.prefill(PROMPT_IDS)
+    assert list(m.decode_ids(REFERENCE_IDS[0], 0)) == [] and m.pos == P
+    for k in range(n + 1):
+        m.prefill(PROMPT_IDS)
+        ids = m.decode_ids(REFERENCE_IDS[0], n, lag=[1, 2, n + 3][k % 3])
+        taken = [next(ids) for _ in range(k)]
+        ids.close()
+        assert taken == REFERENCE_IDS[1:k + 1] and m.pos == P + k
+        assert int(np.argmax(m.decode(REFERENCE_IDS[k]))) == REFERENCE_IDS[k + 1]
+
+
+def test_decode_ids_at_the_cache_end_matches_the_host(smollm2):
+    """The ids that fit, then ContextFull, as the host's decode; at a full cache ContextFull at once."""
+    from engine.model import ContextFull
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    P = len(PROMPT_IDS)
+    m = model(smollm2, P + 3)
+    m.prefill(PROMPT_IDS)
+    got = []
+    with pytest.raises(ContextFull):
+        for i in m.decode_ids(REFERENCE_IDS[0], 10, sampling=dict(temperature=0.5, min_p=1.0),
+                              rng=np.random.default_rng()):
+            got.append(i)
+    assert got == REFERENCE_IDS[1:4] and m.pos == m.context
+    with pytest.raises(ContextFull):
+        next(m.decode_ids(REFERENCE_IDS[3], 1))
+    with pytest.raises(ContextFull):
+        m.decode(REFERENCE_IDS[3])
+    assert m.pos == m.context
+
+
+def test_decode_ids_switching_programs_and_settings_draws_each_from_its_own(smollm2):
+    """Calls in a row on one model, each closed before the next: sampled (top-k 40), sampled again
+    with the same program and min_p = 1 (new settings, so the argmax), greedy, sampled with another
+    top_k, another temperature and no top-k: each id is the inverse CDF, at that call's uniform for
+    its position, of the reference distribution of the logits the host computes for the same ids."""
+    from tests.test_model import PROMPT_IDS
+    P, C = len(PROMPT_IDS), 40
+    m, ref = model(smollm2, C), model(smollm2, C)
+    fed = [int(np.argmax(m.prefill(PROMPT_IDS)))]
+    calls = [(dict(temperature=0.9, top_k=40, top_p=0.9), 4), (dict(temperature=0.9, top_k=40, min_p=1.0), 3),
+             (None, 3), (dict(temperature=1.3, top_k=5), 4), (dict(temperature=0.6, top_p=0.8, min_p=0.05), 4)]
+    segments = []
+    for kw, n in calls:
+        seed = int(rng.integers(1 << 30))
+        ids = m.decode_ids(fed[-1], n + 2, sampling=kw, rng=np.random.default_rng(seed))
+        taken = [next(ids) for _ in range(n)]                  # closed while steps ran ahead
+        ids.close()
+        segments.append((kw, seed, len(fed), taken))
+        fed += taken
+    assert m.pos == P + len(fed) - 1
+    ref.prefill(PROMPT_IDS)
+    logits = [np.asarray(ref.decode(t)) for t in fed[:-1]]    # logits[j] gave fed[j + 1]
+    checked = 0
+    for kw, seed, at, taken in segments:
+        u = np.random.default_rng(seed).random(C, dtype=np.float32)
+        for j, got in enumerate(taken):
+            lg = logits[at - 1 + j]
+            if kw is None:
+                assert got == int(np.argmax(lg))
+                continue
+            q = reference_probs(lg, **dict(dict(top_k=0, top_p=1.0, min_p=0.0), **kw))
+            assert q[got] > 0, (kw, j)
+            if np.min(np.abs(np.cumsum(q) - u[P + at - 1 + j])) > 1e-4:
+                assert got == inverse_cdf(q, u[P + at - 1 + j]), (kw, j)
+                checked += 1
+    assert checked >= 8
+
+
+def test_extend_after_a_closed_decode_ids_continues_the_conversation(smollm2):
+    """A chat turn after an answer stopped early: extend at pos gives one prefill's logits."""
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    m = model(smollm2, 64)
+    m.prefill(PROMPT_IDS)
+    ids = m.decode_ids(REFERENCE_IDS[0], 12, lag=6)
+    taken = [next(ids) for _ in range(3)]
+    ids.close()
+    turn = [198, 504, 3575, 282]
+    got = np.asarray(m.extend(turn))
+    whole = PROMPT_IDS + REFERENCE_IDS[:1] + taken[:2] + turn     # the last id taken was never fed
+    want = np.asarray(model(smollm2, 64).prefill(whole))
+    assert m.pos == len(whole)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+    assert int(np.argmax(got)) == int(np.argmax(want))
+
+
+# ----------------------------------------------------------------------------- engine.generate.stream
+def run_stream(m, tok, on_device, monkeypatch, **kw):
+    """stream's pieces and Finished, with ids drawn on the device (forced on the CPU model) or on
+    the host; returns (pieces, finished, model position after)."""
+    import engine.generate as g
+    monkeypatch.setattr(g, "_on_device", lambda model, rp: on_device and rp == 1)
+    from tests.test_model import PROMPT_IDS
+    out = list(g.stream(m, tok, PROMPT_IDS, **kw))
+    return out[:-1], out[-1], m.pos
+
+
+@pytest.mark.parametrize("kw", [
+    dict(max_tokens=20), dict(max_tokens=1), dict(max_tokens=0), dict(max_tokens=20, eos_ids=(504,)),
+    dict(max_tokens=20, stop=["answer"]), dict(max_tokens=20, stop=["\n\nThe"]), dict(max_tokens=7, stop=["zzz"]),
+    dict(max_tokens=20, temperature=0.7, top_k=1)])
+def test_stream_with_device_draws_matches_the_host_path(smollm2, monkeypatch, kw):
+    """Greedy: the same pieces, ids, finish reason and model position as the host's draws; EOS in
+    the middle, stop strings, max_tokens 0 and 1; the Finished stats are rates, not negative."""
+    from engine.generate import Finished
+    cfg, params, tok = smollm2
+    m = model(smollm2, 64)
+    want = run_stream(m, tok, False, monkeypatch, **kw)
+    got = run_stream(m, tok, True, monkeypatch, **kw)
+    assert isinstance(got[1], Finished)
+    assert got[0] == want[0] and got[1][:3] == want[1][:3] and got[2] == want[2]
+    assert set(got[1].stats) == set(want[1].stats) and all(v >= 0 for v in got[1].stats.values())
+    if kw.get("eos_ids"):
+        assert got[1].finish_reason == "stop" and 0 < len(got[1].ids) < kw["max_tokens"]
+
+
+def test_stream_at_the_cache_end_matches_the_host_path(smollm2, monkeypatch):
+    """The context fills mid-answer: the same text before ContextFull and the same position."""
+    from engine.model import ContextFull
+    from tests.test_model import PROMPT_IDS
+    cfg, params, tok = smollm2
+    seen = []
+    for on_device in (False, True):
+        m = model(smollm2, len(PROMPT_IDS) + 6)
+        import engine.generate as g
+        monkeypatch.setattr(g, "_on_device", lambda model, rp, d=on_device: d)
+        pieces = []
+        with pytest.raises(ContextFull):
+            for item in g.stream(m, tok, PROMPT_IDS, max_tokens=30):
+                pieces.append(item)
+        seen.append((pieces, m.pos))
+    assert seen[0] == seen[1]
+
+
+def test_stream_sampled_on_the_device_draws_from_the_reference(smollm2, monkeypatch):
+    """Seeded sampling through stream: the first id from the prompt's logits on the host, the rest
+    on the device at the uniforms the same generator gave next; each against the reference."""
+    from tests.test_model import PROMPT_IDS
+    cfg, params, tok = smollm2
+    kw = dict(temperature=0.8, top_p=0.95, top_k=0, min_p=0.02)
+    seed, C = int(rng.integers(1 << 30)), 48
+    _, fin, _ = run_stream(model(smollm2, C), tok, True, monkeypatch, max_tokens=12, seed=seed, **kw)
+    r = np.random.default_rng(seed)
+    r.random()                                                   # the first id's draw
+    u = r.random(C, dtype=np.float32)
+    ref, P, checked = model(smollm2, C), len(PROMPT_IDS), 0
+    ref.prefill(PROMPT_IDS)
+    for j, got in enumerate(fin.ids[1:]):
+        q = reference_probs(np.asarray(ref.decode(fin.ids[j])), **kw)
+        assert q[got] > 0
+        if np.min(np.abs(np.cumsum(q) - u[P + j])) > 1e-4:
+            assert got == inverse_cdf(q, u[P + j]), j
+            checked += 1
+    assert checked >= 6
