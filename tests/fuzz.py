@@ -90,6 +90,9 @@ OPS += ["qchain"]
 # residual, the value at hand); at times the activation is the value at hand, the weight a wider one's first
 # columns (rows not 16 bytes apart)
 OPS += ["tiled"] * 12
+# a bisection in lax.fori_loop whose carry is a stacked [2] bracket and whose body reduces a captured value
+# (stdlib/sampling.py's shape): an f32 threshold over the value at hand, or an i32 inverse-CDF search over ids
+OPS += ["bisect", "bisect"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -309,6 +312,8 @@ class Writer:
             return self.tiled(av, an, pk, p)
         if name in ("scan", "fori", "vmap"):
             return self.control(name, an, av, pk, p)
+        if name == "bisect":
+            return self.bisect(an, av, p)
         if name == "dus":
             if self.donated is None:
                 return None
@@ -534,6 +539,44 @@ class Writer:
         cn, _ = self.emit(f"{tn}[0]")
         self.terminal.append(cn)
         return self.emit(f"{tn}[1]")
+
+    def bisect(self, an, av, p):
+        """A bisection whose carry is a stacked [2] bracket, each step one reduction over a captured
+        value, as ``stdlib/sampling.py`` runs it.  f32: the largest t where the count, or an integer
+        weight, of {x >= t} reaches a target (the k-th largest x, a weighted quantile) over the value
+        at hand, which yields x - t.  i32: the smallest id whose prefix sum of integer weights exceeds
+        a target, over a fresh row of 1 to 4097 ids (an odd count at times), which adds the weight
+        picked.  Weights are integers and targets lie halfway between multiples of 1/16, so each
+        step's decision is exact in f32 and in the float64 reference alike."""
+        if av.ndim == 0:
+            return None
+        frac = round((1 + int(p[2] * 15)) / 16, 4)
+        weights = lambda shape: self.emit(f"dsl.floor(dsl.abs({self.new_input(shape, 'f32')}) * 4.0) + 1.0")[0]  # noqa: E731
+        if p[0] < 0.6:
+            x = an if av.var.dtype == "f32" else f"{an}.astype('f32')"
+            if p[1] < 0.5:
+                w, target = "1", str(1 + int(p[2] * int(np.prod(av.shape))))
+            else:
+                w = weights(av.shape)
+                target = f"(dsl.sum({w}) * {frac} + 0.03125)"
+            mid = "(b[0] + b[1]) * 0.5"
+            bn, _ = self.emit(
+                f"dsl.lax.fori_loop(0, {[16, 20, 24, 30][int(p[3] * 4)]}, lambda i, b: dsl.where("
+                f"dsl.sum(dsl.where({x} >= {mid}, {w}, 0)) >= {target}, dsl.stack([{mid}, b[1]]), "
+                f"dsl.stack([b[0], {mid}])), dsl.stack([dsl.min({x}), dsl.max({x}) + 1.0]))")
+            return self.emit(f"({x} - {bn}[0]).astype('{av.var.dtype}')")
+        n = [1, 2, 3, 7, 64, 255, 300, 1000, 4097][int(p[1] * 9)]
+        w = weights((n,))
+        ids, _ = self.emit(f"dsl.iota(({n},), dtype='i32')")
+        mid = "(b[0] + b[1]) // 2"
+        bn, _ = self.emit(
+            f"dsl.lax.fori_loop(0, {n.bit_length() + int(p[3] * 3)}, lambda i, b: dsl.where("
+            f"dsl.sum(dsl.where({ids} <= {mid}, {w}, 0.0)) > dsl.sum({w}) * {frac} + 0.03125, "
+            f"dsl.stack([b[0], {mid}]), dsl.stack([{mid}, b[1]])), "
+            f"dsl.stack([dsl.full((), -1, 'i32'), dsl.full((), {n - 1}, 'i32')]))")
+        hi, _ = self.emit(f"{bn}[1]")
+        self.terminal.append(hi)
+        return self.emit(f"{an} + dsl.take({w}, {hi}).astype('{av.var.dtype}') * 0.125")
 
     def write(self, outputs=None):
         """Trace the program (resolving every op); returns the source of ``f`` and its inputs."""
