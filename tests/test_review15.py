@@ -316,3 +316,77 @@ def test_stream_sampled_on_the_device_draws_from_the_reference(smollm2, monkeypa
             assert got == inverse_cdf(q, u[P + j]), j
             checked += 1
     assert checked >= 6
+
+
+# ----------------------------------------------------------------------------- the fuzzer's bisection family
+@pytest.mark.parametrize("variant", [0.1, 0.4, 0.8])
+def test_the_fuzzer_reaches_the_samplers_loop_shape(variant):
+    """Random programs holding a ``bisect`` op (a fori_loop over a stacked [2] bracket with a
+    reduction inside: an f32 count, f32 integer weights, an i32 prefix search) agree with the
+    float64 interpreter and compile for gfx906."""
+    from tests import fuzz
+    seed = int(rng.integers(1 << 30))
+    for i in range(3):
+        prog = fuzz.random_program(np.random.default_rng([seed, i]))
+        prog["inputs"] = prog["inputs"][:1]
+        prog["ops"] = [{"op": "bisect", "pick": [0.0, 0.5, 0.5], "p": [variant, float(rng.random()) * 0.999,
+                                                                          float(rng.random()) * 0.999, 0.5]},
+                       {"op": "tanh", "pick": [0.0, 0.5, 0.5], "p": [0.5] * 4}]
+        src, _ = fuzz.program_source(seed, i, prog)
+        assert "dsl.lax.fori_loop" in src and "dsl.stack([" in src and "dsl.sum(dsl.where(" in src, src
+        assert fuzz.run_source(src, "cpu+gfx906") == ("ok", ""), src
+
+
+# ----------------------------------------------------------------------------- the HIP id ring (stand-in runtime)
+def test_the_hip_id_ring_reads_each_slot_after_its_event(monkeypatch, tmp_path):
+    """``IdRing`` over HIPDevice's primitives on the stand-in runtime of tests/test_hip_device.py
+    (host memory, launches recorded): each post queues a 4-byte copy into slot i % n and records
+    that slot's event; each read waits on that event and returns the slot's id, also after the
+    ring wraps."""
+    pytest.importorskip("rocm.bindings")
+    import ctypes
+    from engine.devices import hip as H
+    from tests import test_hip_device as T
+
+    class Fake(T.FakeHip):
+        """The stand-in with the id ring's calls, logged in ``calls``: copies by slot address,
+        events by name."""
+
+        def hipMemcpyDtoHAsync(self, d, s, n, stream):
+            assert stream == "stream0" and n == 4
+            self._owned(s, n)
+            self.calls.append(("DtoHAsync", d))
+            ctypes.memmove(d, s, n)
+            return (T.OK,)
+
+        def hipEventCreate(self):
+            self.events = getattr(self, "events", 0) + 1
+            return T.OK, f"event{self.events}"
+
+        def hipEventRecord(self, ev, stream):
+            self.calls.append(("record", ev))
+            return (T.OK,)
+
+        def hipEventSynchronize(self, ev):
+            self.calls.append(("wait", ev))
+            return (T.OK,)
+
+    rt = Fake()
+    monkeypatch.setattr(T.rocm.bindings, "hip", rt)
+    monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path))
+    dev = H.HIPDevice()
+    ring = dev.id_ring(3)
+    ids = rng.integers(0, 49152, 7)
+    src = dev.empty((1,), "i32")
+    for i, v in enumerate(ids):
+        dev.copy_in(src, np.array([v], np.int32))
+        ring.post(i, src)
+        if i >= 1:                                   # read one behind, as decode_ids does
+            assert ring.read(i - 1) == ids[i - 1]
+    assert ring.read(6) == ids[6]
+    posts = [c for c in rt.calls if isinstance(c, tuple)]
+    slots = [c[1] for c in posts if c[0] == "DtoHAsync"]
+    assert len(set(slots)) == 3 and slots[:3] == slots[3:6]               # slot i % 3
+    events = [c[1] for c in posts if c[0] == "record"]
+    waits = [c[1] for c in posts if c[0] == "wait"]
+    assert waits == events                           # each read waits on its own post's event
