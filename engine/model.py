@@ -240,8 +240,7 @@ class Model:
                 done += 1
                 self.pos = start + done
                 yield token
-        finally:
-            self.pos = start + done
+        finally:            # pos stays as set above: a generator closed late must not rewind a newer one
             dev.synchronize()
 
     def bucket(self, n):

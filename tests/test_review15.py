@@ -390,3 +390,17 @@ def test_the_hip_id_ring_reads_each_slot_after_its_event(monkeypatch, tmp_path):
     events = [c[1] for c in posts if c[0] == "record"]
     waits = [c[1] for c in posts if c[0] == "wait"]
     assert waits == events                           # each read waits on its own post's event
+
+
+def test_a_decode_ids_closed_late_leaves_the_newer_position(smollm2):
+    """A generator left open (held by a traceback, say) and closed after the model moved on (a new
+    prompt prefilled) set ``pos`` back to its own steps when it closed; pos is kept as each id is
+    taken, so closing changes nothing."""
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    m = model(smollm2, 40)
+    m.prefill(PROMPT_IDS)
+    old = m.decode_ids(REFERENCE_IDS[0], 8)
+    assert [next(old) for _ in range(3)] == REFERENCE_IDS[1:4] and m.pos == len(PROMPT_IDS) + 3
+    m.prefill(PROMPT_IDS[:3])
+    old.close()
+    assert m.pos == 3
