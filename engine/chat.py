@@ -39,6 +39,17 @@ class _Continuation:
         self.fed.append(token_id)
         return self.model.decode(token_id)
 
+    @property
+    def backend(self):
+        return self.model.backend
+
+    def decode_ids(self, token_id, n, **kw):
+        """``Model.decode_ids`` (ids drawn on the device), each id fed recorded as it is taken."""
+        for nxt in self.model.decode_ids(token_id, n, **kw):
+            self.fed.append(token_id)
+            token_id = nxt
+            yield nxt
+
 
 class Conversation:
     """A conversation with ``model`` (``engine.model.Model``) through ``tok``'s chat template.

@@ -404,3 +404,38 @@ def test_a_decode_ids_closed_late_leaves_the_newer_position(smollm2):
     m.prefill(PROMPT_IDS[:3])
     old.close()
     assert m.pos == 3
+
+
+def test_the_chat_draws_on_the_device_and_knows_its_cache_after_ctrl_c(smollm2):
+    """The chat wraps the model (``_Continuation``, which records the ids fed so that the cache's
+    contents are known after Ctrl-C) and hid decode_ids and the backend: on a GPU it drew every id
+    on the host.  A CPU model named "cuda" (so ``_on_device`` holds; its host decode made to fail):
+    Ctrl-C mid-answer keeps ``cached`` equal to what the cache holds, and the next turn answers as
+    the host-drawn chat does."""
+    from engine.chat import Conversation
+    cfg, params, tok = smollm2
+    eos = tuple(cfg.eos_ids) + (tok.eos_id,)
+
+    def chat(on_device):
+        m = model(smollm2, 256)
+        if on_device:
+            m.backend = "cuda"
+            m.decode = lambda token_id: pytest.fail("the chat decoded on the host")
+        c = Conversation(m, tok, eos, "You are a helpful assistant.", 12, temperature=0)
+        seen = []
+
+        def stop_after_three(piece):
+            seen.append(piece)
+            if len(seen) == 3:
+                raise KeyboardInterrupt
+        try:
+            c.ask("Write a story about a dragon.", stop_after_three)
+        except KeyboardInterrupt:
+            pass
+        first = (list(c.turns), list(c.cached), m.pos)
+        got = []
+        stats = c.ask("Who is in the story?", got.append)
+        return first, "".join(got), stats["cached_tokens"], list(c.cached), m.pos
+
+    host, device = chat(False), chat(True)
+    assert device == host and host[2] > 20 and host[1].strip()
