@@ -777,3 +777,40 @@ def test_verify_names_a_broken_kernel_on_the_gpu(capsys, monkeypatch):
     rc, out, err = generate(capsys, "--backend", "cuda", "--dtype", "f16", "-n", "2", "--verify")
     assert rc == 2 and re.search(r"error: verify: kernel layers_3_linear_w_down_add wrote layers_3_x_2\[0, \d+\] = ",
                                  err), err
+
+
+@pytest.mark.parametrize("case", ["mask -1e9", "mask f32 min", "+inf", "all -inf", "all nan"])
+def test_device_sampler_on_masks_and_infinities(case):
+    """stdlib.sampling.sample over a 49152-id row on the GPU (tests/test_review15.py runs these on
+    the CPU and the emulated kernel text): a large finite mask keeps top-k and top-p exact; with no
+    finite maximum the draw is the host's argmax."""
+    from tests.test_review15 import check, masked
+    V = 49152
+    if case.startswith("mask"):
+        lg = masked(V, -1e9 if case == "mask -1e9" else np.finfo(np.float32).min)
+        check(lg, backend="cuda", n=8, temperature=0.8, top_k=40, top_p=0.9)
+        check(lg, backend="cuda", n=8, top_p=0.6)
+        return
+    lg = np.random.default_rng().standard_normal(V).astype(np.float32)
+    if case == "+inf":
+        lg[np.random.default_rng().choice(V, 2, replace=False)] = np.inf
+    else:
+        lg[:] = -np.inf if case == "all -inf" else np.nan
+    check(lg, backend="cuda", n=3, temperature=0.8, top_k=40, top_p=0.9)
+
+
+def test_smollm2_decode_ids_closed_late_and_the_chat_on_the_device():
+    """A decode_ids generator closed after a newer prefill leaves the newer position; the chat
+    draws on the device, and after Ctrl-C its cache and next answer equal the host-drawn chat's."""
+    from engine.weights import default_model_path, load_model
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS
+    from tests.test_review15 import check_chat_on_device, model
+    smollm2 = load_model(default_model_path())
+    m = model(smollm2, 40, "cuda")
+    m.prefill(PROMPT_IDS)
+    old = m.decode_ids(REFERENCE_IDS[0], 8)
+    assert [next(old) for _ in range(3)] == REFERENCE_IDS[1:4]
+    m.prefill(PROMPT_IDS[:3])
+    old.close()
+    assert m.pos == 3
+    check_chat_on_device(smollm2, "cuda")

@@ -130,10 +130,10 @@ def smollm2():
     return load_model(default_model_path())
 
 
-def model(smollm2, context):
+def model(smollm2, context, backend="cpu"):
     from engine.model import Model
     cfg, params, _ = smollm2
-    return Model(cfg, params, backend="cpu", context=context)
+    return Model(cfg, params, backend=backend, context=context)
 
 
 @pytest.mark.parametrize("bad,what", [
@@ -412,14 +412,22 @@ def test_the_chat_draws_on_the_device_and_knows_its_cache_after_ctrl_c(smollm2):
     on the host.  A CPU model named "cuda" (so ``_on_device`` holds; its host decode made to fail):
     Ctrl-C mid-answer keeps ``cached`` equal to what the cache holds, and the next turn answers as
     the host-drawn chat does."""
+    check_chat_on_device(smollm2, "cpu")
+
+
+def check_chat_on_device(smollm2, backend):
+    """A chat turn stopped by Ctrl-C, then another, with the ids drawn on the device (the model's
+    host decode made to fail) and on the host (``VEGAFUSE_DEVICE_SAMPLING=0``): the same answers,
+    ``cached`` and positions."""
+    import os
     from engine.chat import Conversation
     cfg, params, tok = smollm2
     eos = tuple(cfg.eos_ids) + (tok.eos_id,)
 
     def chat(on_device):
-        m = model(smollm2, 256)
+        m = model(smollm2, 256, backend)
         if on_device:
-            m.backend = "cuda"
+            m.backend = "cuda" if backend == "cpu" else backend
             m.decode = lambda token_id: pytest.fail("the chat decoded on the host")
         c = Conversation(m, tok, eos, "You are a helpful assistant.", 12, temperature=0)
         seen = []
@@ -428,13 +436,17 @@ def test_the_chat_draws_on_the_device_and_knows_its_cache_after_ctrl_c(smollm2):
             seen.append(piece)
             if len(seen) == 3:
                 raise KeyboardInterrupt
+        os.environ["VEGAFUSE_DEVICE_SAMPLING"] = "1" if on_device else "0"
         try:
-            c.ask("Write a story about a dragon.", stop_after_three)
-        except KeyboardInterrupt:
-            pass
-        first = (list(c.turns), list(c.cached), m.pos)
-        got = []
-        stats = c.ask("Who is in the story?", got.append)
+            try:
+                c.ask("Write a story about a dragon.", stop_after_three)
+            except KeyboardInterrupt:
+                pass
+            first = (list(c.turns), list(c.cached), m.pos)
+            got = []
+            stats = c.ask("Who is in the story?", got.append)
+        finally:
+            del os.environ["VEGAFUSE_DEVICE_SAMPLING"]
         return first, "".join(got), stats["cached_tokens"], list(c.cached), m.pos
 
     host, device = chat(False), chat(True)
