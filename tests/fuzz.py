@@ -90,8 +90,8 @@ OPS += ["qchain"]
 # residual, the value at hand); at times the activation is the value at hand, the weight a wider one's first
 # columns (rows not 16 bytes apart)
 OPS += ["tiled"] * 12
-# a bisection in lax.fori_loop whose carry is a stacked [2] bracket and whose body reduces a captured value
-# (stdlib/sampling.py's shape): an f32 threshold over the value at hand, or an i32 inverse-CDF search over ids
+# a search in lax.fori_loop whose carry is a stacked [2] bracket, halved or quartered each step by reductions over a
+# captured value (stdlib/sampling.py's shape): an f32 threshold over the value at hand, or an i32 search over ids
 OPS += ["bisect", "bisect"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
@@ -541,17 +541,19 @@ class Writer:
         return self.emit(f"{tn}[1]")
 
     def bisect(self, an, av, p):
-        """A bisection whose carry is a stacked [2] bracket, each step one reduction over a captured
-        value, as ``stdlib/sampling.py`` runs it.  f32: the largest t where the count, or an integer
-        weight, of {x >= t} reaches a target (the k-th largest x, a weighted quantile) over the value
-        at hand, which yields x - t.  i32: the smallest id whose prefix sum of integer weights exceeds
-        a target, over a fresh row of 1 to 4097 ids (an odd count at times), which adds the weight
-        picked.  Weights are integers and targets lie halfway between multiples of 1/16, so each
-        step's decision is exact in f32 and in the float64 reference alike."""
+        """A search whose carry is a stacked [2] bracket, each step reductions over a captured value,
+        as ``stdlib/sampling.py`` runs it: halving (one test a step) or quartering (three tests at
+        the quarter points, sibling reductions over one row, and nested wheres).  f32: the largest
+        t where the count, or an integer weight, of {x >= t} reaches a target (the k-th largest x,
+        a weighted quantile) over the value at hand, which yields x - t.  i32: the largest id
+        whose prefix sum of integer weights stays within a target, over a fresh row of 1 to 4097
+        ids, which adds the weight of the id after it.  Weights are integers and targets lie
+        halfway between multiples of 1/16, so each test is exact in f32 and in float64 alike."""
         if av.ndim == 0:
             return None
         frac = round((1 + int(p[2] * 15)) / 16, 4)
         weights = lambda shape: self.emit(f"dsl.floor(dsl.abs({self.new_input(shape, 'f32')}) * 4.0) + 1.0")[0]  # noqa: E731
+        quarter = p[3] >= 0.5
         if p[0] < 0.6:
             x = an if av.var.dtype == "f32" else f"{an}.astype('f32')"
             if p[1] < 0.5:
@@ -559,21 +561,29 @@ class Writer:
             else:
                 w = weights(av.shape)
                 target = f"(dsl.sum({w}) * {frac} + 0.03125)"
-            mid = "(b[0] + b[1]) * 0.5"
-            bn, _ = self.emit(
-                f"dsl.lax.fori_loop(0, {[16, 20, 24, 30][int(p[3] * 4)]}, lambda i, b: dsl.where("
-                f"dsl.sum(dsl.where({x} >= {mid}, {w}, 0)) >= {target}, dsl.stack([{mid}, b[1]]), "
-                f"dsl.stack([b[0], {mid}])), dsl.stack([dsl.min({x}), dsl.max({x}) + 1.0]))")
+            holds = f"dsl.sum(dsl.where({x} >= {{s}}, {w}, 0)) >= {target}"
+            points = ("[b[0] + (b[1] - b[0]) * q for q in (0.25, 0.5, 0.75)]" if quarter
+                      else "[(b[0] + b[1]) * 0.5]")
+            steps = [8, 10, 12, 15][int(p[3] * 4) % 2 * 2 + int(p[1] * 2)] if quarter else [16, 20, 24, 30][int(p[3] * 4)]
+            init = f"dsl.stack([dsl.min({x}), dsl.max({x}) + 1.0])"
+        else:
+            n = [1, 2, 3, 7, 64, 255, 300, 1000, 4097][int(p[1] * 9)]
+            w = weights((n,))
+            ids, _ = self.emit(f"dsl.iota(({n},), dtype='i32')")
+            holds = f"dsl.sum(dsl.where({ids} <= {{s}}, {w}, 0.0)) <= dsl.sum({w}) * {frac} + 0.03125"
+            points = "[b[0] + (b[1] - b[0]) * q // 4 for q in (1, 2, 3)]" if quarter else "[(b[0] + b[1]) // 2]"
+            steps = (-(-(n.bit_length()) // 2) if quarter else n.bit_length()) + int(p[3] * 3)
+            init = f"dsl.stack([dsl.full((), -1, 'i32'), dsl.full((), {n - 1}, 'i32')])"
+        if quarter:
+            body = (f"((t := {points}), (h := [{holds.format(s='s')} for s in t]), dsl.stack(["
+                    "dsl.where(h[2], t[2], dsl.where(h[1], t[1], dsl.where(h[0], t[0], b[0]))), "
+                    "dsl.where(h[0], dsl.where(h[1], dsl.where(h[2], b[1], t[2]), t[1]), t[0])]))[-1]")
+        else:
+            mid = points[1:-1]
+            body = f"dsl.where({holds.format(s=mid)}, dsl.stack([{mid}, b[1]]), dsl.stack([b[0], {mid}]))"
+        bn, _ = self.emit(f"dsl.lax.fori_loop(0, {steps}, lambda i, b: {body}, {init})")
+        if p[0] < 0.6:
             return self.emit(f"({x} - {bn}[0]).astype('{av.var.dtype}')")
-        n = [1, 2, 3, 7, 64, 255, 300, 1000, 4097][int(p[1] * 9)]
-        w = weights((n,))
-        ids, _ = self.emit(f"dsl.iota(({n},), dtype='i32')")
-        mid = "(b[0] + b[1]) // 2"
-        bn, _ = self.emit(
-            f"dsl.lax.fori_loop(0, {n.bit_length() + int(p[3] * 3)}, lambda i, b: dsl.where("
-            f"dsl.sum(dsl.where({ids} <= {mid}, {w}, 0.0)) > dsl.sum({w}) * {frac} + 0.03125, "
-            f"dsl.stack([b[0], {mid}]), dsl.stack([{mid}, b[1]])), "
-            f"dsl.stack([dsl.full((), -1, 'i32'), dsl.full((), {n - 1}, 'i32')]))")
         hi, _ = self.emit(f"{bn}[1]")
         self.terminal.append(hi)
         return self.emit(f"{an} + dsl.take({w}, {hi}).astype('{av.var.dtype}') * 0.125")
