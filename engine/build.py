@@ -37,7 +37,8 @@ from engine.progress import progress
 
 # Switches that never change generated code: left out of render keys.
 _NOT_CODEGEN = {"VEGAFUSE_CACHE", "VEGAFUSE_CACHE_DIR", "VEGAFUSE_DEBUG", "VEGAFUSE_PLAN_CACHE",
-                "VEGAFUSE_RENDER_CACHE", "VEGAFUSE_PROGRESS", "VEGAFUSE_SPIN_US", "VEGAFUSE_BACKEND"}
+                "VEGAFUSE_RENDER_CACHE", "VEGAFUSE_PROGRESS", "VEGAFUSE_SPIN_US", "VEGAFUSE_BACKEND",
+                "VEGAFUSE_COMPILE_WORKERS", "VEGAFUSE_PREFILL_FIRST", "VEGAFUSE_PROGRAM_CACHE"}
 
 COUNTS = {"renders": 0, "compiles": 0, "cached": 0}      # this process: kernels rendered, compiled, read from disk
 _COUNTS_LOCK = threading.Lock()                          # compiles run on several threads
@@ -228,11 +229,12 @@ def build(sources, compiler: Compiler, cache: CodeCache | None = None) -> list[B
     if todo:
         def one(s):
             return compile_source(compiler, s.text, s.kernel.name, cache)
-        items = list(todo.values())
+        order = sorted(todo, key=lambda h: -len(todo[h].text))      # longest first: none starts last
+        items = [todo[h] for h in order]
         if compiler.jobs > 1 and len(items) > 1:
             with ThreadPoolExecutor(min(compiler.jobs, len(items))) as ex:
                 done = list(progress(ex.map(one, items), "building kernels", len(items), "kernel"))
         else:
             done = [one(s) for s in progress(items, "building kernels", unit="kernel")]
-        compiler.built.update(zip(todo, done))
+        compiler.built.update(zip(order, done))
     return [compiler.built[h] for h in keys]

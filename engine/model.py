@@ -14,6 +14,8 @@ exact power-of-two chunks that fit.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 import dsl
@@ -71,6 +73,8 @@ class Model:
         self.cache = [(put(np.zeros(shape, KV_DTYPES[kv_dtype])), put(np.zeros(shape, KV_DTYPES[kv_dtype])))
                       for _ in range(cfg.n_layers)]
         self.pos = 0
+        self.compile_s = 0.0              # seconds spent compiling, ahead of time or at the first decode
+        self._decode_ready = False
 
         def forward(params, tokens, pos, last, cache):
             return llama.forward(cfg, params, tokens, pos, last, cache)
@@ -143,6 +147,8 @@ class Model:
         """Append one token at the current position; returns f32 logits [V]."""
         if self.pos >= self.context:
             raise ContextFull(f"the KV cache is full ({self.context} positions); raise --context")
+        if not self._decode_ready:
+            self.compile()
         logits = self._run(np.array([token_id], np.int32), 0)
         self.pos += 1
         return logits
@@ -247,12 +253,22 @@ class Model:
         """Padded prefill length for an n-token prompt: a power of two, at least 8."""
         return min(self.context, max(8, 1 << (n - 1).bit_length()))
 
-    def compile(self, n_prompt=None):
-        """Compile the decode step (and the prefill bucket of an n_prompt-token prompt) ahead
-        of time; returns the decode executable (``.fusion_report()``, ``.kernels``)."""
-        if n_prompt:
-            self.step.compile(self.params, np.zeros(self.bucket(n_prompt), np.int32), 0, 0, self.cache)
-        return self.step.compile(self.params, np.zeros(1, np.int32), 0, 0, self.cache)
+    def compile(self, n_prompt=None, decode=True):
+        """Compile the prefill bucket of an n_prompt-token prompt and the decode step ahead of time;
+        returns the decode executable (``.fusion_report()``, ``.kernels``).  ``decode=False``: the
+        prefill bucket only (returns None); the decode step then compiles at the first ``decode``,
+        so the first token needs only what the prefill runs.  ``compile_s`` adds up the time."""
+        t0 = time.perf_counter()
+        try:
+            if n_prompt:
+                self.step.compile(self.params, np.zeros(self.bucket(n_prompt), np.int32), 0, 0, self.cache)
+            if not decode:
+                return None
+            ex = self.step.compile(self.params, np.zeros(1, np.int32), 0, 0, self.cache)
+            self._decode_ready = True
+            return ex
+        finally:
+            self.compile_s += time.perf_counter() - t0
 
 
 def open_model(path, backend="cpu", dtype=None, quant=None, context=None, kv_dtype="f16"):

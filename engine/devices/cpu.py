@@ -32,6 +32,7 @@ import hashlib
 import ctypes.util
 import functools
 import os
+import queue
 import re
 import threading
 import time
@@ -44,33 +45,32 @@ import llvmlite.binding as llvm
 from codegen.llvm import render_llvm
 from codegen.loopir import Kernel, Load, Loop, Store, plain, walk_exprs, walk_stmts
 from engine.build import Compiler, build, render, render_switches
+from engine.devices import llvm_jobs
 
 NP_DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32),
              "bool": np.dtype(np.bool_)}
 KERNEL_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
 _TABLES = {}                      # n -> ctypes array type of n pointers
 
-_llvm_ready = False
-
-
-def _init_llvm():
-    global _llvm_ready
-    if not _llvm_ready:
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        _llvm_ready = True
-
-
 _HOST = {}
 
 
-def _host_target_machine(jit=False):
-    _init_llvm()
+def _init_llvm():
+    llvm_jobs.init_llvm()
+
+
+def _host() -> dict:
+    """This machine as the compiler targets it: CPU name, features, libmvec's vector widths (the
+    library is loaded here: cached objects may call it) and whether LLVM's loop unroller runs."""
     if not _HOST:
-        _HOST.update(cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten())
-    target = llvm.Target.from_default_triple()
-    return target.create_target_machine(cpu=_HOST["cpu"], features=_HOST["features"], opt=3,
-                                        codemodel="jitdefault" if jit else "default", jit=jit)
+        _init_llvm()
+        _HOST.update(cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(),
+                     libmvec=_libmvec_widths())
+    return _HOST
+
+
+def _host_target_machine(jit=False):
+    return llvm_jobs.target_machine(_host(), jit)
 
 
 def host_threads() -> int:
@@ -81,12 +81,9 @@ def host_threads() -> int:
 
 
 # ----------------------------------------------------------------------------- vector math
-# The loop vectorizer widens llvm.exp/log/sin/cos to vector intrinsics that the backend would
-# scalarize into libm calls; glibc's libmvec has vector versions (x86-64 vector ABI names).
-_VEC_MATH = {"exp": "expf", "log": "logf", "sin": "sinf", "cos": "cosf"}
-
-
 def _libmvec_widths():
+    """glibc libmvec's vector widths on this host, ``{lanes: x86-64 vector ABI isa letter}`` (the
+    library loaded into the process); {} where there is none."""
     if not llvm.get_default_triple().startswith("x86_64"):
         return {}
     lib = ctypes.util.find_library("mvec")
@@ -103,21 +100,9 @@ def _libmvec_widths():
     return isa
 
 
-_VEC_ISA = None
-
-
 def _vector_math(text):
     """Rename vector float math intrinsics to libmvec functions (``_ZGVeN16v_expf`` ...)."""
-    global _VEC_ISA
-    if "f32(<" not in text:
-        return text
-    if _VEC_ISA is None:
-        _VEC_ISA = _libmvec_widths()
-
-    def sub(m):
-        isa = _VEC_ISA.get(int(m.group(2)))
-        return f"@_ZGV{isa}N{m.group(2)}v_{_VEC_MATH[m.group(1)]}" if isa else m.group(0)
-    return re.sub(r"@llvm\.(exp|log|sin|cos)\.v(\d+)f32\b", sub, text)
+    return llvm_jobs.vector_math(text, _host()["libmvec"])
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -566,34 +551,73 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------- compiler
+def compile_workers(jobs: int) -> int:
+    """How many helper processes compile beside this one: ``VEGAFUSE_COMPILE_WORKERS`` if set (0:
+    compile in this process only, the A/B switch), else ``jobs - 1``.  ValueError, one line, for
+    a value that is not a whole number >= 0."""
+    raw = os.environ.get("VEGAFUSE_COMPILE_WORKERS", "").strip()
+    if not raw:
+        return max(0, jobs - 1)
+    if not raw.isdigit():
+        raise ValueError(f"VEGAFUSE_COMPILE_WORKERS={raw!r} is not a count; use 0 (compile in this process) "
+                         "or the number of helper processes")
+    return int(raw)
+
+
+_PLACES: dict = {}                    # helper count -> queue of free compile places (None: this process)
+_PLACES_LOCK = threading.Lock()
+
+
+def _places(workers: int) -> queue.SimpleQueue:
+    """The process-wide free places to compile in: this process and ``workers`` helper processes
+    (started at the first compile that needs them; ended at exit)."""
+    with _PLACES_LOCK:
+        if workers not in _PLACES:
+            q = queue.SimpleQueue()
+            q.put(None)
+            for _ in range(workers):
+                helper = llvm_jobs.Helper()
+                atexit.register(helper.close)
+                q.put(helper)
+            _PLACES[workers] = q
+        return _PLACES[workers]
+
+
 class LLVMCompiler(Compiler):
     """LLVM IR to host object code with llvmlite: O3 with loop and SLP vectorization for the host
-    CPU, vector math through libmvec.  Compiles on ``jobs`` threads (llvmlite releases the GIL;
-    each compile has its own LLVM context and target machine).
+    CPU, vector math through libmvec (``engine/devices/llvm_jobs.py``).
+
+    llvmlite lets one thread at a time into LLVM, so compiles run side by side in helper
+    processes: ``jobs`` compiles at once, here and in ``jobs - 1`` helpers
+    (``VEGAFUSE_COMPILE_WORKERS`` sets their number; 0: here only, one at a time).  A helper
+    compiles with the same code and target, so its object is the one this process would build;
+    a helper that dies is replaced by this process, with one warning line.
 
     Each object exports one kernel function, named ``vf_<hash of the source>`` so that objects
     from the disk cache never clash in one JIT.  The cache identity: llvmlite's and LLVM's
     versions, the host triple, CPU and features, the libmvec widths, and a hash of this file
-    (the optimization pipeline is written here)."""
+    and ``llvm_jobs.py`` (the optimization pipeline is written there)."""
 
     def __init__(self, jobs: int = 1):
         super().__init__()
-        global _VEC_ISA
-        _init_llvm()
-        if _VEC_ISA is None:
-            _VEC_ISA = _libmvec_widths()                # loaded now: cached objects may call it
-        self.jobs = jobs
+        self.host = _host()
+        self.workers = compile_workers(jobs)
+        self.jobs = 1 + self.workers
         self.identity = self.identity_of()
 
     @staticmethod
     def identity_of() -> dict:
         """The cache identity of this host's objects (see the class)."""
         import llvmlite
-        here = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:16]
+        h = hashlib.sha256()
+        for path in (__file__, llvm_jobs.__file__):
+            with open(path, "rb") as f:
+                h.update(f.read())
+        host = _host()
         return {"kind": "llvm-object", "compiler": f"llvmlite {llvmlite.__version__}, LLVM "
                 + ".".join(map(str, llvm.llvm_version_info)), "arch": llvm.get_process_triple(),
-                "cpu": llvm.get_host_cpu_name(), "features": llvm.get_host_cpu_features().flatten(),
-                "libmvec": sorted((_VEC_ISA or {}).items()), "pipeline": here}
+                "cpu": host["cpu"], "features": host["features"],
+                "libmvec": sorted(host["libmvec"].items()), "pipeline": h.hexdigest()[:16]}
 
     def render(self, kernel: Kernel) -> str:
         """LLVM IR of ``kernel``; int8 dot products call ``vpdpbusd`` where the host has VNNI
@@ -617,26 +641,8 @@ class LLVMCompiler(Compiler):
 
     def optimize(self, text: str, symbol: str):
         """IR text -> (optimized module, its target machine), the exported function renamed
-        ``symbol``.  Thread-safe: own LLVM context and target machine."""
-        ctx = llvm.create_context()
-        mod = llvm.parse_assembly(text, context=ctx)
-        exported = [f for f in mod.functions if not f.is_declaration and f.linkage == llvm.Linkage.external]
-        if len(exported) != 1:
-            raise ValueError(f"expected one exported function in the module, found {len(exported)}")
-        exported[0].name = symbol
-        tm = _host_target_machine(jit=True)
-        mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
-        mod.verify()
-        pto = llvm.create_pipeline_tuning_options(speed_level=3)
-        pto.loop_vectorization = pto.slp_vectorization = pto.loop_unrolling = True
-        pb = llvm.create_pass_builder(tm, pto)
-        pb.getModulePassManager().run(mod, pb)
-        text = str(mod)
-        vectorized = _vector_math(text)
-        if vectorized != text:
-            mod = llvm.parse_assembly(vectorized, context=ctx)
-            mod.verify()
-        return mod, tm
+        ``symbol`` (``llvm_jobs.optimize``).  Thread-safe: own LLVM context and target machine."""
+        return llvm_jobs.optimize(text, symbol, self.host)
 
     def holds(self, code: bytes, entry: str) -> bool:
         """An ELF object whose symbol table names ``entry`` (loading anything else into the JIT
@@ -644,14 +650,27 @@ class LLVMCompiler(Compiler):
         return code[:4] == b"\x7fELF" and entry.encode() + b"\0" in code
 
     def compile(self, source: str, name: str) -> bytes:
-        """Object code of ``source``; a RuntimeError naming kernel ``name`` and LLVM's first
-        complaint (with its line) if the IR does not parse or verify."""
+        """Object code of ``source``, compiled in the first free place (this process or a helper);
+        a RuntimeError naming kernel ``name`` and LLVM's first complaint (with its line) if the IR
+        does not parse or verify."""
+        places = _places(self.workers)
+        place = places.get()
         try:
-            mod, tm = self.optimize(source, self.entry(source))
-        except (RuntimeError, ValueError) as e:
-            lines = str(e).strip().splitlines() or ["(no message)"]
-            raise RuntimeError(f"LLVM kernel {name!r} failed to compile: " + "\n  ".join(lines[:4])) from None
-        return tm.emit_object(mod)
+            if place is not None:
+                try:
+                    return place.compile(source, self.entry(source), self.host)
+                except llvm_jobs.HelperDied as e:
+                    from engine.codecache import warn
+                    warn(f"{e}; kernel {name} compiles in this process")
+                    place = None                       # this process takes the dead helper's place
+                except RuntimeError as e:
+                    raise _compile_error(name, e) from None
+            try:
+                return llvm_jobs.compile_object(source, self.entry(source), self.host)
+            except (RuntimeError, ValueError) as e:
+                raise _compile_error(name, e) from None
+        finally:
+            places.put(place)
 
     def disassemble(self, binary) -> str:
         """Host assembly of ``binary``'s kernel function (optimized again from its source)."""
@@ -660,6 +679,11 @@ class LLVMCompiler(Compiler):
         sym = re.escape(binary.entry)
         m = re.search(rf'^"?{sym}"?:.*?(?=^\.Lfunc_end|\Z)', text, re.S | re.M)
         return m.group(0) if m else text
+
+
+def _compile_error(name: str, e: Exception) -> RuntimeError:
+    lines = str(e).strip().splitlines() or ["(no message)"]
+    return RuntimeError(f"LLVM kernel {name!r} failed to compile: " + "\n  ".join(lines[:4]))
 
 
 class _DispatchCompiler(LLVMCompiler):
