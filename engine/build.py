@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from codegen.loopir import Kernel, canonicalize
 from engine.codecache import CodeCache, cache_key, default_cache_dir, warn
@@ -38,7 +38,8 @@ from engine.progress import progress
 # Switches that never change generated code: left out of render keys.
 _NOT_CODEGEN = {"VEGAFUSE_CACHE", "VEGAFUSE_CACHE_DIR", "VEGAFUSE_DEBUG", "VEGAFUSE_PLAN_CACHE",
                 "VEGAFUSE_RENDER_CACHE", "VEGAFUSE_PROGRESS", "VEGAFUSE_SPIN_US", "VEGAFUSE_BACKEND",
-                "VEGAFUSE_COMPILE_WORKERS", "VEGAFUSE_PREFILL_FIRST", "VEGAFUSE_PROGRAM_CACHE"}
+                "VEGAFUSE_COMPILE_WORKERS", "VEGAFUSE_PREFILL_FIRST", "VEGAFUSE_PROGRAM_CACHE",
+                "VEGAFUSE_CPU_UNROLL"}
 
 COUNTS = {"renders": 0, "compiles": 0, "cached": 0}      # this process: kernels rendered, compiled, read from disk
 _COUNTS_LOCK = threading.Lock()                          # compiles run on several threads
@@ -68,14 +69,20 @@ class Compiler:
         ``HipKernel`` also carries its launch geometry)."""
         raise NotImplementedError
 
+    def compile_options(self, kernel: Kernel) -> dict:
+        """Compile options chosen for this (canonical) kernel, given to ``compile`` as keywords and
+        part of its cache key; {} (the default): the compiler's defaults."""
+        return {}
+
     def render_key(self) -> dict | None:
         """What ``render`` depends on besides the kernel, as cache-key parts, where its result is
         a ``str`` that may be cached (see :func:`render_switches`); None (the default): rendered
         every time."""
         return None
 
-    def compile(self, source: str, name: str) -> bytes:
-        """Compile ``source``; ``name`` (the first kernel that needs it) is for diagnostics.
+    def compile(self, source: str, name: str, **options) -> bytes:
+        """Compile ``source`` with ``options`` (from :meth:`compile_options`); ``name`` (the first kernel
+        that needs it) is for diagnostics.
         Raises the device's compile error, naming the kernel and the failing line."""
         raise NotImplementedError
 
@@ -100,12 +107,13 @@ def text_of(rendered) -> str:
 
 class Source:
     """One kernel rendered: ``canonical`` (what is compiled; shared by kernels equal up to
-    names), ``text`` (its source text) and ``readable``, the kernel with its own names (rendered
-    when first read)."""
+    names), ``text`` (its source text), ``options`` (how it is compiled, ``Compiler.options``)
+    and ``readable``, the kernel with its own names (rendered when first read)."""
 
-    def __init__(self, kernel: Kernel, canonical, compiler: Compiler):
+    def __init__(self, kernel: Kernel, canonical, compiler: Compiler, options: dict | None = None):
         self.kernel, self.canonical, self.compiler = kernel, canonical, compiler
         self.text = text_of(canonical)
+        self.options = options or {}
         self._readable = None
 
     @property
@@ -122,13 +130,14 @@ class Source:
 class Binary:
     """Compiled code of one canonical source.  ``name``: the first kernel that needed it;
     ``entry``: the kernel function's symbol; ``cache_hit``: read from the disk cache;
-    ``seconds``: compile wall time (0 on a hit)."""
+    ``seconds``: compile wall time (0 on a hit); ``options``: the compile options."""
     code: bytes
     source: str
     name: str
     entry: str
     cache_hit: bool
     seconds: float = 0.0
+    options: dict = field(default_factory=dict)
 
     def __repr__(self):
         return f"<Binary {self.name} {len(self.code)} bytes{' (cached)' if self.cache_hit else ''}>"
@@ -162,8 +171,9 @@ def render(kernels, compiler: Compiler, cache: CodeCache | None = None) -> list[
         c = canonicalize(k)
         key = repr(c)                       # every field: equal canonical kernels render equally
         if key not in seen:
-            seen[key] = _render_cached(compiler, c, key, cache)
-        out.append(Source(k, seen[key], compiler))
+            seen[key] = _render_cached(compiler, c, key, cache), compiler.compile_options(c)
+        rendered, options = seen[key]
+        out.append(Source(k, rendered, compiler, options))
     return out
 
 
@@ -190,17 +200,19 @@ def _user_ops(loop_ir: str) -> dict:
     return {n: repr(L.OPS[n]) for n in sorted(USER) if n in L.OPS and n in loop_ir}
 
 
-def compile_source(compiler: Compiler, source: str, name: str, cache: CodeCache | None = None) -> Binary:
-    """Compile one source through the disk cache (the path every build takes).  A cached entry
-    that is not this compiler's code for ``source`` (``compiler.holds``) is built again, with one
-    warning line."""
+def compile_source(compiler: Compiler, source: str, name: str, cache: CodeCache | None = None,
+                   options: dict | None = None) -> Binary:
+    """Compile one source with ``options`` (``Compiler.compile_options``) through the disk cache (the path
+    every build takes).  A cached entry that is not this compiler's code for ``source``
+    (``compiler.holds``) is built again, with one warning line."""
     cache = cache or code_cache()
-    key = {**compiler.identity, "source": source}
+    options = options or {}
+    key = {**compiler.identity, "source": source, **({"options": options} if options else {})}
     t0 = time.perf_counter()
 
     def fresh():
         _count("compiles")
-        return compiler.compile(source, name)
+        return compiler.compile(source, name, **options)
     code, hit = cache.get_or_build(key, fresh)
     if hit and not compiler.holds(code, compiler.entry(source)):         # a wrong entry: rebuild it
         warn(f"cache entry {cache.path(key)} holds no code for kernel {name}; built again")
@@ -210,7 +222,8 @@ def compile_source(compiler: Compiler, source: str, name: str, cache: CodeCache 
         except OSError:
             pass
     _count("cached", hit)
-    return Binary(code, source, name, compiler.entry(source), hit, 0.0 if hit else time.perf_counter() - t0)
+    return Binary(code, source, name, compiler.entry(source), hit, 0.0 if hit else time.perf_counter() - t0,
+                  options)
 
 
 def build(sources, compiler: Compiler, cache: CodeCache | None = None) -> list[Binary]:
@@ -222,14 +235,16 @@ def build(sources, compiler: Compiler, cache: CodeCache | None = None) -> list[B
     ident = cache_key(compiler.identity)
     keys, todo = [], {}
     for s in sources:
-        h = hashlib.sha256(f"{ident}:{s.text}".encode()).hexdigest()
+        h = hashlib.sha256(f"{ident}:{sorted(s.options.items())}:{s.text}".encode()).hexdigest()
         keys.append(h)
         if h not in compiler.built and h not in todo:
             todo[h] = s
     if todo:
         def one(s):
-            return compile_source(compiler, s.text, s.kernel.name, cache)
-        order = sorted(todo, key=lambda h: -len(todo[h].text))      # longest first: none starts last
+            return compile_source(compiler, s.text, s.kernel.name, cache, s.options)
+        order = list(todo)
+        if compiler.jobs > 1 and len(order) > 1:
+            order.sort(key=lambda h: -len(todo[h].text))               # longest first: none starts last
         items = [todo[h] for h in order]
         if compiler.jobs > 1 and len(items) > 1:
             with ThreadPoolExecutor(min(compiler.jobs, len(items))) as ex:

@@ -43,7 +43,7 @@ from dsl.quant import storage
 import llvmlite.binding as llvm
 
 from codegen.llvm import render_llvm
-from codegen.loopir import Kernel, Load, Loop, Store, plain, walk_exprs, walk_stmts
+from codegen.loopir import Attention, Const, Kernel, Load, Loop, Reduce, Store, plain, walk_exprs, walk_stmts
 from engine.build import Compiler, build, render, render_switches
 from engine.devices import llvm_jobs
 
@@ -134,6 +134,18 @@ def threadable(kernel: Kernel) -> bool:
     if any(len(r) > 1 or None in r for r in writes.values()):
         return False
     return all(buf not in writes or writes[buf] == {region} for buf, region in reads)
+
+
+def over_rows(kernel: Kernel) -> bool:
+    """Does the kernel work over several rows: an attention over more than one query, or a
+    serial loop of more than one iteration around a reduction (a prefill's GEMM and norms)?"""
+    for s in walk_stmts(kernel.body):
+        if isinstance(s, Attention) and s.t > 1:
+            return True
+        if (isinstance(s, Loop) and not s.parallel and isinstance(s.start, Const) and isinstance(s.stop, Const)
+                and s.stop.value - s.start.value > 1 and any(isinstance(x, Reduce) for x in walk_stmts(s.body))):
+            return True
+    return False
 
 
 # ----------------------------------------------------------------------------- scalars
@@ -639,26 +651,39 @@ class LLVMCompiler(Compiler):
     def entry(self, source: str) -> str:
         return "vf_" + hashlib.sha256(source.encode()).hexdigest()[:16]
 
-    def optimize(self, text: str, symbol: str):
+    def compile_options(self, kernel: Kernel) -> dict:
+        """``{"unroll": False}`` (LLVM's loop unroller off) for a kernel over several rows (a
+        prefill's, see :func:`over_rows`) unless ``VEGAFUSE_CPU_UNROLL=all``: unrolling their row
+        loops makes their code several times larger and their compile three times longer for a
+        few percent of prefill time; one-row kernels (decode) keep it (their int8 GEMVs need the
+        full unroll).  ValueError, one line, for another value of the switch."""
+        mode = os.environ.get("VEGAFUSE_CPU_UNROLL", "one-row")
+        if mode not in ("one-row", "all"):
+            raise ValueError(f"VEGAFUSE_CPU_UNROLL={mode!r}: use one-row (the unroller on one-row kernels "
+                             "only, the default) or all")
+        return {"unroll": False} if mode == "one-row" and over_rows(kernel) else {}
+
+    def optimize(self, text: str, symbol: str, unroll: bool = True):
         """IR text -> (optimized module, its target machine), the exported function renamed
         ``symbol`` (``llvm_jobs.optimize``).  Thread-safe: own LLVM context and target machine."""
-        return llvm_jobs.optimize(text, symbol, self.host)
+        return llvm_jobs.optimize(text, symbol, {**self.host, "unroll": unroll})
 
     def holds(self, code: bytes, entry: str) -> bool:
         """An ELF object whose symbol table names ``entry`` (loading anything else into the JIT
         could crash the process)."""
         return code[:4] == b"\x7fELF" and entry.encode() + b"\0" in code
 
-    def compile(self, source: str, name: str) -> bytes:
-        """Object code of ``source``, compiled in the first free place (this process or a helper);
-        a RuntimeError naming kernel ``name`` and LLVM's first complaint (with its line) if the IR
-        does not parse or verify."""
+    def compile(self, source: str, name: str, unroll: bool = True) -> bytes:
+        """Object code of ``source`` (``unroll``: LLVM's loop unroller on), compiled in the first
+        free place (this process or a helper); a RuntimeError naming kernel ``name`` and LLVM's
+        first complaint (with its line) if the IR does not parse or verify."""
+        host = {**self.host, "unroll": unroll}
         places = _places(self.workers)
         place = places.get()
         try:
             if place is not None:
                 try:
-                    return place.compile(source, self.entry(source), self.host)
+                    return place.compile(source, self.entry(source), host)
                 except llvm_jobs.HelperDied as e:
                     from engine.codecache import warn
                     warn(f"{e}; kernel {name} compiles in this process")
@@ -666,7 +691,7 @@ class LLVMCompiler(Compiler):
                 except RuntimeError as e:
                     raise _compile_error(name, e) from None
             try:
-                return llvm_jobs.compile_object(source, self.entry(source), self.host)
+                return llvm_jobs.compile_object(source, self.entry(source), host)
             except (RuntimeError, ValueError) as e:
                 raise _compile_error(name, e) from None
         finally:
@@ -674,7 +699,7 @@ class LLVMCompiler(Compiler):
 
     def disassemble(self, binary) -> str:
         """Host assembly of ``binary``'s kernel function (optimized again from its source)."""
-        mod, _ = self.optimize(binary.source, binary.entry)
+        mod, _ = self.optimize(binary.source, binary.entry, **binary.options)
         text = _host_target_machine(jit=False).emit_assembly(mod)
         sym = re.escape(binary.entry)
         m = re.search(rf'^"?{sym}"?:.*?(?=^\.Lfunc_end|\Z)', text, re.S | re.M)
