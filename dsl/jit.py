@@ -1,7 +1,7 @@
 """``jit``: trace once per signature, fuse, compile, run (``jax.jit``).
 
     f = dsl.jit(fn, static_argnums=(), donate_argnums=(), backend="cpu", fusion=None,
-                static_argnames=(), donate_argnames=())
+                static_argnames=(), donate_argnames=(), persistent=False)
     @dsl.jit(static_argnames="n")                # or functools.partial(dsl.jit, static_argnames="n")
     f(*args, **kwargs)            # traces on the first call per signature, then reuses
     f.lower(*args).as_text()      # the traced IR
@@ -142,7 +142,10 @@ class jit:  # noqa: N801  (named like jax.jit)
 
     Where we differ from JAX: ints and floats passed as dynamic arguments are i32/f32 scalars
     whose value never retraces; bools must be static; ``backend`` and ``fusion`` select our
-    device and fusion rules (see ``engine.pipeline``)."""
+    device and fusion rules (see ``engine.pipeline``); ``persistent=True`` keeps each compiled
+    program on disk, so that a later process loads it without tracing (``engine.programcache``:
+    for functions whose behaviour follows from their code, plain closure values and the files
+    that trace them)."""
 
     def __new__(cls, fn=None, *args, **kwargs):
         if fn is None:                                # @dsl.jit(static_argnums=...): a decorator
@@ -151,7 +154,7 @@ class jit:  # noqa: N801  (named like jax.jit)
         return super().__new__(cls)
 
     def __init__(self, fn, static_argnums=(), donate_argnums=(), backend=None, fusion=None, *,
-                 static_argnames=(), donate_argnames=()):
+                 static_argnames=(), donate_argnames=(), persistent=False):
         if not callable(fn):
             raise TypeError(f"jit needs a function, got {type(fn).__name__}")
         self.fn = fn
@@ -173,6 +176,7 @@ class jit:  # noqa: N801  (named like jax.jit)
             if not isinstance(on, bool):
                 raise ValueError(f"fusion[{name!r}] must be True or False, got {on!r}")
         self._cache = {}
+        self.persistent = bool(persistent)            # compiled programs kept on disk (engine/programcache.py)
 
     def _signature(self):
         import inspect
@@ -248,8 +252,21 @@ class jit:  # noqa: N801  (named like jax.jit)
         """The executable for these arguments (cached per signature); call it with the same arguments."""
         key = self._split(args, kwargs)[3]
         if key not in self._cache:
-            self._cache[key] = self.lower(*args, **kwargs).compile()
+            self._cache[key] = self._compile_new(args, kwargs, key)
         return self._cache[key]
+
+    def _compile_new(self, args, kwargs, key):
+        """Trace, fuse and compile for a signature new to this object; with ``persistent``, through
+        the disk's program cache (``engine.programcache``: a later process skips the trace)."""
+        if self.persistent and self.backend != "reference":
+            from engine.programcache import compile_cached
+            return compile_cached(self, args, kwargs, key)
+        return self.lower(*args, **kwargs).compile()
+
+    def spec_of(self, args, kwargs) -> CallSpec:
+        """How a call with these arguments maps to the inputs (what ``lower`` records)."""
+        _, _, leaves, key = self._split(args, kwargs)
+        return CallSpec(self, args, kwargs, key[0], len(leaves))
 
     def __get__(self, obj, objtype=None):
         """A jitted function defined in a class is a method, as in JAX: ``obj.f(x)`` calls
@@ -261,7 +278,7 @@ class jit:  # noqa: N801  (named like jax.jit)
             return self.fn(*args, **kwargs)
         _, _, leaves, key = self._split(args, kwargs)
         if key not in self._cache:
-            self._cache[key] = self.lower(*args, **kwargs).compile()
+            self._cache[key] = self._compile_new(args, kwargs, key)
         return self._cache[key].call_flat(*leaves)
 
 

@@ -86,10 +86,11 @@ class Model:
             logits, cache = llama.forward(cfg, params, tokens, pos, last, cache)
             u = dsl.reshape(dsl.take(uniforms, dsl.reshape(pos, (1,))), ())    # this position's draw
             return dsl.reshape(draw_token(logits, u, settings, top_k), (1,)), cache
-        self.step = dsl.jit(forward, donate_argnums=(4,), backend=backend, fusion=fusion)
-        self.greedy_step = dsl.jit(greedy, donate_argnums=(4,), backend=backend, fusion=fusion)
+        # persistent: a later process loads the compiled programs without tracing them
+        self.step = dsl.jit(forward, donate_argnums=(4,), backend=backend, fusion=fusion, persistent=True)
+        self.greedy_step = dsl.jit(greedy, donate_argnums=(4,), backend=backend, fusion=fusion, persistent=True)
         self.sample_step = dsl.jit(sampled, donate_argnums=(4,), static_argnums=(7,), backend=backend,
-                                   fusion=fusion)
+                                   fusion=fusion, persistent=True)
         self._draw = self._ring = None            # decode_ids' uniforms and settings; its id ring
 
     def _run(self, tokens, last):

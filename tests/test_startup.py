@@ -208,3 +208,131 @@ def test_run_script_once_set_up_costs_nothing(tmp_path):
     r = subprocess.run([str(REPO / "run"), "test", "--version"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "pytest" in (r.stdout + r.stderr) and "installing" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- the program cache
+HELPER = """
+from stdlib import nn
+
+def norm_proj(x, g, w):
+    return nn.silu(nn.linear(nn.rms_norm(x, g, {eps}), w))
+"""
+
+MODEL = """
+import dsl
+from {helper} import norm_proj
+
+def layer(x, g, w):
+    return norm_proj(x, g, w) * {scale}
+"""
+
+
+def _user_model(tmp_path, name, eps="1e-5", scale="2.0"):
+    """A jitted function in a module of its own, calling a helper in another module (fresh imports)."""
+    import importlib
+    (tmp_path / f"{name}_helper.py").write_text(HELPER.format(eps=eps))
+    (tmp_path / f"{name}.py").write_text(MODEL.format(helper=f"{name}_helper", scale=scale))
+    if str(tmp_path) not in sys.path:
+        sys.path.insert(0, str(tmp_path))
+    for m in (f"{name}_helper", name):
+        sys.modules.pop(m, None)
+    importlib.invalidate_caches()
+    return importlib.import_module(name).layer
+
+
+def _inputs(rng, k=64, n=48, t=1):
+    return (rng.standard_normal((t, k)).astype("f4"), rng.standard_normal(k).astype("f4"),
+            rng.standard_normal((n, k)).astype("f2"))
+
+
+def _check(fn, args, got):
+    want = dsl.jit(fn).lower(*args).program.run(*args, compute_dtype="f64")[0]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-3, atol=2e-3)
+
+
+def test_program_cache_loads_a_program_without_tracing_and_misses_on_any_change(tmp_path, monkeypatch):
+    """A persistent jit loads its program from disk in a new jit object (as a new process would):
+    no trace, the same values as float64 numpy; another shape, another fusion switch, an edited
+    helper file or an edited function file each miss, and compute their own values."""
+    from engine import programcache
+    monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("VEGAFUSE_PROGRAM_CACHE", raising=False)
+    rng = np.random.default_rng()
+    fn = _user_model(tmp_path, "pc_model")
+    counts = programcache.COUNTS
+
+    def run(fn, args, **env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        before = dict(counts)
+        y = dsl.jit(fn, persistent=True)(*args)
+        for k in env:
+            monkeypatch.delenv(k)
+        _check(fn, args, y)
+        return "hit" if counts["hits"] > before["hits"] else "miss"
+
+    args = _inputs(rng)
+    assert run(fn, args) == "miss"
+    assert run(fn, _inputs(rng)) == "hit"                                  # fresh values, no trace
+    assert run(fn, _inputs(rng, t=4)) == "miss"                            # another shape
+    assert run(fn, args, VEGAFUSE_FUSION_OFF="epilogue") == "miss"         # another fusion switch
+    assert run(fn, args, VEGAFUSE_CPU_ROWS="4") == "miss"                  # a switch the renderer reads
+    assert run(fn, args) == "hit"
+    fn = _user_model(tmp_path, "pc_model", eps="1e-2")                     # the helper's file edited
+    assert run(fn, args) == "miss"
+    assert run(fn, _inputs(rng)) == "hit"
+    fn = _user_model(tmp_path, "pc_model", eps="1e-2", scale="3.0")        # the function's file edited
+    assert run(fn, args) == "miss"
+
+
+def test_program_cache_keys_plain_closures_and_leaves_out_the_rest(tmp_path, monkeypatch):
+    """A closure's plain values are part of the key (another value misses); a closure over a
+    function is compiled every time (functions have no key), its result following the function;
+    VEGAFUSE_PROGRAM_CACHE=0 stores nothing."""
+    from engine import programcache
+    from stdlib import nn
+    monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("VEGAFUSE_PROGRAM_CACHE", raising=False)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((1, 64)).astype("f4")
+
+    def scaled(scale):
+        def f(x):
+            return x * scale
+        return f
+    for scale, want in ((2.0, "misses"), (3.0, "misses"), (2.0, "hits")):
+        before = programcache.COUNTS[want]
+        np.testing.assert_allclose(dsl.jit(scaled(scale), persistent=True)(x), x * scale, rtol=1e-6)
+        assert programcache.COUNTS[want] == before + 1, (scale, want)
+
+    def activated(act):
+        def f(x):
+            return act(x)
+        return f
+    for act, ref in ((nn.silu, x / (1 + np.exp(-x))), (dsl.tanh, np.tanh(x))):
+        before = dict(programcache.COUNTS)
+        np.testing.assert_allclose(dsl.jit(activated(act), persistent=True)(x), ref, rtol=1e-5, atol=1e-6)
+        assert programcache.COUNTS == before
+    monkeypatch.setenv("VEGAFUSE_PROGRAM_CACHE", "0")
+    fn = _user_model(tmp_path, "pc_off")
+    args = _inputs(rng)
+    before = dict(programcache.COUNTS)
+    for _ in range(2):
+        _check(fn, args, dsl.jit(fn, persistent=True)(*args))
+    assert programcache.COUNTS == before
+
+
+def test_a_warm_engine_process_traces_nothing(tiny, tmp_path):
+    """The engine's two programs (prefill, decode) come from the program cache in a warm process,
+    with the same ids; the decode step compiles after the prefill either way."""
+    code = GENERATE.replace("print(json.dumps(build.COUNTS)", "from engine import programcache\n"
+                            "print(json.dumps({**build.COUNTS, **programcache.COUNTS})")
+    out = []
+    for _ in range(2):
+        r = child(code, "--model", tiny, "--temperature", "0", "--max-tokens", "4", "--json", "ab c", cache=tmp_path)
+        assert r.returncode == 0, r.stderr
+        out.append((json.loads(r.stdout)["ids"], json.loads(r.stderr.strip().splitlines()[-1])))
+    (ids, cold), (warm_ids, warm) = out
+    assert cold["misses"] == 2 and cold["hits"] == 0 and cold["compiles"] >= 2
+    assert warm["hits"] == 2 and warm["misses"] == 0 and warm["compiles"] == warm["renders"] == 0
+    assert warm_ids == ids and len(ids) >= 1

@@ -499,7 +499,9 @@ class CompiledKernel:
         self.symbol, self.address = binary.entry, address
         self.fn = KERNEL_FN(address)
         self._rendered = source
-        self.threadable = threadable(self.kernel)
+        if self.symbol not in device._threadable:         # the same for kernels equal up to names
+            device._threadable[self.symbol] = threadable(self.kernel)
+        self.threadable = device._threadable[self.symbol]
         self.nthreads = device.default_nthreads(self.kernel, self.threadable)
 
     @property
@@ -765,6 +767,7 @@ class CPUDevice:
         self.compiler = LLVMCompiler(jobs=self.nthreads)
         self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _host_target_machine(jit=True))
         self._addresses = {}              # symbol -> address of a function loaded into the JIT
+        self._threadable = {}             # symbol -> threadable(kernel) of the kernels it runs
         self._pool = None
 
     # ---- compilation
