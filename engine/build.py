@@ -80,6 +80,10 @@ class Compiler:
         every time."""
         return None
 
+    def expect_compiles(self) -> None:
+        """A render missed the disk cache, so compiles are likely to follow: start what they need
+        (the CPU's helper processes) while the rest renders.  The default does nothing."""
+
     def compile(self, source: str, name: str, **options) -> bytes:
         """Compile ``source`` with ``options`` (from :meth:`compile_options`); ``name`` (the first kernel
         that needs it) is for diagnostics.
@@ -186,6 +190,7 @@ def _render_cached(compiler: Compiler, canonical: Kernel, loop_ir: str, cache: C
 
     def fresh():
         _count("renders")
+        compiler.expect_compiles()
         return compiler.render(canonical).encode()
     key = {**compiler.identity, **parts, "kind": "render", "loop_ir": loop_ir, "user_ops": _user_ops(loop_ir)}
     return (cache or code_cache()).get_or_build(key, fresh)[0].decode()

@@ -371,9 +371,22 @@ class _GGUFValue:
         self.raw = raw
 
     def contents(self):
-        decode = lambda v: (v.decode("utf-8") if isinstance(v, bytes)  # noqa: E731
-                            else [decode(x) for x in v] if isinstance(v, list) else v)
-        return decode(self.raw)
+        return _decoded(self.raw)
+
+
+def _decoded(v):
+    """``v`` with its bytes decoded as strict UTF-8, lists of them too (a vocabulary's 50k strings
+    in one comprehension: this runs at every start)."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8")
+    if not isinstance(v, list):
+        return v
+    kinds = set(map(type, v))
+    if kinds == {bytes}:
+        return [x.decode("utf-8") for x in v]
+    if not kinds & {bytes, list}:
+        return list(v)
+    return [_decoded(x) for x in v]
 
 
 class _GGUFTensor:

@@ -675,6 +675,10 @@ class LLVMCompiler(Compiler):
         could crash the process)."""
         return code[:4] == b"\x7fELF" and entry.encode() + b"\0" in code
 
+    def expect_compiles(self) -> None:
+        """Start the helper processes now (a render missed): they are ready when compiles begin."""
+        _places(self.workers)
+
     def compile(self, source: str, name: str, unroll: bool = True) -> bytes:
         """Object code of ``source`` (``unroll``: LLVM's loop unroller on), compiled in the first
         free place (this process or a helper); a RuntimeError naming kernel ``name`` and LLVM's
