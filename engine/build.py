@@ -19,8 +19,10 @@ this process's renders and compiles, and the compiles the disk cache saved; kern
 compile under a progress bar on a terminal (``engine/progress.py``).
 
 A device supplies a :class:`Compiler`: how it renders a kernel (LLVM IR for the CPU, HIP C++
-for the GPUs), ``compile(source, name) -> bytes`` (llvmlite, hiprtc, NVRTC) and its
-``identity``, the cache-key parts other than the source (compiler version, target, options).
+for the GPUs), ``compile(source, name, **options) -> bytes`` (llvmlite, hiprtc, NVRTC), its
+``identity``, the cache-key parts other than the source (compiler version, target, options),
+and, where it chooses them per kernel, ``compile_options(kernel)`` (part of that kernel's key).
+Misses compile ``compiler.jobs`` at a time, the longest sources first.
 """
 from __future__ import annotations
 
@@ -85,8 +87,8 @@ class Compiler:
         (the CPU's helper processes) while the rest renders.  The default does nothing."""
 
     def compile(self, source: str, name: str, **options) -> bytes:
-        """Compile ``source`` with ``options`` (from :meth:`compile_options`); ``name`` (the first kernel
-        that needs it) is for diagnostics.
+        """Compile ``source`` with ``options`` (from :meth:`compile_options`); ``name`` (the first
+        kernel that needs it) is for diagnostics.
         Raises the device's compile error, naming the kernel and the failing line."""
         raise NotImplementedError
 
@@ -111,7 +113,8 @@ def text_of(rendered) -> str:
 
 class Source:
     """One kernel rendered: ``canonical`` (what is compiled; shared by kernels equal up to
-    names), ``text`` (its source text), ``options`` (how it is compiled, ``Compiler.options``)
+    names), ``text`` (its source text), ``options`` (how it is compiled:
+    ``Compiler.compile_options``)
     and ``readable``, the kernel with its own names (rendered when first read)."""
 
     def __init__(self, kernel: Kernel, canonical, compiler: Compiler, options: dict | None = None):
@@ -207,8 +210,8 @@ def _user_ops(loop_ir: str) -> dict:
 
 def compile_source(compiler: Compiler, source: str, name: str, cache: CodeCache | None = None,
                    options: dict | None = None) -> Binary:
-    """Compile one source with ``options`` (``Compiler.compile_options``) through the disk cache (the path
-    every build takes).  A cached entry that is not this compiler's code for ``source``
+    """Compile one source with ``options`` (``Compiler.compile_options``) through the disk cache
+    (the path every build takes).  A cached entry that is not this compiler's code for ``source``
     (``compiler.holds``) is built again, with one warning line."""
     cache = cache or code_cache()
     options = options or {}

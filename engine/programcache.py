@@ -87,7 +87,8 @@ def _plain(x, depth=0):
     if isinstance(x, (tuple, list)):
         return f"{type(x).__name__}({', '.join(_plain(v, depth + 1) for v in x)})"
     if isinstance(x, dict):
-        return "{" + ", ".join(f"{_plain(k, depth + 1)}: {_plain(v, depth + 1)}" for k, v in sorted(x.items(), key=repr)) + "}"
+        items = sorted(x.items(), key=repr)
+        return "{" + ", ".join(f"{_plain(k, depth + 1)}: {_plain(v, depth + 1)}" for k, v in items) + "}"
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         fields = ", ".join(f"{f.name}={_plain(getattr(x, f.name), depth + 1)}" for f in dataclasses.fields(x))
         return f"{type(x).__module__}.{type(x).__qualname__}({fields})"
@@ -106,7 +107,8 @@ def _function(fn) -> dict:
     if not isinstance(fn, types.FunctionType):
         raise Unkeyable(f"a {type(fn).__name__}, not a function")
     cells = [c.cell_contents for c in fn.__closure__ or ()]
-    return {"name": f"{fn.__module__}.{fn.__qualname__}", "code": hashlib.sha256(_code(fn.__code__).encode()).hexdigest(),
+    code = hashlib.sha256(_code(fn.__code__).encode()).hexdigest()
+    return {"name": f"{fn.__module__}.{fn.__qualname__}", "code": code,
             "closure": _plain(cells), "defaults": _plain(list(fn.__defaults__ or ())),
             "kwdefaults": _plain(fn.__kwdefaults__ or {}), "file": _file_hash(fn.__code__.co_filename)}
 
