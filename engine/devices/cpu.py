@@ -655,14 +655,14 @@ class LLVMCompiler(Compiler):
 
     def compile_options(self, kernel: Kernel) -> dict:
         """``{"unroll": False}`` (LLVM's loop unroller off) for a kernel over several rows (a
-        prefill's, see :func:`over_rows`) under ``VEGAFUSE_CPU_UNROLL=one-row``: their compile takes
-        a third of the time, but their code runs slower (prefill up to twice as long, measured
-        under load), so the default (``all``) keeps the unroller on every kernel.  ValueError, one
-        line, for another value of the switch."""
-        mode = os.environ.get("VEGAFUSE_CPU_UNROLL", "all")
+        prefill's, see :func:`over_rows`) unless ``VEGAFUSE_CPU_UNROLL=all``: their compile takes a
+        third of the time, and their speed measured the same within the shared machine's noise
+        (docs/performance.md); one-row kernels (decode: their int8 GEMVs need the full unroll) keep
+        it.  ValueError, one line, for another value of the switch."""
+        mode = os.environ.get("VEGAFUSE_CPU_UNROLL", "one-row")
         if mode not in ("one-row", "all"):
-            raise ValueError(f"VEGAFUSE_CPU_UNROLL={mode!r}: use all (the unroller on every kernel, the "
-                             "default) or one-row (on one-row kernels only: faster compiles, slower prefill)")
+            raise ValueError(f"VEGAFUSE_CPU_UNROLL={mode!r}: use one-row (the unroller on one-row kernels "
+                             "only, the default) or all (on every kernel)")
         return {"unroll": False} if mode == "one-row" and over_rows(kernel) else {}
 
     def optimize(self, text: str, symbol: str, unroll: bool = True):
