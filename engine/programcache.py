@@ -18,8 +18,10 @@ usual).  Its key holds everything that decides those (:func:`program_key`):
 The entry also records a hash of each file whose lines the program's equations came from; one
 that changed since makes the entry a miss.  A function the key cannot describe (a closure over
 anything but plain values: numbers, strings, tuples, lists, dicts, dataclasses of them; a
-user-defined primitive, a program that does not pickle) is compiled as usual, uncached.  What
-the key cannot see: a module-level value changed at run time (a monkeypatched function).
+user-defined primitive, a program that does not pickle) is compiled as usual, uncached, and so
+is any program while a compile pass (a function of ``engine.pipeline`` or ``engine.build``) is
+replaced by code from outside the package (a test's monkeypatch).  What the key cannot see:
+another module-level value changed at run time.
 
 Stored in the code cache (``engine/codecache.py``: atomic writes, a damaged entry is rebuilt).
 ``VEGAFUSE_PROGRAM_CACHE=0`` turns it off (A/B), as do ``VEGAFUSE_PLAN_CACHE=0`` and
@@ -33,6 +35,7 @@ import hashlib
 import io
 import os
 import pickle
+import sys
 import types
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,9 +116,38 @@ def _function(fn) -> dict:
             "kwdefaults": _plain(fn.__kwdefaults__ or {}), "file": _file_hash(fn.__code__.co_filename)}
 
 
+def _foreign(v) -> bool:
+    """Is ``v`` a function from outside the package and the Python installation (a closure, a
+    test's or a script's function)?"""
+    if not isinstance(v, types.FunctionType):
+        return False
+    if "<locals>" in v.__qualname__:
+        return True
+    f = os.path.abspath(v.__code__.co_filename)
+    if f.startswith((sys.prefix + os.sep, sys.base_prefix + os.sep)):
+        return False
+    return not f.startswith(tuple(os.path.join(_ROOT, d) + os.sep for d in _PACKAGES))
+
+
+def _replaced_pass() -> str | None:
+    """The name of a compile pass (``engine.pipeline``'s and ``engine.build``'s functions) that
+    code from outside the package replaced at run time (a test's monkeypatch), or None: such a
+    compile is left uncached, as the key cannot see it."""
+    from engine import build, pipeline
+    for mod in (pipeline, build):
+        for name, v in vars(mod).items():
+            if _foreign(v):
+                return f"{mod.__name__}.{name}"
+    return None
+
+
 def program_key(jitted, key, compiler) -> dict:
     """The cache key of ``jitted``'s program for a call whose ``dsl.jit`` signature is ``key``
-    (see the module docstring).  Unkeyable where the function cannot be described."""
+    (see the module docstring).  Unkeyable where the function cannot be described, or where a
+    compile pass was replaced at run time."""
+    replaced = _replaced_pass()
+    if replaced:
+        raise Unkeyable(f"{replaced} replaced at run time")
     sig = repr(key)
     if " at 0x" in sig:
         raise Unkeyable("the signature holds an object without a stable text")

@@ -287,8 +287,9 @@ def test_program_cache_loads_a_program_without_tracing_and_misses_on_any_change(
 
 def test_program_cache_keys_plain_closures_and_leaves_out_the_rest(tmp_path, monkeypatch):
     """A closure's plain values are part of the key (another value misses); a closure over a
-    function is compiled every time (functions have no key), its result following the function;
-    VEGAFUSE_PROGRAM_CACHE=0 stores nothing."""
+    function is compiled every time (functions have no key), its result following the function,
+    and so is any program while a compile pass is monkeypatched; VEGAFUSE_PROGRAM_CACHE=0 stores
+    nothing."""
     from engine import programcache
     from stdlib import nn
     monkeypatch.setenv("VEGAFUSE_CACHE_DIR", str(tmp_path / "cache"))
@@ -313,6 +314,13 @@ def test_program_cache_keys_plain_closures_and_leaves_out_the_rest(tmp_path, mon
         before = dict(programcache.COUNTS)
         np.testing.assert_allclose(dsl.jit(activated(act), persistent=True)(x), ref, rtol=1e-5, atol=1e-6)
         assert programcache.COUNTS == before
+    from engine import pipeline                  # a pass replaced at run time: uncached while it is
+    lower = pipeline.lower_program
+    monkeypatch.setattr(pipeline, "lower_program", lambda *a, **k: lower(*a, **k))
+    before = dict(programcache.COUNTS)
+    np.testing.assert_allclose(dsl.jit(scaled(2.0), persistent=True)(x), x * 2.0, rtol=1e-6)
+    assert programcache.COUNTS == before
+    monkeypatch.setattr(pipeline, "lower_program", lower)
     monkeypatch.setenv("VEGAFUSE_PROGRAM_CACHE", "0")
     fn = _user_model(tmp_path, "pc_off")
     args = _inputs(rng)
