@@ -151,7 +151,7 @@ def parse_args(argv=None):
     """The options of ``engine.generate`` (argparse.Namespace); a bad option prints one line
     ``error: ...`` and exits with status 2."""
     p = Parser("engine.generate", "Generate text with a model: the text streams to stdout, statistics to stderr.")
-    p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted and stdin is a pipe)")
+    p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted and stdin is a pipe or a file)")
     p.add_argument("-p", "--prompt", dest="prompt_option", metavar="PROMPT", help="the prompt, as an option")
     p.add_argument("-m", "--model", help="a GGUF file, a Hugging Face directory, or the id of a Hugging Face repo "
                                          "in the local cache (default: SmolLM2-135M-Instruct Q4_1; "
