@@ -47,8 +47,12 @@ class Parser(argparse.ArgumentParser):
 def run_cli(run, args) -> int:
     """Run a command's ``run(args)``: a ``ModelError``, ``ValueError`` or ``DSLError`` (bad input)
     prints one line ``error: ...`` and returns 2, as does a GPU backend that cannot start; Ctrl-C
-    returns 130; a reader that went away (``| head``) ends quietly."""
+    returns 130; a reader that went away (``| head``) ends quietly.  A GPU ``args.backend`` that
+    cannot run here (``devices.probe.check_backend``) fails before ``run`` loads anything."""
     try:
+        if getattr(args, "backend", None) in ("cuda", "hip"):
+            from .devices.probe import check_backend
+            check_backend(args.backend)
         return run(args)
     except Exception as e:
         core = sys.modules.get("dsl.core")            # a DSLError needs dsl loaded: not imported here

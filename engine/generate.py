@@ -214,8 +214,6 @@ def main(argv=None):
 
 
 def run(args):
-    from .devices.probe import check_backend
-    check_backend(args.backend)                # a GPU that is not there: one line, before anything loads
     from .models import resolve_model
     prompt = args.prompt
     try:

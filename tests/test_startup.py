@@ -155,6 +155,20 @@ def test_a_gpu_backend_that_is_not_there_fails_at_once_before_loading(backend, t
     assert 0 < cpu <= 0.5, f"{cpu:.2f} s"
 
 
+
+@pytest.mark.parametrize("backend", ABSENT)
+@pytest.mark.parametrize("command", [["engine.chat"], ["engine.serve", "--port", "0"], ["engine.bench", "--tokens", "2"]])
+def test_every_command_checks_the_gpu_backend_before_loading(command, backend, tmp_path):
+    """The chat, the server and the benchmark name the missing GPU as engine.generate does (one line,
+    exit 2), not the first error a load on it would meet."""
+    if command[0] == "engine.bench" and backend == "hip":
+        pytest.skip("engine.bench measures the cpu and cuda backends only")
+    r = subprocess.run([sys.executable, "-m", *command, "--backend", backend, "--model", str(tmp_path / "missing.gguf")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: the {backend} backend cannot run here: "), r.stderr
+
 PROGRESS = r"""
 import time
 from engine.progress import progress
