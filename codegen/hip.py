@@ -156,8 +156,10 @@ LOOP_MAP = {
     "wave_lanes": ("(blockIdx.x * VF_WAVES + vf_wave) * {r} + vf_lane / {l}", "gridDim.x * VF_WAVES * {r}"),
     "lane": ("vf_lane", "VF_WAVE"),
 }
-BLOCK_REDUCE = {"add": "{a} = vf_block_sum({a}, vf_red);", "max": "{a} = vf_block_max({a}, vf_red);",
-                "argmax": "vf_block_argmax(&{a}, &{i}, vf_red, vf_redi);"}
+BLOCK_REDUCE = {("add", "f32"): "{a} = vf_block_sum({a}, vf_red);", ("max", "f32"): "{a} = vf_block_max({a}, vf_red);",
+                ("argmax", "f32"): "vf_block_argmax(&{a}, &{i}, vf_red, vf_redi);",
+                ("add", "i32"): "{a} = vf_block_sum_i({a}, vf_redi);", ("max", "i32"): "{a} = vf_block_max_i({a}, vf_redi);",
+                ("argmax", "i32"): "vf_block_argmax_i(&{a}, &{i}, vf_redi);"}
 WAVE_REDUCE = {"add": "{a} = vf_wave_sum({a});", "max": "{a} = vf_wave_max({a});"}
 VECTOR_DOT = {"f16": "vf_dot8_h", "f32": "vf_dot4_f"}
 
@@ -223,7 +225,7 @@ def _reduce(s, pad):
         out += _reduce_update(s, a, pad + "  ")
     out.append(f"{pad}}}")
     if s.map == "block":
-        out += [pad + BLOCK_REDUCE[a.op].format(a=a.name, i=a.arg) for a in s.accs]
+        out += [pad + BLOCK_REDUCE[a.op, a.dtype].format(a=a.name, i=a.arg) for a in s.accs]
     elif s.map == "lane" and s.lanes:
         out += [f"{pad}{a.name} = vf_lanes_sum({a.name}, {s.lanes});" for a in s.accs]
     elif s.map == "lane":

@@ -60,19 +60,34 @@ def _lds_bytes(body):
     return int(sum(s.size * ITEMSIZE[s.dtype] for s in L.walk_stmts(body) if isinstance(s, L.Array) and s.space == "lds"))
 
 
-def _scratch(body, t):
-    """The LDS that block reductions use (``vf_red``, ``vf_redi`` for argmax), declared first."""
-    reds = [r for r in L.walk_stmts(body) if isinstance(r, L.Reduce) and r.map == "block"]
-    out = (L.Array("vf_red", "f32", t.waves_per_block, "lds"),) if reds else ()
-    if any(a.op == "argmax" for r in reds for a in r.accs):
-        out += (L.Array("vf_redi", "i32", t.waves_per_block, "lds"),)
+def one_workgroup_block(t) -> int:
+    """Threads of a kernel that runs on one workgroup: ``t.one_workgroup_block`` (``t.block`` where
+    unset); ``VEGAFUSE_ONE_WORKGROUP_BLOCK=N`` sets it (A/B; N a multiple of the wave, at most 1024)."""
+    n = env_int("VEGAFUSE_ONE_WORKGROUP_BLOCK", t.one_workgroup_block or t.block)
+    if n % t.wave or not t.wave <= n <= 1024:
+        raise ValueError(f"VEGAFUSE_ONE_WORKGROUP_BLOCK={n} is not a multiple of the wave ({t.wave}) "
+                         "between it and 1024; set one (e.g. 256) or unset it")
+    return n
+
+
+def _scratch(body, t, block=0):
+    """The LDS that block reductions use, declared first: ``vf_red`` (f32 results), ``vf_redi``
+    (an f32 argmax's indices; i32 results, twice as long for an i32 argmax's indices); one entry
+    per wave of a workgroup of ``block`` threads (default ``t.block``)."""
+    waves = (block or t.block) // t.wave
+    accs = [a for r in L.walk_stmts(body) if isinstance(r, L.Reduce) and r.map == "block" for a in r.accs]
+    out = (L.Array("vf_red", "f32", waves, "lds"),) if any(a.dtype == "f32" for a in accs) else ()
+    if any(a.op == "argmax" or a.dtype == "i32" for a in accs):
+        ints = 2 if any(a.op == "argmax" and a.dtype == "i32" for a in accs) else 1
+        out += (L.Array("vf_redi", "i32", ints * waves, "lds"),)
     return out
 
 
 def _block_reduce(r):
-    """Block-wide when every result is f32 (the prelude's block reductions); else each thread
-    runs the whole loop."""
-    return replace(r, map="block") if all(a.dtype == "f32" for a in r.accs) else r
+    """Block-wide: the workgroup's threads share the loop, then combine (the prelude's f32 and i32
+    block reductions)."""
+    assert all(a.dtype in ("f32", "i32") for a in r.accs), r
+    return replace(r, map="block")
 
 
 def _once(stmts):
@@ -113,9 +128,9 @@ def _generic(body, t):
     single = not all(isinstance(s, (L.Comment, L.Declare)) or (isinstance(s, L.Loop) and s.parallel) for s in body)
     if single:
         body = _cooperative(body)
-        grid, how = 1, "one workgroup: reductions block-wide, results stored by thread 0"
+        grid, how, block = 1, "one workgroup: reductions block-wide, results stored by thread 0", one_workgroup_block(t)
     else:
-        out, grid = [], 1
+        out, grid, block = [], 1, t.block
         for s in body:
             if isinstance(s, L.Loop) and any(isinstance(x, L.Reduce) for x in L.walk_stmts(s.body)):
                 out.append(replace(s, map="grid", body=_cooperative(s.body)))
@@ -128,11 +143,13 @@ def _generic(body, t):
             else:
                 out.append(s)
         body = tuple(out)
-        how = ("a workgroup per row: reductions block-wide, the row's elements over its threads"
-               if any(isinstance(s, L.Loop) and s.map == "grid" for s in body)
+        rows = any(isinstance(s, L.Loop) and s.map == "grid" for s in body)
+        how = ("a workgroup per row: reductions block-wide, the row's elements over its threads" if rows
                else "grid-stride loops over every thread")
-    body = _scratch(body, t) + body
-    return body, L.Launch(min(grid, MAX_GRID), t.block, "VF_BLOCK", how, _lds_bytes(body))
+        if rows and grid == 1:                     # one row: one workgroup (a decode step's argmax)
+            block = one_workgroup_block(t)
+    body = _scratch(body, t, block) + body
+    return body, L.Launch(min(grid, MAX_GRID), block, "VF_BLOCK", how, _lds_bytes(body))
 
 
 def _one_workgroup(body, t):
@@ -141,9 +158,10 @@ def _one_workgroup(body, t):
     (a GEMV's activation) are filled by every thread."""
     local = {s.name for s in L.walk_stmts(body) if isinstance(s, L.Array) and s.space == "local"}
     body = _cooperative(body, frozenset(local))
-    body = _scratch(body, t) + body
+    block = one_workgroup_block(t)
+    body = _scratch(body, t, block) + body
     how = "one workgroup: the steps in order, each step's loops over its threads, barriers between phases"
-    return body, L.Launch(1, t.block, "VF_BLOCK", how, _lds_bytes(body))
+    return body, L.Launch(1, block, "VF_BLOCK", how, _lds_bytes(body))
 
 
 # ------------------------------------------------------------------------------ attention

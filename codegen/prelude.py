@@ -13,7 +13,8 @@ unchanged on an NVIDIA GPU.  The helpers that lanes of one wave talk through:
 * ``vf_shfl_xor(v, m)`` / ``vf_shfl_xor_i``: lane l gets lane l ^ m's value (f32 / i32);
 * ``vf_wave_sum(v)`` / ``vf_wave_max(v)``: every lane gets the wave's sum / max;
 * ``vf_wave_sync()``: LDS written by lanes of the wave before it is read safely after it;
-* ``vf_block_sum`` / ``vf_block_max`` / ``vf_block_argmax``: the same over the workgroup, through LDS.
+* ``vf_block_sum`` / ``vf_block_max`` / ``vf_block_argmax``: the same over the workgroup, through LDS
+  (``_i``: of i32 values, through the int scratch).
 """
 from __future__ import annotations
 
@@ -36,14 +37,13 @@ __device__ __forceinline__ float vf_wave_max(float v) {{
   return v;
 }}
 // block-wide reductions through LDS (every thread gets the result)
+// (each wave's partial goes through LDS; then every wave folds the partials, one a lane: VF_WAVES <= VF_WAVE)
 __device__ __forceinline__ float vf_block_sum(float v, float* red) {{
   v = vf_wave_sum(v);
   __syncthreads();
   if (threadIdx.x % VF_WAVE == 0) red[threadIdx.x / VF_WAVE] = v;
   __syncthreads();
-  v = 0.0f;
-  for (int w = 0; w < VF_WAVES; ++w) v += red[w];
-  return v;
+  return vf_wave_sum(threadIdx.x % VF_WAVE < VF_WAVES ? red[threadIdx.x % VF_WAVE] : 0.0f);
 }}
 // argmax over the block: the larger value wins, ties go to the smaller index
 // does (ov, oi) win an argmax against (v, i)?  NaN is the largest value, as in numpy; ties go to
@@ -52,27 +52,65 @@ __device__ __forceinline__ bool vf_argmax_better(float ov, int oi, float v, int 
   const bool onan = ov != ov, nan = v != v;
   return onan != nan ? onan : (onan || ov == v) ? oi < i : ov > v;
 }}
-__device__ __forceinline__ void vf_block_argmax(float* v, int* i, float* red, int* redi) {{
+__device__ __forceinline__ void vf_wave_argmax(float* v, int* i) {{
   for (int m = VF_WAVE / 2; m > 0; m >>= 1) {{
     const float ov = vf_shfl_xor(*v, m);
     const int oi = vf_shfl_xor_i(*i, m);
     if (vf_argmax_better(ov, oi, *v, *i)) {{ *v = ov; *i = oi; }}
   }}
+}}
+__device__ __forceinline__ void vf_block_argmax(float* v, int* i, float* red, int* redi) {{
+  vf_wave_argmax(v, i);
   __syncthreads();
   if (threadIdx.x % VF_WAVE == 0) {{ red[threadIdx.x / VF_WAVE] = *v; redi[threadIdx.x / VF_WAVE] = *i; }}
   __syncthreads();
-  *v = red[0]; *i = redi[0];
-  for (int w = 1; w < VF_WAVES; ++w)
-    if (vf_argmax_better(red[w], redi[w], *v, *i)) {{ *v = red[w]; *i = redi[w]; }}
+  const int w = threadIdx.x % VF_WAVE;              // the lanes past the waves hold -inf at the last index
+  *v = w < VF_WAVES ? red[w] : -VF_INF;
+  *i = w < VF_WAVES ? redi[w] : 2147483647;
+  vf_wave_argmax(v, i);
+}}
+// i32 reductions over the block (a count, an integer max or argmax): the same through the int scratch
+// red, 2 x VF_WAVES ints (an argmax keeps each wave's index in the second half)
+__device__ __forceinline__ int vf_block_sum_i(int v, int* red) {{
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor_i(v, m);
+  __syncthreads();
+  if (threadIdx.x % VF_WAVE == 0) red[threadIdx.x / VF_WAVE] = v;
+  __syncthreads();
+  v = threadIdx.x % VF_WAVE < VF_WAVES ? red[threadIdx.x % VF_WAVE] : 0;
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v += vf_shfl_xor_i(v, m);
+  return v;
+}}
+__device__ __forceinline__ int vf_block_max_i(int v, int* red) {{
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v = max(v, vf_shfl_xor_i(v, m));
+  __syncthreads();
+  if (threadIdx.x % VF_WAVE == 0) red[threadIdx.x / VF_WAVE] = v;
+  __syncthreads();
+  v = threadIdx.x % VF_WAVE < VF_WAVES ? red[threadIdx.x % VF_WAVE] : -2147483647 - 1;
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) v = max(v, vf_shfl_xor_i(v, m));
+  return v;
+}}
+__device__ __forceinline__ void vf_wave_argmax_i(int* v, int* i) {{
+  for (int m = VF_WAVE / 2; m > 0; m >>= 1) {{
+    const int ov = vf_shfl_xor_i(*v, m), oi = vf_shfl_xor_i(*i, m);
+    if (ov > *v || (ov == *v && oi < *i)) {{ *v = ov; *i = oi; }}
+  }}
+}}
+__device__ __forceinline__ void vf_block_argmax_i(int* v, int* i, int* red) {{
+  vf_wave_argmax_i(v, i);
+  __syncthreads();
+  if (threadIdx.x % VF_WAVE == 0) {{ red[threadIdx.x / VF_WAVE] = *v; red[VF_WAVES + threadIdx.x / VF_WAVE] = *i; }}
+  __syncthreads();
+  const int w = threadIdx.x % VF_WAVE;
+  *v = w < VF_WAVES ? red[w] : -2147483647 - 1;
+  *i = w < VF_WAVES ? red[VF_WAVES + w] : 2147483647;
+  vf_wave_argmax_i(v, i);
 }}
 __device__ __forceinline__ float vf_block_max(float v, float* red) {{
   v = vf_wave_max(v);
   __syncthreads();
   if (threadIdx.x % VF_WAVE == 0) red[threadIdx.x / VF_WAVE] = v;
   __syncthreads();
-  v = -VF_INF;
-  for (int w = 0; w < VF_WAVES; ++w) v = vf_max(v, red[w]);
-  return v;
+  return vf_wave_max(threadIdx.x % VF_WAVE < VF_WAVES ? red[threadIdx.x % VF_WAVE] : -VF_INF);
 }}
 """
 

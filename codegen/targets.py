@@ -65,6 +65,9 @@ class Target:
                                  # (see the gfx906 entry)
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
+    one_workgroup_block: int = 0  # threads of a kernel that runs on one workgroup (the loop family, a reduction
+                                 # to a scalar; codegen.mapping.one_workgroup_block): its passes over a row are
+                                 # latency-bound, so it takes as many loads in flight as a workgroup holds (0: block)
     attention_block: int = 256   # threads of an attention workgroup (codegen.mapping.attention_tiles)
     attention_lds: int = 32 * 1024  # LDS an attention workgroup may take (its tiles' size): two fit a gfx906 CU
     attention_waves: int = 4     # waves of a decode attention workgroup (codegen.mapping.decode_tiles)
@@ -98,6 +101,7 @@ TARGETS = {
                      # 1024 threads are 4 waves per SIMD, 64 VGPRs each; the int8 GEMV of 8 rows a lane takes
                      # about 90 (D 8192, F 1024 gate/up spilled 32 VGPRs); 512: 128 VGPRs a lane
                      whole_block=512,
+                     one_workgroup_block=512,  # 8 waves: at most 15 fit the wave-64 emulation on an NVIDIA GPU
                      attention_vgprs=128),    # two waves per SIMD (6 heads x 4 keys took 220: one wave)
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
                     attention_lds=46 * 1024,   # tiles of 64 keys for decode at head dim 128 (4 workgroups per SM)
@@ -110,7 +114,8 @@ TARGETS = {
                     # with 4 and 80 with 3; 128 workgroups of 28 rows took 37.2 against 41.7 us, and decode ran
                     # at 242.2/243.9 against 238.2 tok/s (A/B/A, 2026-12-01).  At K 3584 (its O projection)
                     # the same took 10.1 against 9.0 us, so only long rows
-                    balance_k=8192),
+                    balance_k=8192,
+                    one_workgroup_block=1024),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,
 # so a workgroup holds at most 15 waves; the wave exchange's LDS comes out of the kernel's static budget

@@ -13,6 +13,7 @@ import sys
 import time
 
 from .errors import ModelError, Parser, run_cli
+from .sampling import settings_error
 
 HELP = """commands:
   /reset        forget the conversation (the system prompt stays)
@@ -185,12 +186,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if not args.temperature >= 0 or not 0 < args.top_p <= 1:       # also rejects nan
-        p.error("need --temperature >= 0 and 0 < --top-p <= 1")
-    if not 0 <= args.min_p <= 1:
-        p.error(f"--min-p must lie in [0, 1], got {args.min_p}")
-    if not 0 < args.repeat_penalty < float("inf"):
-        p.error(f"--repeat-penalty must be > 0 (1.0 is off), got {args.repeat_penalty}")
+    bad = settings_error(args.temperature, args.top_p, args.min_p, args.repeat_penalty)
+    if bad:
+        p.error(bad)
     if "" in args.stop:
         p.error("--stop takes a non-empty text")
     if args.seed is not None and args.seed < 0:

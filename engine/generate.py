@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import ModelError, Parser, run_cli
-from .sampling import is_eos, sample
+from .sampling import is_eos, sample, settings_error
 
 
 class Finished(NamedTuple):
@@ -196,10 +196,9 @@ def parse_args(argv=None):
     if args.max_tokens < -1:
         p.error(f"--max-tokens must be >= 0, or -1 for no limit, got {args.max_tokens}")
     args.max_tokens = sys.maxsize if args.max_tokens == -1 else args.max_tokens     # to the context's end
-    if not 0 <= args.min_p <= 1:
-        p.error(f"--min-p must lie in [0, 1], got {args.min_p}")
-    if not 0 < args.repeat_penalty < float("inf"):
-        p.error(f"--repeat-penalty must be > 0 (1.0 is off), got {args.repeat_penalty}")
+    bad = settings_error(args.temperature, args.top_p, args.min_p, args.repeat_penalty)
+    if bad:
+        p.error(bad)
     if args.repeat_last_n < 0:
         p.error(f"--repeat-last-n must be >= 0, got {args.repeat_last_n}")
     if "" in args.stop:
@@ -231,8 +230,6 @@ def run(args):
                          "python -m engine.generate \"Once upon a time\"")
     if args.max_tokens < 0:
         raise ModelError(f"--max-tokens must be >= 0, got {args.max_tokens}")
-    if not args.temperature >= 0 or not 0 < args.top_p <= 1:       # also rejects nan
-        raise ModelError("need --temperature >= 0 and 0 < --top-p <= 1")
     if args.seed is not None and args.seed < 0:
         raise ModelError(f"--seed must be >= 0, got {args.seed}")
     if args.context is not None and args.context < 1:

@@ -366,6 +366,36 @@ def record(model, token, steps, bandwidth_gbs=None):
     return ex, {m: rec.steps[m] for m in modes}
 
 
+def kernel_times(jitted, *args, steps=30, warmup=10) -> dict:
+    """Each kernel of ``jitted``'s plan for ``args`` (a ``dsl.jit`` function on a compiled backend)
+    timed alone, as ``record`` times a decode step's: events around each launch after a hold on a
+    GPU, ``time.perf_counter_ns`` around each native call on the CPU; then the plan's own call (a
+    GPU's graph).  ``steps`` calls of each, after ``warmup``.  Returns {"kernels": [(name, median
+    µs)] in launch order, "plan_us": the plan's median µs}.  Raises ModelError on a backend without
+    compiled kernels."""
+    from .errors import ModelError
+    jitted(*args)
+    ex = jitted.compile(*args)
+    dev = ex.device
+    if dev is None:
+        raise ModelError("kernel_times times compiled kernels: use backend cpu, cuda or hip")
+    plan = ex._plan_run
+    n = len(plan.launches)
+    hold = _Hold(dev, dev.copy_bandwidth()) if hasattr(dev, "_event") else None
+    rec = _Recorder(ex, plan, _clock(dev, 2 * n + 2), hold)
+    ex._plan_run = rec
+    try:
+        for rec.mode in ("kernels", "plan"):
+            for i in range(warmup + steps):
+                rec.keep = i >= warmup
+                jitted(*args)
+    finally:
+        ex._plan_run = plan
+    alone = np.median([[m[2 * j + 2] - m[2 * j + 1] for j in range(n)] for m, _ in rec.steps["kernels"]], axis=0)
+    whole = float(np.median([m[-1] - m[0] for m, _ in rec.steps["plan"]]))
+    return {"kernels": [(ck.kernel.name, float(t)) for ck, t in zip(ex.kernels, alone)], "plan_us": whole}
+
+
 def profile_model(model, token, steps=STEPS, out_dir=None, title=None, file=None) -> dict:
     """Profile ``steps`` decode steps of ``model`` (an ``engine.model.Model`` on a compiled backend)
     after ``token``: measure the ceilings, record, ``analyze``; print ``format_table`` to ``file``

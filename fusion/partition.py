@@ -130,7 +130,34 @@ def materialize(g: Graph, rules) -> set:
             m.add(e.inputs[0])
         if "reduce" not in rules and kind == "reduce" and isinstance(e.inputs[0], Var):
             m.add(e.inputs[0])
+        if kind == "contract" and isinstance(e.inputs[0], Var):
+            m.update(_quantized_gathers(g, e.inputs[0]))
     return m
+
+
+def _quantized_gathers(g: Graph, act) -> set:
+    """The gathers from a quantized table (``take`` of a ``dequantize``: an embedding lookup) that
+    the activation ``act`` of a matmul (``MATMUL_ROWS`` rows or more) is computed from: they are
+    materialized, one small kernel of T x D values, so that the matmul's row tiles read floats.
+    Each element dequantized inside a tile's load took a scale and a byte apart; on gfx906 the
+    first layer's QKV matmul of a 512-token prefill spilled (256 VGPRs and 96 bytes of scratch,
+    against 110 and none for the later layers).  A GEMV (decode) keeps its gather."""
+    from .schedule import MATMUL_ROWS
+    if act.ndim != 2 or act.shape[0] < MATMUL_ROWS:
+        return set()
+    out, seen, todo = set(), set(), [act]
+    while todo:
+        v = todo.pop()
+        e = g.producer.get(v)
+        if v in seen or e is None or e.prim.kind in ("contract", "opaque", "loop"):
+            continue
+        seen.add(v)
+        src = g.producer.get(e.inputs[0]) if e.prim.name == "take" and isinstance(e.inputs[0], Var) else None
+        if src is not None and src.prim.name == "dequantize":
+            out.add(v)
+            continue
+        todo += [a for a in e.inputs if isinstance(a, Var)]
+    return out
 
 
 MAX_INLINE_DEPTH = 48       # ops inlined into one expression; deeper chains are split into kernels
@@ -141,20 +168,27 @@ MAX_INLINE_SIZE = 256       # ops in one inlined expression tree, a shared value
 def cap_depth(g: Graph, m: set, epilogues=()) -> set:
     """Materialize every value whose inlined expression would be more than ``MAX_INLINE_DEPTH``
     ops deep or hold more than ``MAX_INLINE_SIZE`` ops (shared values repeat), so lowering, Loop IR and the renderers stay shallow for chains of any length
-    (and each kernel's expression stays a size a compiler handles quickly).  Values of an
-    epilogue region (``epilogues``, at most ``MAX_INLINE_DEPTH // 2`` each) stay inlined.
-    Updates ``m``."""
+    (and each kernel's expression stays a size a compiler handles quickly).  A value read by
+    several ops whose expression, repeated at each read, would pass ``MAX_INLINE_SIZE`` is
+    materialized where it is computed: cut further down, each reader's kernel would recompute
+    it, reductions and all.  A reduction counts as one op in its readers' expressions: it is a
+    statement of its own, computed once per row of the kernel that reads it
+    (``fusion.lower.Builder.row_scalar``), so sibling reductions stay one pass over the row.
+    Values of an epilogue region (``epilogues``, at most ``MAX_INLINE_DEPTH // 2`` each) stay
+    inlined.  Updates ``m``."""
     depth, size = {}, {}
     for e in g.prog.eqns:
         ins = [a for a in e.inputs if isinstance(a, Var)]
         d = 1 + max((depth.get(a, 0) for a in ins), default=0)
         n = 1 + sum(size.get(a, 0) for a in ins)
+        reduce = e.prim.kind == "reduce"
+        repeated = not reduce and len(g.users.get(e.out, ())) * n
         if e.out in m or e.out in epilogues:
             d = n = 0
-        elif d > MAX_INLINE_DEPTH or n > MAX_INLINE_SIZE:
+        elif d > MAX_INLINE_DEPTH or n > MAX_INLINE_SIZE or repeated > MAX_INLINE_SIZE:
             m.add(e.out)
             d = n = 0
-        depth[e.out], size[e.out] = d, n
+        depth[e.out], size[e.out] = d, 1 if reduce and n else n
     return m
 
 

@@ -2,46 +2,51 @@
 
 ``sample`` draws from the distribution of ``engine.sampling.sample`` (temperature, top-k, top-p,
 min-p; no repeat penalty) without sorting the vocabulary: each cut is a threshold found by a
-search that quarters its bracket each step (three masked reductions over the row, one pass), and
-the draw itself is an inverse-CDF search over token ids with one uniform number.  A search carries
-its bracket as one [2] value through ``lax.fori_loop``, so each search is one loop kernel.
+search that cuts its bracket into ``WAYS`` parts each step (``WAYS - 1`` masked reductions over the
+row, one pass), and the draw itself is an inverse-CDF search over token ids with one uniform
+number.  A search carries its bracket as one [2] value through ``lax.fori_loop``, so each search
+is one loop kernel.
 """
 from __future__ import annotations
 
 import dsl
 from dsl import lax
 
-THRESHOLD_STEPS = 12      # steps of a logit threshold's search: the bracket shrinks 4^12 = 2^24 times
+WAYS = 4                  # parts a search step cuts its bracket into: WAYS - 1 tests in one pass over the row
+THRESHOLD_BITS = 24       # a logit threshold's search shrinks its bracket 2^24 times
 EXP_FLOOR = -104.0        # exp(z) is 0 in f32 below about -103.97: the thresholds' lowest bracket end
 
 
-def _search(lo, hi, holds, points, steps):
-    """Narrow the bracket [lo, hi] ``steps`` times, each time to the part between two of its
-    three interior ``points(lo, hi)`` (ascending) where ``holds`` turns from true to false.
-    ``holds`` is monotone (true up to some point, false after), true at ``lo``, false at ``hi``;
-    returns the final bracket, (2,).  The three tests of a step are sibling reductions, one pass
-    over the row (``codegen.simplify.merge_reductions``); the bracket is one [2] carry of a
-    ``fori_loop``, so a search is one loop kernel."""
+def _search(lo, hi, holds, point, steps):
+    """Narrow the bracket [lo, hi] ``steps`` times.  ``point(lo, hi, i)`` is the i-th of the points
+    that cut it into ``WAYS`` parts (i = 0: lo, i = WAYS: hi; ascending in i); ``holds`` is monotone
+    (true up to some point, false after), true at ``lo`` and false at ``hi``.  A step tests the
+    ``WAYS - 1`` interior points: when c of them hold, the points 1..c do, so the new bracket is
+    [point c, point c + 1].  Returns the final bracket, (2,).  The tests of a step are sibling
+    reductions, one pass over the row (``codegen.simplify.merge_reductions``); the bracket is one
+    [2] carry of a ``fori_loop``, so a search is one loop kernel."""
     def step(_, bracket):                                                # bracket: (2,) = lo, hi
-        t = points(bracket[0], bracket[1])
-        h = [holds(x) for x in t]
-        lo = dsl.where(h[2], t[2], dsl.where(h[1], t[1], dsl.where(h[0], t[0], bracket[0])))
-        hi = dsl.where(h[0], dsl.where(h[1], dsl.where(h[2], bracket[1], t[2]), t[1]), t[0])
-        return dsl.stack([lo, hi])
+        lo, hi = bracket[0], bracket[1]
+        c = sum(dsl.where(holds(point(lo, hi, i)), 1, 0) for i in range(1, WAYS))   # i32 []: tests that hold
+        return dsl.stack([point(lo, hi, c), point(lo, hi, c + 1)])
     return lax.fori_loop(0, steps, step, dsl.stack([lo, hi]))
 
 
 def _largest_threshold(lo, hi, holds):
-    """The largest t in [lo, hi) (to within (hi - lo) / 4^THRESHOLD_STEPS) where ``holds(t)``."""
-    quarters = lambda a, b: [a + (b - a) * (i / 4) for i in (1, 2, 3)]      # noqa: E731
-    return _search(dsl.full((), lo, "f32"), dsl.full((), hi, "f32"), holds, quarters, THRESHOLD_STEPS)[0]
+    """The largest t in [lo, hi) (to within (hi - lo) / 2^THRESHOLD_BITS) where ``holds(t)``.
+    A point is lo + (hi - lo) * (i / WAYS), computed alike for a constant i and a traced count, so
+    the bracket's ends are points that were tested."""
+    def point(a, b, i):
+        return a + (b - a) * (i / WAYS if isinstance(i, int) else i.astype("f32") * (1 / WAYS))
+    steps = -(-THRESHOLD_BITS // (WAYS.bit_length() - 1))               # WAYS is a power of two
+    return _search(dsl.full((), lo, "f32"), dsl.full((), hi, "f32"), holds, point, steps)[0]
 
 
 def _id_steps(n: int) -> int:
-    """Steps of ``_search`` over the ids: each leaves at most a quarter (rounded up) of the bracket."""
+    """Steps of ``_search`` over n ids: each leaves at most 1 / WAYS (rounded up) of the bracket."""
     steps = 0
     while n > 1:
-        n, steps = -(-n // 4), steps + 1
+        n, steps = -(-n // WAYS), steps + 1
     return max(1, steps)
 
 
@@ -64,7 +69,7 @@ def sample(logits, u, settings, top_k=0):
     arXiv:1904.09751); min-p keeps logits >= max + ln(min_p) (llama.cpp's ``min_p``).  The draw is
     the smallest id j whose prefix sum of kept probabilities exceeds u times their total.  A
     threshold is searched in [-104, 1] (below -104, exp(z) is 0 in f32: such ids are never drawn)
-    to within 105 / 4^12, about 6e-6 in z: ids closer than that to a cut may fall on either side.
+    to within 105 / 2^24, about 6e-6 in z: ids closer than that to a cut may fall on either side.
     Where it differs from ``engine.sampling.sample`` by design: ids tied at a top-k or top-p cut
     are all kept (the host keeps the lower ids), and ids below -104 are never drawn."""
     V = logits.shape[0]
@@ -84,10 +89,10 @@ def sample(logits, u, settings, top_k=0):
     p = dsl.where(keep, p, 0.0)                                          # (V,)
     target = dsl.where(dsl.abs(m) < float("inf"), u, 0.0) * dsl.sum(p)  # no finite max: the first id of it
 
-    def quarter_ids(a, b):
-        return [a + (b - a) * i // 4 for i in (1, 2, 3)]
+    def id_point(a, b, i):                    # exact in i32 (b >= a, i >= 0: C's division floors): point WAYS is b
+        return a + lax.div((b - a) * i, WAYS)
 
     def prefix_within(j):                     # the kept probability of ids 0..j is at most the target
         return dsl.sum(dsl.where(dsl.iota((V,), dtype="i32") <= j, p, 0.0)) <= target
-    ends = _search(dsl.full((), -1, "i32"), dsl.full((), V - 1, "i32"), prefix_within, quarter_ids, _id_steps(V))
+    ends = _search(dsl.full((), -1, "i32"), dsl.full((), V - 1, "i32"), prefix_within, id_point, _id_steps(V))
     return ends[1]                            # the first id whose prefix exceeds the target

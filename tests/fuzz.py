@@ -90,8 +90,9 @@ OPS += ["qchain"]
 # residual, the value at hand); at times the activation is the value at hand, the weight a wider one's first
 # columns (rows not 16 bytes apart)
 OPS += ["tiled"] * 12
-# a search in lax.fori_loop whose carry is a stacked [2] bracket, halved or quartered each step by reductions over a
-# captured value (stdlib/sampling.py's shape): an f32 threshold over the value at hand, or an i32 search over ids
+# a search in lax.fori_loop whose carry is a stacked [2] bracket, halved, quartered or cut in W parts by a count of
+# tests each step, all reductions over a captured value (stdlib/sampling.py's shape): an f32 threshold over the
+# value at hand, or an i32 search over ids
 OPS += ["bisect", "bisect"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
@@ -542,8 +543,9 @@ class Writer:
 
     def bisect(self, an, av, p):
         """A search whose carry is a stacked [2] bracket, each step reductions over a captured value,
-        as ``stdlib/sampling.py`` runs it: halving (one test a step) or quartering (three tests at
-        the quarter points, sibling reductions over one row, and nested wheres).  f32: the largest
+        as ``stdlib/sampling.py`` runs it: halving (one test a step), quartering (three tests at
+        the quarter points, sibling reductions over one row, and nested wheres) or cutting in W = 4
+        or 16 parts (W - 1 tests whose i32 count c picks points c and c + 1).  f32: the largest
         t where the count, or an integer weight, of {x >= t} reaches a target (the k-th largest x,
         a weighted quantile) over the value at hand, which yields x - t.  i32: the largest id
         whose prefix sum of integer weights stays within a target, over a fresh row of 1 to 4097
@@ -553,7 +555,8 @@ class Writer:
             return None
         frac = round((1 + int(p[2] * 15)) / 16, 4)
         weights = lambda shape: self.emit(f"dsl.floor(dsl.abs({self.new_input(shape, 'f32')}) * 4.0) + 1.0")[0]  # noqa: E731
-        quarter = p[3] >= 0.5
+        quarter, counted = 0.4 <= p[3] < 0.8, p[3] >= 0.8
+        ways = 16 if int(p[2] * 32) % 2 else 4
         if p[0] < 0.6:
             x = an if av.var.dtype == "f32" else f"{an}.astype('f32')"
             if p[1] < 0.5:
@@ -565,6 +568,9 @@ class Writer:
             points = ("[b[0] + (b[1] - b[0]) * q for q in (0.25, 0.5, 0.75)]" if quarter
                       else "[(b[0] + b[1]) * 0.5]")
             steps = [8, 10, 12, 15][int(p[3] * 4) % 2 * 2 + int(p[1] * 2)] if quarter else [16, 20, 24, 30][int(p[3] * 4)]
+            if counted:
+                steps = [8, 10, 12, 15][int(p[1] * 4)] // (2 if ways == 16 else 1)
+            point = lambda q: f"(b[0] + (b[1] - b[0]) * ({q}).astype('f32') * {1 / ways})"  # noqa: E731
             init = f"dsl.stack([dsl.min({x}), dsl.max({x}) + 1.0])"
         else:
             n = [1, 2, 3, 7, 64, 255, 300, 1000, 4097][int(p[1] * 9)]
@@ -573,8 +579,17 @@ class Writer:
             holds = f"dsl.sum(dsl.where({ids} <= {{s}}, {w}, 0.0)) <= dsl.sum({w}) * {frac} + 0.03125"
             points = "[b[0] + (b[1] - b[0]) * q // 4 for q in (1, 2, 3)]" if quarter else "[(b[0] + b[1]) // 2]"
             steps = (-(-(n.bit_length()) // 2) if quarter else n.bit_length()) + int(p[3] * 3)
+            if counted:
+                steps, left = int(p[1] * 2), n
+                while left > 1:
+                    left, steps = -(-left // ways), steps + 1
+            point = lambda q: f"(b[0] + (b[1] - b[0]) * ({q}) // {ways})"  # noqa: E731
             init = f"dsl.stack([dsl.full((), -1, 'i32'), dsl.full((), {n - 1}, 'i32')])"
-        if quarter:
+        if counted:
+            test = holds.format(s=point("dsl.full((), q, 'i32')"))
+            tests = f"sum(dsl.where({test}, 1, 0) for q in range(1, {ways}))"
+            body = f"((c := {tests}), dsl.stack([{point('c')}, {point('c + 1')}]))[-1]"
+        elif quarter:
             body = (f"((t := {points}), (h := [{holds.format(s='s')} for s in t]), dsl.stack(["
                     "dsl.where(h[2], t[2], dsl.where(h[1], t[1], dsl.where(h[0], t[0], b[0]))), "
                     "dsl.where(h[0], dsl.where(h[1], dsl.where(h[2], b[1], t[2]), t[1]), t[0])]))[-1]")
@@ -948,7 +963,7 @@ def main(argv=None):
     if a.worker:
         worker(seed, [int(i) for i in a.indices.split(",") if i], a.backend, not a.no_shrink)
         return 0
-    print(f"seed {seed}, {a.n} programs, backend {a.backend}, {a.jobs} jobs", file=sys.stderr)
+    print(f"seed {seed}, {a.n} programs, backend {a.backend}, {a.jobs} job{'' if a.jobs == 1 else 's'}", file=sys.stderr)
     counts, failures, secs = run_many(a.n, seed, a.jobs, a.backend, a.batch, not a.no_shrink, start=a.start)
     print(f"{a.n} programs: {_summary(counts)} ({secs:.0f} s)")
     print(f"({counts['invalid']} of the ok were invalid programs rejected with a DSLError)")

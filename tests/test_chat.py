@@ -39,7 +39,10 @@ def check_extend(cfg, params, tok, backend):
     """A continuation prefilled at pos (after a prefill and a decode), and one that rewinds into
     the cache, give the logits of one prefill of all the ids on ``backend``.  Near the cache's end
     the padded bucket would not fit (the clamped KV write would shift over earlier positions), so
-    extend runs exact chunks; both cases below take that path."""
+    extend runs exact chunks; both cases below take that path.  On a GPU a chunk's row count picks
+    its kernels: 16 rows or more the tiled matmul (f16 activations), fewer the GEMVs (q8_1
+    activations against a quantized file), so the logits agree to the activations' rounding
+    (0.017 at most in a logit of SmolLM2's Q4_1 file, measured on an H200), not to 2e-3."""
     text = ("<|im_start|>user\nMy name is Bob and I live in a small house by the sea.<|im_end|>\n"
             "<|im_start|>assistant\nNice to meet you, Bob! The sea must be lovely.<|im_end|>\n"
             "<|im_start|>user\nWhat is my name?<|im_end|>\n<|im_start|>assistant\n")
@@ -53,10 +56,11 @@ def check_extend(cfg, params, tok, backend):
     assert m.pos + m.bucket(len(ids) - 37) > m.context          # the padded bucket would not fit
     got = m.extend(ids[37:])
     assert m.pos == len(ids)
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+    tol = 2e-3 if backend == "cpu" else 3e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     assert int(np.argmax(got)) == int(np.argmax(want))
     got = m.extend(ids[10:], start=10)         # rewind: 10.. written again, an exact chunk then a padded one
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     with pytest.raises(ContextFull, match="do not fit the KV cache"):
         m.extend(ids[:m.context - m.pos + 1])
     with pytest.raises(Exception, match="outside the cache's positions"):

@@ -187,9 +187,24 @@ def test_version():
     (["--stop", "", "hi"], "--stop"),
     (["-p", "one", "two"], "prompt once"),
     (["-n", "-2", "hi"], "--max-tokens"),
+    (["--top-p", "2", "hi"], "--top-p must lie in (0, 1]"),
+    (["--temperature", "-1", "hi"], "--temperature must be >= 0"),
+    (["--temperature", "nan", "hi"], "--temperature must be >= 0"),
 ])
 def test_bad_options_are_one_error_line(args, needle):
     assert_one_line_error(cli(*args), needle)
+
+
+@pytest.mark.parametrize("args,needle", [(["--top-p", "0"], "--top-p must lie in (0, 1] (1.0 keeps every id), got 0.0"),
+                                         (["--temp", "-0.5"], "--temperature must be >= 0 (0 is greedy), got -0.5")])
+def test_the_chat_names_the_bad_sampling_option(args, needle):
+    """engine.chat checks its sampling options as engine.generate does (engine.sampling.settings_error):
+    the line names the option, not both."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "engine.chat", *args], cwd=ROOT, capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=120)
+    assert_one_line_error(r, needle)
 
 
 def test_short_aliases_parse_as_the_long_options():

@@ -263,3 +263,24 @@ def test_the_gpu_modes_on_the_cpu_device_with_host_time_events(tmp_path, monkeyp
     assert report["modes"] == ["kernels", "launches", "plan"] and "graphs off" in report["timing"]
     assert t["gap_us"] == pytest.approx(t["token_us"] - t["kernel_us"])
     assert len(held) == profile.WARMUP + 3 and held[-1] >= 1
+
+
+def test_kernel_times_times_each_kernel_of_a_jitted_function():
+    """``kernel_times`` on the CPU: one median per kernel of the plan, in launch order, and the
+    plan's own call; examples/bench_sampler.py prints them for the device sampler."""
+    import os
+    import subprocess
+    import sys
+
+    import dsl
+    from engine.profile import kernel_times
+    x = np.random.default_rng().standard_normal(4096).astype(np.float32)
+    f = dsl.jit(lambda x: dsl.exp(x - dsl.max(x)) / dsl.sum(dsl.exp(x - dsl.max(x))), backend="cpu")
+    t = kernel_times(f, x, steps=5, warmup=2)
+    names = [ck.kernel.name for ck in f.compile(x).kernels]
+    assert [n for n, _ in t["kernels"]] == names and all(us > 0 for _, us in t["kernels"]) and t["plan_us"] > 0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "bench_sampler.py"), "--vocab", "3000",
+                        "--steps", "3", "--top-k", "20"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "cpu: 3000 ids, top-k 20, 4 parts a search step: 9 kernels" in r.stdout and "scan_3" in r.stdout, r.stdout

@@ -1,0 +1,90 @@
+"""Kernels that run on one workgroup (a reduction to a scalar, the loop family): integer reductions
+are block-wide like float ones, the workgroup takes the target's ``one_workgroup_block`` threads,
+and a shared count of sibling reductions stays one pass over the row (``fusion.partition.cap_depth``)."""
+import numpy as np
+import pytest
+
+import dsl
+from codegen import loopir as L
+from dsl import lax
+
+from tests.emulation import GXX
+from tests.test_device_sampling import emulate_plan
+
+rng = np.random.default_rng()
+
+
+def int_reductions(x, w):
+    """i32 sum, max and argmax of a row (x: i32 [n]) and an f32 argmax beside them (w: f32 [n])."""
+    return dsl.stack([dsl.sum(x), dsl.max(x), dsl.argmax(x), dsl.argmax(w), dsl.sum(dsl.where(w > 0.0, 1, 0))])
+
+
+def reference(x, w):
+    return np.array([x.astype(np.int64).sum(), x.max(), np.argmax(x), np.argmax(w), (w > 0).sum()])
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+def test_integer_reductions_run_block_wide_on_the_gpu_kernel_text(target, tmp_path):
+    """Each thread folds its share of the row, then the workgroup combines (``vf_block_sum_i``,
+    ``vf_block_max_i``, ``vf_block_argmax_i``): the kernel text, run by the CPU emulation at the
+    target's wave and workgroup, gives numpy's values, ties of the max going to the first index."""
+    from codegen.hip import render_hip
+    from codegen.mapping import one_workgroup_block
+    from codegen.targets import get_target
+    from engine.pipeline import lower_program
+    t = get_target(target)
+    n = int(rng.integers(3000, 9000))
+    x = rng.integers(-50, 50, n).astype(np.int32)            # many ties at the max
+    w = rng.standard_normal(n).astype(np.float32)
+    plan = lower_program(dsl.jit(int_reductions).lower(x, w))
+    (k,) = [k for k in plan.kernels if "argmax" in k.name or "max" in k.name]
+    h = render_hip(k, t)
+    assert h.block[0] == one_workgroup_block(t) and "vf_block_sum_i(" in h.body and "vf_block_argmax_i(" in h.body
+    assert "for (int k = 0;" not in h.body, "a thread runs the whole row alone"
+    (got,) = emulate_plan(int_reductions, (x, w), t, str(tmp_path))
+    np.testing.assert_array_equal(np.asarray(got).astype(np.int64), reference(x, w))
+
+
+def test_the_workgroup_size_switch_is_checked(monkeypatch):
+    """``VEGAFUSE_ONE_WORKGROUP_BLOCK`` sets the threads of a one-workgroup kernel (A/B); a value that
+    is no multiple of the wave gives one line naming the switch."""
+    from codegen.mapping import one_workgroup_block
+    from codegen.targets import get_target
+    assert one_workgroup_block(get_target("sm_90")) == 1024 and one_workgroup_block(get_target("gfx906")) == 512
+    monkeypatch.setenv("VEGAFUSE_ONE_WORKGROUP_BLOCK", "256")
+    assert one_workgroup_block(get_target("gfx906")) == 256
+    monkeypatch.setenv("VEGAFUSE_ONE_WORKGROUP_BLOCK", "100")
+    with pytest.raises(ValueError, match="VEGAFUSE_ONE_WORKGROUP_BLOCK=100 is not a multiple of the wave"):
+        one_workgroup_block(get_target("sm_90"))
+
+
+def counted_search(z, p, target):
+    """A search as stdlib/sampling.py runs one: each step 15 sibling reductions whose count c picks the
+    bracket [point c, point c + 1] (c read twice)."""
+    V = z.shape[0]
+
+    def step(_, b):
+        c = sum(dsl.where(dsl.sum(dsl.where(dsl.iota((V,), dtype="i32") <= b[0] + lax.div((b[1] - b[0]) * i, 16),
+                                            p, 0.0)) <= target, 1, 0) for i in range(1, 16))
+        return dsl.stack([b[0] + lax.div((b[1] - b[0]) * c, 16), b[0] + lax.div((b[1] - b[0]) * (c + 1), 16)])
+    return lax.fori_loop(0, 4, step, dsl.stack([dsl.full((), -1, "i32"), dsl.full((), V - 1, "i32")]))[1] + z[0] * 0
+
+
+def test_a_shared_count_of_sibling_reductions_is_one_pass_a_step():
+    """The count's expression is big (15 tests) and read twice: inlined into both readers after a cut
+    further down, each would repeat the 15 reductions.  The loop kernel makes one pass a step, and the
+    search finds the inverse CDF (the first id whose prefix sum exceeds the target)."""
+    from engine.pipeline import lower_program
+    V = 3000
+    z = np.zeros(V, np.int32)
+    p = (rng.random(V) + 0.5).astype(np.float32)
+    cdf = np.cumsum(p.astype(np.float64))
+    j = int(rng.integers(1, V))
+    target = np.float32((cdf[j - 1] + cdf[j]) / 2)              # far from every prefix sum: exact either way
+    plan = lower_program(dsl.jit(counted_search).lower(z, p, target))
+    (scan,) = [k for k in plan.kernels if k.family == "loop"]
+    passes = [s for s in L.walk_stmts(scan.body) if isinstance(s, L.Reduce)]
+    assert len(passes) == 1 and len(passes[0].accs) == 15, [len(r.accs) for r in passes]
+    got = int(np.asarray(dsl.jit(counted_search)(z, p, target)))
+    assert got == j
