@@ -141,9 +141,10 @@ def _quantized_gathers(g: Graph, act) -> set:
     materialized, one small kernel of T x D values, so that the matmul's row tiles read floats.
     Each element dequantized inside a tile's load took a scale and a byte apart; on gfx906 the
     first layer's QKV matmul of a 512-token prefill spilled (256 VGPRs and 96 bytes of scratch,
-    against 110 and none for the later layers).  A GEMV (decode) keeps its gather."""
-    from .schedule import MATMUL_ROWS
-    if act.ndim != 2 or act.shape[0] < MATMUL_ROWS:
+    against 110 and none for the later layers).  A GEMV (decode) keeps its gather, and so does
+    a matmul with ``VEGAFUSE_GATHER_KERNEL=0`` (A/B)."""
+    from .schedule import MATMUL_ROWS, plan_switches
+    if act.ndim != 2 or act.shape[0] < MATMUL_ROWS or not plan_switches()["gather_kernel"]:
         return set()
     out, seen, todo = set(), set(), [act]
     while todo:

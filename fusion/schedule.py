@@ -702,9 +702,12 @@ TILE_BYTES = 256 << 10      # a row tile's activation (f32) stays within this (L
 def plan_switches() -> dict:
     """The environment switches that change a plan (part of the plan cache's key):
     ``VEGAFUSE_MATMUL=0`` keeps every contraction in the GEMV form; ``VEGAFUSE_MERGE_REDUCE=0``
-    keeps sibling reductions in passes of their own (``codegen.simplify.merge_reductions``)."""
+    keeps sibling reductions in passes of their own (``codegen.simplify.merge_reductions``);
+    ``VEGAFUSE_GATHER_KERNEL=0`` keeps a quantized table's gather inside the matmul that reads it
+    (``fusion.partition._quantized_gathers``)."""
     return {"matmul": os.environ.get("VEGAFUSE_MATMUL", "1") != "0",
-            "merge_reduce": os.environ.get("VEGAFUSE_MERGE_REDUCE", "1") != "0"}
+            "merge_reduce": os.environ.get("VEGAFUSE_MERGE_REDUCE", "1") != "0",
+            "gather_kernel": os.environ.get("VEGAFUSE_GATHER_KERNEL", "1") != "0"}
 
 
 def row_tile(T: int, K: int) -> int:

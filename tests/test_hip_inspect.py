@@ -160,7 +160,7 @@ def test_every_quantized_gemv_of_the_native_decode_step_passes_the_gates():
     assert len(seen) >= 5
 
 
-def test_every_kernel_of_the_native_prefill_compiles_without_scratch():
+def test_every_kernel_of_the_native_prefill_compiles_without_scratch(monkeypatch):
     """SmolLM2's 512-token prefill from its Q4_1 GGUF (issue 10's gate): every distinct kernel
     compiles for gfx906 with no scratch, spills or generic loads.  The first layer's QKV matmul once
     dequantized the q8_0 embedding inside its row tiles and spilled (256 VGPRs, 96 bytes of scratch);
@@ -178,3 +178,6 @@ def test_every_kernel_of_the_native_prefill_compiles_without_scratch():
         assert "flat_load" not in it.isa(), it.kernel.name
     qkv = {it.code for it in seen.values() if "wq_wk_wv" in it.kernel.name}
     assert len(qkv) == 1, "layer 0's QKV matmul differs from the others'"
+    monkeypatch.setenv("VEGAFUSE_GATHER_KERNEL", "0")              # the A/B switch: the gather inside again
+    old = plan_of(None, 64, "native", tokens=64)
+    assert not any("take" in k.name for k in old.kernels) and len(old.kernels) == len(plan.kernels) - 1
