@@ -88,3 +88,48 @@ def test_a_shared_count_of_sibling_reductions_is_one_pass_a_step():
     assert len(passes) == 1 and len(passes[0].accs) == 15, [len(r.accs) for r in passes]
     got = int(np.asarray(dsl.jit(counted_search)(z, p, target)))
     assert got == j
+
+
+def row_statistics(x):
+    """A value per row of x (R, N), each from several reductions of its row."""
+    return dsl.sum(x, axis=-1) - dsl.max(x, axis=-1) * dsl.min(x, axis=-1) + dsl.argmax(x, axis=-1).astype("f32")
+
+
+def shared_count(x, n=24):
+    """A count per row of n sibling tests (each a reduction of the row), read twice."""
+    c = sum(dsl.where(dsl.sum(dsl.where(x > (i / n - 0.5), x, 0.0), axis=-1) > 0.0, 1, 0) for i in range(n))
+    c = c.astype("f32")
+    return c * c + c
+
+
+def test_a_vector_of_row_reductions_is_one_pass_a_row():
+    """A vector whose elements each combine reductions of a row (row statistics, a count of sibling
+    tests, materialized where it is computed since it is read twice) computes its reductions in one
+    kernel: each element a row whose reductions run before its store.  It took a kernel a reduction
+    (a count of 24 tests: 26 kernels)."""
+    from engine.pipeline import lower_program
+    R, N = int(rng.integers(2, 9)), int(rng.integers(200, 700))
+    x = rng.standard_normal((R, N)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64.sum(-1) - x64.max(-1) * x64.min(-1) + np.argmax(x64, -1)
+    n = 24
+    c = sum((np.where(x64 > i / n - 0.5, x64, 0).sum(-1) > 0).astype(np.float64) for i in range(n))
+    for f, ref, reductions in ((row_statistics, want, 4), (shared_count, c * c + c, n)):
+        plan = lower_program(dsl.jit(f).lower(x))
+        accs = [sum(len(s.accs) for s in L.walk_stmts(k.body) if isinstance(s, L.Reduce)) for k in plan.kernels]
+        assert reductions in accs and sum(accs) == reductions and len(accs) <= 2, (f.__name__, accs)
+        np.testing.assert_allclose(np.asarray(dsl.jit(f)(x), np.float64), ref, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+def test_a_vector_of_row_reductions_on_the_gpu_kernel_text(target, tmp_path):
+    """The same kernel as the GPU runs it (a workgroup a row, its reductions block-wide), rows
+    shorter and longer than the workgroup."""
+    from codegen.targets import get_target
+    for N in (int(rng.integers(2, 60)), int(rng.integers(1100, 3000))):
+        x = rng.standard_normal((int(rng.integers(2, 6)), N)).astype(np.float32)
+        x64 = x.astype(np.float64)
+        (got,) = emulate_plan(row_statistics, (x,), get_target(target), str(tmp_path))
+        want = x64.sum(-1) - x64.max(-1) * x64.min(-1) + np.argmax(x64, -1)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-3)
