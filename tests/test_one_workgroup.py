@@ -59,6 +59,26 @@ def test_the_workgroup_size_switch_is_checked(monkeypatch):
         one_workgroup_block(get_target("sm_90"))
 
 
+def test_the_workgroup_size_switch_is_checked_against_an_emulated_wave(monkeypatch, tmp_path):
+    """gfx906's kernel text on an NVIDIA GPU (target ``sm_90_wave64``) holds at most 15 emulated waves
+    a workgroup: 1024 threads are refused naming the switch (it was refused later, naming the
+    target's block), 960 render and run."""
+    from codegen.hip import render_hip
+    from codegen.targets import get_target
+    from engine.pipeline import lower_program
+    x = rng.integers(-9, 9, int(rng.integers(2000, 5000))).astype(np.int32)
+    w = rng.standard_normal(x.size).astype(np.float32)
+    plan = lower_program(dsl.jit(int_reductions).lower(x, w))
+    monkeypatch.setenv("VEGAFUSE_ONE_WORKGROUP_BLOCK", "1024")
+    with pytest.raises(ValueError, match=r"VEGAFUSE_ONE_WORKGROUP_BLOCK=1024 .* between it and 960"):
+        render_hip(plan.kernels[0], get_target("sm_90_wave64"))
+    monkeypatch.setenv("VEGAFUSE_ONE_WORKGROUP_BLOCK", "960")
+    assert render_hip(plan.kernels[0], get_target("sm_90_wave64")).block[0] == 960
+    if GXX:
+        (got,) = emulate_plan(int_reductions, (x, w), get_target("gfx906"), str(tmp_path))
+        np.testing.assert_array_equal(np.asarray(got).astype(np.int64), reference(x, w))
+
+
 def counted_search(z, p, target):
     """A search as stdlib/sampling.py runs one: each step 15 sibling reductions whose count c picks the
     bracket [point c, point c + 1] (c read twice)."""
