@@ -96,7 +96,7 @@ def settings_error(temperature: float, top_p: float, min_p: float, repeat_penalt
     if not 0 <= min_p <= 1:
         return f"--min-p must lie in [0, 1], got {min_p}"
     if not 0 < repeat_penalty < float("inf"):
-        return f"--repeat-penalty must be > 0 (1.0 is off), got {repeat_penalty}"
+        return f"--repeat-penalty must be a finite number > 0 (1.0 is off), got {repeat_penalty}"
     return None
 
 

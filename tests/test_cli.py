@@ -184,6 +184,7 @@ def test_version():
     (["--max-tokens", "x"], "--max-tokens"),
     (["--min-p", "1.5", "hi"], "--min-p"),
     (["--repeat-penalty", "0", "hi"], "--repeat-penalty"),
+    (["--repeat-penalty", "inf", "hi"], "--repeat-penalty must be a finite number > 0 (1.0 is off), got inf"),
     (["--stop", "", "hi"], "--stop"),
     (["-p", "one", "two"], "prompt once"),
     (["-n", "-2", "hi"], "--max-tokens"),
