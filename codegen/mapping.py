@@ -62,11 +62,14 @@ def _lds_bytes(body):
 
 def one_workgroup_block(t) -> int:
     """Threads of a kernel that runs on one workgroup: ``t.one_workgroup_block`` (``t.block`` where
-    unset); ``VEGAFUSE_ONE_WORKGROUP_BLOCK=N`` sets it (A/B; N a multiple of the wave, at most 1024)."""
+    unset); ``VEGAFUSE_ONE_WORKGROUP_BLOCK=N`` sets it (A/B; N a multiple of the wave, at most 1024,
+    or 15 waves where the wave is emulated)."""
     n = env_int("VEGAFUSE_ONE_WORKGROUP_BLOCK", t.one_workgroup_block or t.block)
-    if n % t.wave or not t.wave <= n <= 1024:
+    most = 15 * t.wave if t.emulated_wave else 1024     # an emulated wave: at most 15 a workgroup (codegen/prelude.py)
+    if n % t.wave or not t.wave <= n <= most:
+        emulated = " (gfx906's text on an NVIDIA GPU: at most 15 waves)" if t.emulated_wave else ""
         raise ValueError(f"VEGAFUSE_ONE_WORKGROUP_BLOCK={n} is not a multiple of the wave ({t.wave}) "
-                         "between it and 1024; set one (e.g. 256) or unset it")
+                         f"between it and {most}{emulated}; set one (e.g. 256) or unset it")
     return n
 
 

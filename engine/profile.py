@@ -374,6 +374,9 @@ def kernel_times(jitted, *args, steps=30, warmup=10) -> dict:
     µs)] in launch order, "plan_us": the plan's median µs}.  Raises ModelError on a backend without
     compiled kernels."""
     from .errors import ModelError
+    if not (isinstance(steps, int) and steps >= 1 and isinstance(warmup, int) and warmup >= 0):
+        raise ValueError(f"kernel_times needs steps >= 1 and warmup >= 0 (whole numbers), got steps={steps!r}, "
+                         f"warmup={warmup!r}")
     jitted(*args)
     ex = jitted.compile(*args)
     dev = ex.device

@@ -89,14 +89,14 @@ def sample(logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: 
 def settings_error(temperature: float, top_p: float, min_p: float, repeat_penalty: float) -> str | None:
     """The command line's sampling options checked: one line naming the first bad option and the
     range it takes, or None.  NaN fails every check."""
-    if not temperature >= 0:
-        return f"--temperature must be >= 0 (0 is greedy), got {temperature}"
+    if not 0 <= temperature < float("inf"):
+        return f"--temperature must be a finite number >= 0 (0 is greedy), got {temperature}"
     if not 0 < top_p <= 1:
         return f"--top-p must lie in (0, 1] (1.0 keeps every id), got {top_p}"
     if not 0 <= min_p <= 1:
         return f"--min-p must lie in [0, 1], got {min_p}"
     if not 0 < repeat_penalty < float("inf"):
-        return f"--repeat-penalty must be > 0 (1.0 is off), got {repeat_penalty}"
+        return f"--repeat-penalty must be a finite number > 0 (1.0 is off), got {repeat_penalty}"
     return None
 
 

@@ -19,12 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dsl  # noqa: E402
 import stdlib.sampling as sampling  # noqa: E402
+from engine.errors import run_cli  # noqa: E402
 from engine.profile import kernel_times  # noqa: E402
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip"])
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--ways", type=int, default=sampling.WAYS, help="parts a search step cuts its bracket into")
@@ -32,6 +33,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.ways < 2 or a.ways & (a.ways - 1):
         ap.error(f"--ways {a.ways}: use a power of two, at least 2")
+    if a.vocab < 1 or a.steps < 1:
+        ap.error(f"--vocab and --steps must be >= 1, got --vocab {a.vocab} --steps {a.steps}")
+    return run_cli(run, a)
+
+
+def run(a):
     sampling.WAYS = a.ways
     os.environ["VEGAFUSE_PROGRAM_CACHE"] = "0"        # --ways changes a constant the cache's key cannot see
     rng = np.random.default_rng(0)
@@ -46,4 +53,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

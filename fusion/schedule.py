@@ -272,7 +272,20 @@ def loop_kernel(lw, name, shape, store_fn, family="elementwise"):
             return L.Kernel(name, family, params, body, _op_list(flat), 0)
     if shape:
         j = fresh("j")
-        stores, writes = store_fn(b, b.row_idx + (L.Sym(j, "i32"),))
+        try:
+            stores, writes = store_fn(b, b.row_idx + (L.Sym(j, "i32"),))
+        except Unfusable:
+            # reductions read at every index of the value (a vector of sums or maxes over its rows, a
+            # count of sibling tests): each element is a row, its reductions one pass before its store
+            b = Builder(lw, tuple(L.Sym(fresh("i"), "i32") for _ in shape))
+            try:
+                stores, writes = store_fn(b, b.row_idx)
+            except Unfusable:
+                stores = None
+            if stores is None:
+                raise
+            body = section(", ".join(writes), b.ops) + _nest([s.name for s in b.row_idx], shape, tuple(b.row_stmts) + tuple(stores))
+            return L.Kernel(name, family, _params(lw, b, writes), body, _op_list(b), 0)
         # the row's elements are independent (only the outermost parallel loop is split on the CPU)
         inner = (L.Loop(j, L.c(0), L.c(shape[-1]), tuple(stores), parallel=True),)
     else:

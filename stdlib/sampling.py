@@ -85,7 +85,8 @@ def sample(logits, u, settings, top_k=0):
     nucleus = top_p * dsl.sum(p)
     mass = lambda t: dsl.sum(dsl.where(z >= t, p, 0.0)) >= nucleus     # noqa: E731
     keep = keep & ((top_p >= 1.0) | (z >= _largest_threshold(EXP_FLOOR, 1.0, mass)))
-    keep = keep & (z >= dsl.log(min_p) / temperature)                    # logit >= max + ln(min_p)
+    # logit >= max + ln(min_p); min_p 0 keeps every id (at an infinite temperature ln(0) / T is NaN)
+    keep = keep & ((min_p <= 0.0) | (z >= dsl.log(min_p) / temperature))
     p = dsl.where(keep, p, 0.0)                                          # (V,)
     target = dsl.where(dsl.abs(m) < float("inf"), u, 0.0) * dsl.sum(p)  # no finite max: the first id of it
 

@@ -184,19 +184,21 @@ def test_version():
     (["--max-tokens", "x"], "--max-tokens"),
     (["--min-p", "1.5", "hi"], "--min-p"),
     (["--repeat-penalty", "0", "hi"], "--repeat-penalty"),
+    (["--repeat-penalty", "inf", "hi"], "--repeat-penalty must be a finite number > 0 (1.0 is off), got inf"),
     (["--stop", "", "hi"], "--stop"),
     (["-p", "one", "two"], "prompt once"),
     (["-n", "-2", "hi"], "--max-tokens"),
     (["--top-p", "2", "hi"], "--top-p must lie in (0, 1]"),
-    (["--temperature", "-1", "hi"], "--temperature must be >= 0"),
-    (["--temperature", "nan", "hi"], "--temperature must be >= 0"),
+    (["--temperature", "-1", "hi"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "inf", "hi"], "--temperature must be a finite number >= 0 (0 is greedy), got inf"),
+    (["--temperature", "nan", "hi"], "--temperature must be a finite number >= 0"),
 ])
 def test_bad_options_are_one_error_line(args, needle):
     assert_one_line_error(cli(*args), needle)
 
 
 @pytest.mark.parametrize("args,needle", [(["--top-p", "0"], "--top-p must lie in (0, 1] (1.0 keeps every id), got 0.0"),
-                                         (["--temp", "-0.5"], "--temperature must be >= 0 (0 is greedy), got -0.5")])
+                                         (["--temp", "-0.5"], "--temperature must be a finite number >= 0 (0 is greedy), got -0.5")])
 def test_the_chat_names_the_bad_sampling_option(args, needle):
     """engine.chat checks its sampling options as engine.generate does (engine.sampling.settings_error):
     the line names the option, not both."""

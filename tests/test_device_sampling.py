@@ -191,3 +191,22 @@ def test_small_rows_draw_the_inverse_cdf(V):
     """The id search's step count (each step keeps a quarter of the bracket, rounded up) reaches
     one id at every row length, the smallest included."""
     check_draws(dict(temperature=1.0), V=V, n=24)
+
+
+def test_an_infinite_temperature_draws_uniformly_as_the_host_does():
+    """At temperature inf every id is equally likely (the host's z is 0 for every id): the draw for
+    u is id floor(u * V), min-p off or on.  With min-p 0 the cut ln(0) / inf was NaN, which kept no
+    id, and every draw was the last id."""
+    rng = np.random.default_rng()
+    V = int(rng.integers(200, 700))
+    logits = (rng.standard_normal(V) * 3).astype(np.float32)
+    f = dsl.jit(lambda lg, u, s: draw(lg, u, s, 0), backend="cpu")
+    host_rng = np.random.default_rng()
+    from engine.sampling import sample as host
+    host_ids = [host(logits, float("inf"), 0, 1.0, rng=host_rng) for _ in range(400)]
+    assert len(set(host_ids)) > V // 4                      # the host draws all over the vocabulary
+    us = [u for u in rng.random(20) if abs(u * V - round(u * V)) > 1e-3][:6]
+    for min_p in (0.0, 0.3):
+        settings = np.array([np.inf, 1.0, min_p], np.float32)
+        got = [int(np.asarray(f(logits, np.float32(u), settings))) for u in us]
+        assert got == [int(np.float32(u) * np.float64(V)) for u in us], (min_p, got)

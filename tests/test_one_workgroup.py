@@ -59,6 +59,26 @@ def test_the_workgroup_size_switch_is_checked(monkeypatch):
         one_workgroup_block(get_target("sm_90"))
 
 
+def test_the_workgroup_size_switch_is_checked_against_an_emulated_wave(monkeypatch, tmp_path):
+    """gfx906's kernel text on an NVIDIA GPU (target ``sm_90_wave64``) holds at most 15 emulated waves
+    a workgroup: 1024 threads are refused naming the switch (it was refused later, naming the
+    target's block), 960 render and run."""
+    from codegen.hip import render_hip
+    from codegen.targets import get_target
+    from engine.pipeline import lower_program
+    x = rng.integers(-9, 9, int(rng.integers(2000, 5000))).astype(np.int32)
+    w = rng.standard_normal(x.size).astype(np.float32)
+    plan = lower_program(dsl.jit(int_reductions).lower(x, w))
+    monkeypatch.setenv("VEGAFUSE_ONE_WORKGROUP_BLOCK", "1024")
+    with pytest.raises(ValueError, match=r"VEGAFUSE_ONE_WORKGROUP_BLOCK=1024 .* between it and 960"):
+        render_hip(plan.kernels[0], get_target("sm_90_wave64"))
+    monkeypatch.setenv("VEGAFUSE_ONE_WORKGROUP_BLOCK", "960")
+    assert render_hip(plan.kernels[0], get_target("sm_90_wave64")).block[0] == 960
+    if GXX:
+        (got,) = emulate_plan(int_reductions, (x, w), get_target("gfx906"), str(tmp_path))
+        np.testing.assert_array_equal(np.asarray(got).astype(np.int64), reference(x, w))
+
+
 def counted_search(z, p, target):
     """A search as stdlib/sampling.py runs one: each step 15 sibling reductions whose count c picks the
     bracket [point c, point c + 1] (c read twice)."""
@@ -88,3 +108,48 @@ def test_a_shared_count_of_sibling_reductions_is_one_pass_a_step():
     assert len(passes) == 1 and len(passes[0].accs) == 15, [len(r.accs) for r in passes]
     got = int(np.asarray(dsl.jit(counted_search)(z, p, target)))
     assert got == j
+
+
+def row_statistics(x):
+    """A value per row of x (R, N), each from several reductions of its row."""
+    return dsl.sum(x, axis=-1) - dsl.max(x, axis=-1) * dsl.min(x, axis=-1) + dsl.argmax(x, axis=-1).astype("f32")
+
+
+def shared_count(x, n=24):
+    """A count per row of n sibling tests (each a reduction of the row), read twice."""
+    c = sum(dsl.where(dsl.sum(dsl.where(x > (i / n - 0.5), x, 0.0), axis=-1) > 0.0, 1, 0) for i in range(n))
+    c = c.astype("f32")
+    return c * c + c
+
+
+def test_a_vector_of_row_reductions_is_one_pass_a_row():
+    """A vector whose elements each combine reductions of a row (row statistics, a count of sibling
+    tests, materialized where it is computed since it is read twice) computes its reductions in one
+    kernel: each element a row whose reductions run before its store.  It took a kernel a reduction
+    (a count of 24 tests: 26 kernels)."""
+    from engine.pipeline import lower_program
+    R, N = int(rng.integers(2, 9)), int(rng.integers(200, 700))
+    x = rng.standard_normal((R, N)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = x64.sum(-1) - x64.max(-1) * x64.min(-1) + np.argmax(x64, -1)
+    n = 24
+    c = sum((np.where(x64 > i / n - 0.5, x64, 0).sum(-1) > 0).astype(np.float64) for i in range(n))
+    for f, ref, reductions in ((row_statistics, want, 4), (shared_count, c * c + c, n)):
+        plan = lower_program(dsl.jit(f).lower(x))
+        accs = [sum(len(s.accs) for s in L.walk_stmts(k.body) if isinstance(s, L.Reduce)) for k in plan.kernels]
+        assert reductions in accs and sum(accs) == reductions and len(accs) <= 2, (f.__name__, accs)
+        np.testing.assert_allclose(np.asarray(dsl.jit(f)(x), np.float64), ref, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+def test_a_vector_of_row_reductions_on_the_gpu_kernel_text(target, tmp_path):
+    """The same kernel as the GPU runs it (a workgroup a row, its reductions block-wide), rows
+    shorter and longer than the workgroup."""
+    from codegen.targets import get_target
+    for N in (int(rng.integers(2, 60)), int(rng.integers(1100, 3000))):
+        x = rng.standard_normal((int(rng.integers(2, 6)), N)).astype(np.float32)
+        x64 = x.astype(np.float64)
+        (got,) = emulate_plan(row_statistics, (x,), get_target(target), str(tmp_path))
+        want = x64.sum(-1) - x64.max(-1) * x64.min(-1) + np.argmax(x64, -1)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-3)

@@ -284,3 +284,22 @@ def test_kernel_times_times_each_kernel_of_a_jitted_function():
                         "--steps", "3", "--top-k", "20"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "cpu: 3000 ids, top-k 20, 4 parts a search step: 9 kernels" in r.stdout and "scan_3" in r.stdout, r.stdout
+
+
+def test_kernel_times_and_bench_sampler_name_bad_input():
+    """``kernel_times`` with no timed step, and examples/bench_sampler.py with an empty vocabulary,
+    no step or a backend that cannot run here: one line naming the problem, no traceback."""
+    import subprocess
+    import sys
+
+    import dsl
+    from engine.profile import kernel_times
+    x = rng.standard_normal(300).astype(np.float32)
+    with pytest.raises(ValueError, match="kernel_times needs steps >= 1 and warmup >= 0"):
+        kernel_times(dsl.jit(lambda x: dsl.exp(x), backend="cpu"), x, steps=0)
+    script = os.path.join(ROOT, "examples", "bench_sampler.py")
+    for args, needle in ((["--vocab", "0"], "--vocab and --steps must be >= 1"),
+                         (["--vocab", "300", "--steps", "0"], "--vocab and --steps must be >= 1"),
+                         (["--backend", "rocm"], "invalid choice: 'rocm'")):
+        r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr.splitlines()[-1], r.stderr
