@@ -274,16 +274,14 @@ def loop_kernel(lw, name, shape, store_fn, family="elementwise"):
         j = fresh("j")
         try:
             stores, writes = store_fn(b, b.row_idx + (L.Sym(j, "i32"),))
-        except Unfusable:
+        except Unfusable as first:
             # reductions read at every index of the value (a vector of sums or maxes over its rows, a
             # count of sibling tests): each element is a row, its reductions one pass before its store
             b = Builder(lw, tuple(L.Sym(fresh("i"), "i32") for _ in shape))
             try:
                 stores, writes = store_fn(b, b.row_idx)
             except Unfusable:
-                stores = None
-            if stores is None:
-                raise
+                raise first from None             # the value the first try named is materialized
             body = section(", ".join(writes), b.ops) + _nest([s.name for s in b.row_idx], shape, tuple(b.row_stmts) + tuple(stores))
             return L.Kernel(name, family, _params(lw, b, writes), body, _op_list(b), 0)
         # the row's elements are independent (only the outermost parallel loop is split on the CPU)
