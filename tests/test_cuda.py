@@ -814,3 +814,20 @@ def test_smollm2_decode_ids_closed_late_and_the_chat_on_the_device():
     old.close()
     assert m.pos == 3
     check_chat_on_device(smollm2, "cuda")
+
+
+def test_integer_reductions_and_a_counted_search_on_one_workgroup():
+    """i32 sum, max and argmax block-wide on one workgroup (``vf_block_sum_i`` and its kin, the
+    target's ``one_workgroup_block`` threads), and a loop kernel whose steps count sibling tests
+    (``stdlib/sampling.py``'s search shape), against the float64 interpreter (tests/test_one_workgroup.py
+    runs the same on the CPU and the emulated kernel text)."""
+    from tests.test_one_workgroup import counted_search, int_reductions
+    n = int(rng.integers(3000, 9000))
+    check(int_reductions, rng.integers(-50, 50, n).astype(np.int32), randn(n))
+    V = 3000
+    p = (rng.random(V) + 0.5).astype(np.float32)
+    cdf = np.cumsum(p.astype(np.float64))
+    j = int(rng.integers(1, V))
+    target = np.float32((cdf[j - 1] + cdf[j]) / 2)
+    check(counted_search, p, target)
+    assert int(np.asarray(dsl.jit(counted_search, backend="cuda")(p, target))) == j
