@@ -37,9 +37,26 @@ def dtype_of(x) -> str:
     "q4_1", "q8_0", "gptq_int4"); raises DSLError for unsupported dtypes.  A bfloat16 array
     (``ml_dtypes.bfloat16``) is a storage dtype: it is traced as f32 and converted on load; float64
     and int64 arrays are traced as f32 and i32 (JAX's default without x64)."""
-    if getattr(x, "dtype", x) in QUANT_DTYPES:
-        return getattr(x, "dtype", x)
-    dt = np.dtype(getattr(x, "dtype", x))
+    d = getattr(x, "dtype", x)
+    try:
+        return _DTYPE_NAMES[d]                 # a dtype met before (every call of a jitted function
+    except (KeyError, TypeError):              # looks up each leaf's: hundreds of weights)
+        pass
+    name = _dtype_name(d)
+    try:
+        _DTYPE_NAMES[d] = name
+    except TypeError:
+        pass
+    return name
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(d) -> str:
+    if d in QUANT_DTYPES:
+        return d
+    dt = np.dtype(d)
     if dt.name == "bfloat16":
         return "f32"
     if dt in (np.float64, np.int64):          # as JAX without x64: float32 and int32, converted on load

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import array as _array  # noqa: F401  (registers the primitives)
 from .array import Tracer
-from .core import _TRACES, DSLError, Program, Var, check_shape, dtype_of, trace_call
+from .core import _TRACES, MAX_ELEMENTS, DSLError, Program, Var, check_shape, dtype_of, trace_call
 from .pytree import flatten, tree_flatten_with_path, unflatten
 
 BACKENDS = ("cpu", "reference", "cuda", "hip")
@@ -44,6 +44,8 @@ def _aval(x):
         return (), "i32"
     if isinstance(x, (float, np.floating)) and not isinstance(x, np.ndarray):
         return (), "f32"
+    if type(x) is np.ndarray and 0 < x.size <= MAX_ELEMENTS:     # the common case: a plain array
+        return x.shape, dtype_of(x)
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         shape = tuple(int(d) for d in x.shape)
         check_shape(shape, "argument")

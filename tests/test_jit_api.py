@@ -224,3 +224,18 @@ def test_float64_and_int64_arguments_are_traced_as_float32_and_int32():
     np.testing.assert_array_equal(m, n + 1)
     with pytest.raises(ValueError, match="beyond int32"):
         f(x, np.array([0, 2 ** 40, 0, 0, 0]))
+
+
+def test_argument_dtypes_and_shapes_are_checked_on_every_call():
+    """The call's signature looks each leaf's dtype up in a table kept across calls and takes a numpy
+    array's shape as it is: the checks still hold on every call, after a valid call of the same
+    dtype (a zero-size array, an unsupported dtype), and float64 still traces as f32."""
+    f = dsl.jit(lambda x: x * 2.0)
+    x = np.random.default_rng().standard_normal(5)
+    for _ in range(2):
+        np.testing.assert_allclose(np.asarray(f(x)), (x * 2).astype(np.float32), rtol=1e-6)
+        assert f.lower(x).program.inputs[0].dtype == "f32"
+        with pytest.raises(DSLError, match="zero-size"):
+            f(np.zeros((0, 3)))
+        with pytest.raises(DSLError, match="unsupported dtype complex128"):
+            f(x.astype(np.complex128))
