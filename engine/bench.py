@@ -538,7 +538,7 @@ def parse_args(argv=None):
     p.add_argument("--stream", action="store_true",
                    help="time engine.generate's streaming, greedy and sampled, against the device loop (cuda)")
     p.add_argument("--prefill", type=int, metavar="N", help="time the prefill of an N-token prompt instead of decode")
-    p.add_argument("--repeat", type=int, default=5, help="prefill runs to take the median of (default 5)")
+    p.add_argument("--repeat", type=int, default=5, help="prefill runs to take the median of, or with --ab the decodes on each side (default 5)")
     args = p.parse_args(argv)
     args.tokens = args.tokens if args.tokens is not None else (128 if args.backend == "cuda" else 64)
     if args.tokens < 1 or args.reference_tokens < 1:

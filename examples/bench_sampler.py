@@ -5,7 +5,7 @@ around each launch on a GPU, the host's clock around each native call on the CPU
 a decode step runs it (a GPU's graph).  ``--ways`` sets the parts a search pass cuts its bracket
 into (``stdlib.sampling.WAYS``, for A/B: 64 is the default; each pass tests WAYS - 1 points at once).
 
-    python3 examples/bench_sampler.py [--backend cuda] [--vocab 49152] [--top-k 40] [--ways 64]
+    python3 examples/bench_sampler.py [--backend cuda] [--vocab 49152] [--top-k 40] [--ways 64] [--steps 30]
 
 (SmolLM2's vocabulary by default; temperature 0.8, top-p 0.95, no min-p.)
 """
@@ -48,8 +48,9 @@ def run(a):
     t = kernel_times(draw, logits, np.float32(0.37), settings, steps=a.steps)
     print(f"{a.backend}: {a.vocab} ids, top-k {a.top_k}, {a.ways} parts a search pass: "
           f"{len(t['kernels'])} kernels, {sum(us for _, us in t['kernels']):.1f} µs alone, the plan {t['plan_us']:.1f} µs")
+    width = max(len(name) for name, _ in t["kernels"])
     for name, us in t["kernels"]:
-        print(f"  {name:<36} {us:9.2f} µs")
+        print(f"  {name:<{width}} {us:9.2f} µs")
 
 
 if __name__ == "__main__":
