@@ -4,9 +4,9 @@
 min-p; no repeat penalty) without sorting the vocabulary.  Each cut is a threshold found by a
 search whose pass cuts its bracket into ``WAYS`` parts and tests the ``WAYS - 1`` inner points at
 once: one reduction over a [WAYS - 1, V] grid, a workgroup per point on a GPU, so a pass is two
-short kernels over the whole device.  The draw itself is an inverse CDF over ids: the count of
-ids whose prefix sum of kept probability is at most the uniform number times their total
-(``dsl.cumsum``: block sums, no sequential loop).
+short kernels over the whole device.  The draw itself is the same search over ids, for the inverse
+CDF of one uniform number: the first id whose prefix sum of kept probability exceeds the number
+times their total.
 """
 from __future__ import annotations
 
