@@ -43,7 +43,8 @@ def _largest_threshold(lo, hi, holds):
     def point(a, b, i):
         return a + (b - a) * (i.astype("f32") * (1.0 / WAYS))
     passes = -(-THRESHOLD_BITS // (WAYS.bit_length() - 1))
-    return _search(dsl.full((), lo, "f32"), dsl.full((), hi, "f32"), holds, point, passes)[0]
+    # stored: the cut's readers are elementwise over the row (else one workgroup would recount it)
+    return lax.optimization_barrier(_search(dsl.full((), lo, "f32"), dsl.full((), hi, "f32"), holds, point, passes)[0])
 
 
 def _id_passes(n: int) -> int:
@@ -71,7 +72,8 @@ def sample(logits, u, settings, top_k=0):
     z >= the k-th largest z (ties at the k-th value all kept); top-p keeps z >= the largest t whose
     set {z >= t} holds at least top_p of the top-k set's probability (the nucleus; Holtzman et al.,
     arXiv:1904.09751); min-p keeps logits >= max + ln(min_p) (llama.cpp's ``min_p``).  The draw is
-    the smallest id j whose prefix sum of kept probabilities exceeds u times their total.  A
+    the smallest id j whose prefix sum of kept probabilities exceeds u times their total, and never
+    past the last kept id (u near 1 can round the target up to the total).  A
     threshold is searched in [-104, 1] (below -104, exp(z) is 0 in f32: such ids are never drawn)
     to within 105 / 2^24, about 6e-6 in z: ids closer than that to a cut may fall on either side.
     Where it differs from ``engine.sampling.sample`` by design: ids tied at a top-k or top-p cut
@@ -94,8 +96,12 @@ def sample(logits, u, settings, top_k=0):
     # logit >= max + ln(min_p); min_p 0 keeps every id (at an infinite temperature ln(0) / T is NaN)
     keep = keep & ((min_p <= 0.0) | (z >= dsl.log(min_p) / temperature))
     p = lax.optimization_barrier(dsl.where(keep, p, 0.0))                # (V,)
-    # no finite max: the first id of it
-    target = lax.optimization_barrier(dsl.where(dsl.abs(m) < float("inf"), u, 0.0) * dsl.sum(p))
+    # no finite max: the first id of it.  A target that rounds to the total or above (u just below 1)
+    # would pass every id after the last kept one: the draw stops at the last kept id (one kernel stores
+    # both, the id as f32: exact below 2^24 ids)
+    last = dsl.max(dsl.where(p > 0.0, dsl.iota((V,), dtype="i32"), 0)).astype("f32")
+    ends = lax.optimization_barrier(dsl.stack([dsl.where(dsl.abs(m) < float("inf"), u, 0.0) * dsl.sum(p), last]))
+    target, last = ends[0], ends[1].astype("i32")
 
     def id_point(a, b, i):                    # exact in i32 (b >= a, i >= 0: C's division floors): point WAYS is b
         return a + lax.div((b - a) * i, WAYS)
@@ -103,4 +109,4 @@ def sample(logits, u, settings, top_k=0):
     def prefix_within(j):                     # j: (n, 1); the kept probability of ids 0..j is at most the target
         return dsl.sum(dsl.where(dsl.iota((V,), dtype="i32") <= j, p, 0.0), axis=1) <= target
     lo, hi = _search(dsl.full((), -1, "i32"), dsl.full((), V - 1, "i32"), prefix_within, id_point, _id_passes(V))
-    return hi                                 # the first id whose prefix exceeds the target
+    return dsl.minimum(hi, last)              # the first id whose prefix exceeds the target

@@ -211,3 +211,43 @@ def test_an_infinite_temperature_draws_uniformly_as_the_host_does():
         settings = np.array([np.inf, 1.0, min_p], np.float32)
         got = [int(np.asarray(f(logits, np.float32(u), settings))) for u in us]
         assert got == [int(np.float32(u) * np.float64(V)) for u in us], (min_p, got)
+
+
+def tail_cases(rng):
+    """Rows whose last ids are never drawn (masked, NaN, or cut by top-k, top-p or min-p), with the
+    settings that cut them: (logits, kw)."""
+    V = int(rng.integers(40, 300))
+    x = (rng.standard_normal(V) * 2).astype(np.float32)
+    masked, nan = x.copy(), x.copy()
+    masked[-5:], nan[-3:] = -np.inf, np.nan
+    return [(masked, dict(temperature=1.0)), (nan, dict(temperature=0.9)), (x, dict(temperature=1.0, top_k=7)),
+            (x, dict(temperature=0.8, top_p=0.5)), (x, dict(temperature=1.2, min_p=0.3))]
+
+
+def test_u_just_below_one_draws_the_last_kept_id():
+    """u = 1 - 2^-24 (a uniform f32 the generator can give): u times the total may round to the total,
+    where every prefix after the last kept id is within the target; the draw is the last id the
+    reference keeps, never a masked id after it (it was id V - 1)."""
+    rng = np.random.default_rng()
+    u = np.nextafter(np.float32(1), np.float32(0))
+    for logits, kw in tail_cases(rng):
+        kw = dict(dict(top_k=0, top_p=1.0, min_p=0.0), **kw)
+        q = reference_probs(np.where(np.isnan(logits), -np.inf, logits), **kw)     # NaN counts as -inf
+        f = dsl.jit(lambda lg, u, s: draw(lg, u, s, kw["top_k"]), backend="cpu")
+        got = int(np.asarray(f(logits, u, np.array([kw["temperature"], kw["top_p"], kw["min_p"]], np.float32))))
+        assert got == int(np.flatnonzero(q > 0)[-1]), (kw, got, np.flatnonzero(q > 0)[-3:])
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+def test_the_gpu_kernel_text_draws_the_last_kept_id_at_u_just_below_one(tmp_path):
+    """The same on the sampler's GPU kernel text (sm_90, CPU emulation), a trailing -inf and a top-k cut."""
+    from codegen.targets import get_target
+    rng = np.random.default_rng()
+    u = np.nextafter(np.float32(1), np.float32(0))
+    for logits, kw in [c for i, c in enumerate(tail_cases(rng)) if i in (0, 2)]:
+        kw = dict(dict(top_k=0, top_p=1.0, min_p=0.0), **kw)
+        q = reference_probs(logits, **kw)
+        settings = np.array([kw["temperature"], kw["top_p"], kw["min_p"]], np.float32)
+        (got,) = emulate_plan(lambda lg, u, s: draw(lg, u, s, kw["top_k"]), (logits, u, settings),
+                              get_target("sm_90"), str(tmp_path))
+        assert int(got[0]) == int(np.flatnonzero(q > 0)[-1]), (kw, int(got[0]))

@@ -283,7 +283,7 @@ def test_kernel_times_times_each_kernel_of_a_jitted_function():
     r = subprocess.run([sys.executable, os.path.join(root, "examples", "bench_sampler.py"), "--vocab", "3000",
                         "--steps", "3", "--top-k", "20"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert "cpu: 3000 ids, top-k 20, 64 parts a search pass: 24 kernels" in r.stdout, r.stdout
+    assert "cpu: 3000 ids, top-k 20, 64 parts a search pass: 26 kernels" in r.stdout, r.stdout
     assert "add_sub_mul_idiv_le_where_sum_2" in r.stdout, r.stdout             # the draw's second pass over ids
 
 
