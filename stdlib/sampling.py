@@ -108,5 +108,5 @@ def sample(logits, u, settings, top_k=0):
 
     def prefix_within(j):                     # j: (n, 1); the kept probability of ids 0..j is at most the target
         return dsl.sum(dsl.where(dsl.iota((V,), dtype="i32") <= j, p, 0.0), axis=1) <= target
-    lo, hi = _search(dsl.full((), -1, "i32"), dsl.full((), V - 1, "i32"), prefix_within, id_point, _id_passes(V))
+    hi = _search(dsl.full((), -1, "i32"), dsl.full((), V - 1, "i32"), prefix_within, id_point, _id_passes(V))[1]
     return dsl.minimum(hi, last)              # the first id whose prefix exceeds the target

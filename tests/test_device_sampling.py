@@ -113,7 +113,8 @@ def emulate_plan(f, args, target, tmp):
 @pytest.mark.parametrize("target", ["sm_90", "gfx906"])
 def test_the_gpu_kernel_text_draws_the_reference_inverse_cdf(target, tmp_path_factory):
     """The sampler's kernels as the GPU runs them (wave 32 on sm_90, 64 on gfx906: block reductions,
-    the bisection loops on one workgroup), on top-k + top-p + min-p, id for id against the reference."""
+    the search passes over [63, V] grids and the one-workgroup counts), on top-k + top-p + min-p,
+    id for id against the reference."""
     from codegen.targets import get_target
     rng = np.random.default_rng()
     V = int(rng.integers(300, 900))
@@ -187,9 +188,9 @@ def test_decode_ids_sampled_draws_each_step_from_the_reference_distribution(smol
     assert checked >= 8
 
 
-@pytest.mark.parametrize("V", [1, 2, 3, 5, 17, 64, 65])
+@pytest.mark.parametrize("V", [1, 2, 3, 5, 17, 64, 65, 4097])
 def test_small_rows_draw_the_inverse_cdf(V):
-    """The id search's step count (each step keeps a quarter of the bracket, rounded up) reaches
+    """The id search's pass count (each pass keeps 1 / WAYS of the bracket, rounded up) reaches
     one id at every row length, the smallest included."""
     check_draws(dict(temperature=1.0), V=V, n=24)
 
