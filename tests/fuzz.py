@@ -594,7 +594,7 @@ class Writer:
         if grid:                # unrolled passes, each one reduction over a [ways - 1, n] grid: points x values
             inner, _ = self.emit(f"dsl.iota(({ways - 1}, 1), dtype='i32') + 1")
             bn, _ = self.emit(init)
-            for _ in range(steps):
+            for _ in range(max(steps, 1)):      # a one-id row still runs a pass: the grid is the family's point
                 test = grid_holds.format(s=point(inner))
                 c, _ = self.emit(f"(lambda b: dsl.sum(dsl.where({test}, 1, 0)))({bn})")
                 bn, _ = self.emit(f"(lambda b: dsl.lax.optimization_barrier(dsl.stack([{point(c)}, {point(c + ' + 1')}])))({bn})")
