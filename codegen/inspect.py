@@ -220,9 +220,9 @@ def table(items, layers_once=True):
             f"{'code':>5} {'x4':>3} {'flat':>4} {'wait':>4} {'ds':>3} {'ds/B':>5} {'dot4':>4} {'loads':<10} "
             f"{'KB/call':>8} {'MFLOP':>7} {'banks':>5}  copies")
     rows, seen = [head, "-" * len(head)], {}
-    for it in items:
-        key = it.code
-        if layers_once and key in seen:
+    for i, it in enumerate(items):
+        key = it.code if layers_once else i
+        if key in seen:
             seen[key][1] += 1
             continue
         r, c, k = it.res, it.loop_counts(), it.kernel
@@ -280,7 +280,7 @@ def main(argv=None):
         items = [Inspected(k, target) for k in kernels]
         step = "the decode step" if args.prefill == 1 else f"the prefill of {args.prefill} tokens"
         print(f"{len(items)} kernels in {step}, target {target.name} (wave{target.wave}); "
-              f"main-loop instruction counts; identical layers listed once")
+              f"main-loop instruction counts; {'every kernel listed' if args.all else 'identical layers listed once'}")
         print(table(items, not args.all))
         if args.prefill > 1:                    # what each contraction chose (the tiled matmul or not)
             print("\nmappings of the contractions (identical layers once):")

@@ -164,6 +164,8 @@ def _quantized_gathers(g: Graph, act) -> set:
 MAX_INLINE_DEPTH = 48       # ops inlined into one expression; deeper chains are split into kernels
 MAX_INLINE_SIZE = 256       # ops in one inlined expression tree, a shared value counted at each use:
                             # bounds the doubling of `x = x * sigmoid(x)` chains (compile time, code size)
+MAX_SHARED_LOADS = 4        # buffers a value read by several ops may load when inlined: past it, storing
+                            # it once is cheaper than re-reading its inputs in every reader's kernel
 
 
 def cap_depth(g: Graph, m: set, epilogues=()) -> set:
@@ -175,21 +177,30 @@ def cap_depth(g: Graph, m: set, epilogues=()) -> set:
     it, reductions and all.  A reduction counts as one op in its readers' expressions: it is a
     statement of its own, computed once per row of the kernel that reads it
     (``fusion.lower.Builder.row_scalar``), so sibling reductions stay one pass over the row.
-    Values of an epilogue region (``epilogues``, at most ``MAX_INLINE_DEPTH // 2`` each) stay
-    inlined.  Updates ``m``."""
-    depth, size = {}, {}
+    A value read by several ops whose expression loads more than ``MAX_SHARED_LOADS`` buffers is
+    materialized too: with the epilogue rule off, the residual stream ``x = x + attn(x) + mlp(x)``
+    would otherwise be re-added from every earlier layer's outputs in each later layer's kernels
+    (quadratic in depth; the last layers' matmuls spilled).  Values of an epilogue region
+    (``epilogues``, at most ``MAX_INLINE_DEPTH // 2`` each) stay inlined.  Updates ``m``."""
+    depth, size, loads = {}, {}, {}
     for e in g.prog.eqns:
         ins = [a for a in e.inputs if isinstance(a, Var)]
         d = 1 + max((depth.get(a, 0) for a in ins), default=0)
         n = 1 + sum(size.get(a, 0) for a in ins)
+        ld = sum(loads.get(a, a.size > 1) for a in ins)     # a buffer read (materialized or an input) counts 1
         reduce = e.prim.kind == "reduce"
+        readers = len({"act" if u.prim.kind == "contract" and u.inputs[0] is e.out else id(u)
+                       for u in g.users.get(e.out, ())})     # sibling GEMVs of one activation: one reader
         repeated = not reduce and len(g.users.get(e.out, ())) * n
         if e.out in m or e.out in epilogues:
             d = n = 0
-        elif d > MAX_INLINE_DEPTH or n > MAX_INLINE_SIZE or repeated > MAX_INLINE_SIZE:
+            ld = e.out.size > 1
+        elif (d > MAX_INLINE_DEPTH or n > MAX_INLINE_SIZE or repeated > MAX_INLINE_SIZE
+              or not reduce and readers > 1 and ld > MAX_SHARED_LOADS):
             m.add(e.out)
             d = n = 0
-        depth[e.out], size[e.out] = d, 1 if reduce and n else n
+            ld = e.out.size > 1
+        depth[e.out], size[e.out], loads[e.out] = d, 1 if reduce and n else n, ld
     return m
 
 

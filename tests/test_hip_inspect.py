@@ -71,6 +71,10 @@ def test_report_table_lists_each_distinct_kernel(inspected):
     text = table(inspected)
     for it in inspected:
         assert it.kernel.name[:40] in text
+    twice = inspected[:2] + inspected[:2]                 # --all: a row per kernel, even identical ones
+    rows = table(twice, layers_once=False).splitlines()[2:]
+    assert len(rows) == 4 and all(r.endswith("x1") for r in rows), rows
+    assert [r.split()[-1] for r in table(twice).splitlines()[2:]] == ["x2", "x2"]
 
 
 def test_inspect_cli():

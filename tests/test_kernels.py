@@ -344,6 +344,27 @@ def test_shared_values_do_not_blow_up_compile_time():
     assert len(c.plan.kernels) > 3                      # cut, where 2**24-op trees would not finish
 
 
+@pytest.mark.parametrize("rules", [{"epilogue": False}, None])
+def test_a_residual_stream_is_stored_before_its_kernels_reread_every_layer(rules):
+    """``x = x + tanh(x) @ w`` for 30 layers.  With the epilogue rule off nothing stores the sum, and
+    inlined into each later layer's kernel it would re-add every earlier layer's output (31 [T, D]
+    buffers in the last kernel; quadratic in depth; the last prefill matmuls of a 30-layer model
+    spilled on gfx906): the partition stores a value read by several ops once its expression
+    loads more than ``MAX_SHARED_LOADS`` buffers.  Every kernel reads a bounded number of [T, D]
+    buffers, and the result matches float64."""
+    from fusion import partition
+
+    def f(x, ws):
+        for w in ws:
+            x = x + dsl.tanh(x) @ w                  # (T, D)
+        return x
+    T, D = 5, 24
+    c = check(f, randn(T, D), [randn(D, D, scale=0.2) for _ in range(30)], fusion=rules, rtol=1e-3, atol=1e-3)
+    reads = [sum(p.shape == (T, D) and p.role == "in" for p in k.params) for k in c.plan.kernels]
+    assert max(reads) <= partition.MAX_SHARED_LOADS + 1, reads
+    assert len(c.plan.kernels) <= 40
+
+
 def test_argmax_picks_the_first_nan_like_numpy():
     x = randn(6, 37)
     x[1, 5], x[2, 0], x[3, 30], x[3, 7], x[4] = np.nan, np.nan, np.nan, np.nan, np.nan
