@@ -19,7 +19,7 @@ from . import attention
 from . import loopir as L
 from . import mma
 from .mapping import map_kernel
-from .prelude import act_dtype, prelude  # noqa: F401  (prelude is re-exported)
+from .prelude import prelude  # noqa: F401  (re-exported)
 from .targets import Target, get_target, occupancy_lds
 
 CTYPE = {"f32": "float", "f16": "vf_half", "i32": "int", "bool": "bool",

@@ -43,7 +43,7 @@ from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Cons
 from .loopir import attention_tiles, combine_attention
 from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
 from .loopir import spelling as op_spelling
-from .loopir import fold, local_names, rewrite, rewrite_expr, walk_exprs, walk_stmts
+from .loopir import fold, rewrite_expr, walk_exprs, walk_stmts
 from dsl.quant import FORMATS, QUANT_DTYPES, nbytes
 
 I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()

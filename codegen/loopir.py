@@ -732,7 +732,7 @@ def interchange(loop: Loop, chunk: int, lo: Expr = None, hi: Expr = None, unroll
     first = add(lo, mul(Sym(blk, "i32"), c(chunk)))
     m = Bin("min", c(chunk), Bin("sub", hi, first))
     col = {a.name: f"{a.name}_col" for a in r.accs}
-    jj, k = Sym(j, "i32"), Sym(r.var, "i32")
+    jj = Sym(j, "i32")
 
     def per_column(body):          # n and the locals of the loop's head, then ``body``, for each n_j
         return (Loop(j, c(0), m, (Declare(n, "i32", add(first, jj)),) + tuple(head) + tuple(body)),)

@@ -729,7 +729,6 @@ def _index_plan(x, entries, normalize=True):
     for k, t in enumerate(entries):
         if t is None:
             continue
-        n = x.shape[dim]
         if isinstance(t, slice):
             q, start, step = dims[dim]
             i = iota(shape, q)

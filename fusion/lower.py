@@ -13,7 +13,7 @@ import itertools
 import numpy as np
 
 from codegen import loopir as L
-from dsl.core import Lit, Var
+from dsl.core import Lit
 
 from .partition import is_scalar_param
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from dsl.core import Lit, Var
+from dsl.core import Var
 
 RULES = {
     "elementwise": "chains of elementwise ops, views and gathers run as one loop",

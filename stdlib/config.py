@@ -1,7 +1,7 @@
 """Model configuration for the Llama family (Llama, Qwen2, SmolLM, Mistral)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
