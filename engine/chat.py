@@ -240,19 +240,17 @@ def run(args):
             note(f"unknown command {command}; /help lists the commands")
         else:
             t0 = time.perf_counter()
-            try:
+            try:                # Ctrl-C anywhere in the turn, up to its stats line, ends the turn only
                 s = chat.ask(line, emit, note)
+                print(flush=True)
+                note(f"{s['prompt_tokens'] - s['cached_tokens']} new prompt tokens ({s['cached_tokens']} cached), "
+                     f"prefill {s['prefill_s']:.2f} s; {s['tokens']} generated, "
+                     f"{s['decode_tokens_per_s']:.1f} tokens/s; {time.perf_counter() - t0:.2f} s")
             except KeyboardInterrupt:
                 print(flush=True)
                 note("stopped")
-                continue
             except ModelError as e:
                 note(f"error: {e}")
-                continue
-            print(flush=True)
-            note(f"{s['prompt_tokens'] - s['cached_tokens']} new prompt tokens ({s['cached_tokens']} cached), "
-                 f"prefill {s['prefill_s']:.2f} s; {s['tokens']} generated, "
-                 f"{s['decode_tokens_per_s']:.1f} tokens/s; {time.perf_counter() - t0:.2f} s")
     return 0
 
 

@@ -188,6 +188,43 @@ def test_ctrl_c_stops_the_answer_not_the_session():
     assert child.exitstatus == 0
 
 
+def test_ctrl_c_as_an_answer_ends_stops_the_turn_not_the_chat(monkeypatch, capsys):
+    """Ctrl-C that lands after the answer's last token, while its stats line is written, ends that
+    turn with "[stopped]" (the chat exited with status 130 there); the next line is answered."""
+    import io
+
+    from engine import chat as C
+    from engine import model as M
+
+    class Stub:
+        context, cfg = 256, type("Cfg", (), {"name": "stub"})
+
+        def compile(self):
+            pass
+    monkeypatch.setattr(M, "open_model", lambda *a: (Stub(), None, [0]))
+    asked = []
+
+    def ask(self, user, on_text, on_notice=None):
+        asked.append(user)
+        on_text(f"answer to {user}")
+        return dict(prompt_tokens=9, cached_tokens=2, prefill_s=0.01, tokens=3, decode_tokens_per_s=50.0)
+    monkeypatch.setattr(C.Conversation, "ask", ask)
+    note, calls = print, []
+
+    def print_once_interrupted(*a, **kw):          # the first stats line meets Ctrl-C
+        if kw.get("file") is sys.stderr and "new prompt tokens" in str(a[0]) and not calls:
+            calls.append(a[0])
+            raise KeyboardInterrupt
+        note(*a, **kw)
+    monkeypatch.setattr("builtins.print", print_once_interrupted)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\n/exit\n"))
+    assert C.main(["--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert asked == ["first", "second"] and calls
+    assert err.count("[stopped]") == 1 and err.count("new prompt tokens") == 1, err
+    assert "answer to second" in out
+
+
 def test_piped_lines_and_a_full_context_drop_the_oldest_turns():
     """Without a terminal, lines are read plainly; a context that fills up drops the oldest
     turns, says so on stderr, and the session goes on."""
