@@ -95,6 +95,10 @@ OPS += ["tiled"] * 12
 # search over ids; or unrolled passes that test W - 1 points at once, one reduction over a [W - 1, n] grid,
 # the bracket stored by an optimization_barrier (stdlib/sampling.py's shape)
 OPS += ["bisect", "bisect"]
+# a residual stream over the value at hand: x = x + f(x) @ w for 2 to 9 layers, f one of tanh, an RMS norm,
+# or none; each x is read by the next layer's contraction and its add (fusion.partition's MAX_SHARED_LOADS
+# stores it once its expression loads too many buffers, as with the epilogue rule off)
+OPS += ["residual"]
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -316,6 +320,17 @@ class Writer:
             return self.control(name, an, av, pk, p)
         if name == "bisect":
             return self.bisect(an, av, p)
+        if name == "residual":
+            if nd == 0 or av.shape[-1] > 128:
+                return None
+            D = av.shape[-1]
+            x, _ = self.emit(f"{an}.reshape(-1, {D}).astype('f32')")
+            for i in range(2 + int(p[0] * 8)):
+                w = self.new_input((D, D), ["f32", "f16"][int(p[1] * 2)])
+                act = [f"dsl.tanh({x})", f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5))",
+                       x][int((p[2] * 7.31 + i * 0.37) % 1 * 3)]
+                x, _ = self.emit(f"{x} + dsl.dot_t({act}, {w}) * {round(0.5 / np.sqrt(D), 4)}")
+            return self.emit(f"{x}.reshape({tuple(av.shape)})")
         if name == "dus":
             if self.donated is None:
                 return None
