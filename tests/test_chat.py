@@ -3,6 +3,7 @@ pseudo-terminal (pexpect), as a user types it, and with lines piped in; and the 
 continuation it runs on (``Model.extend``) against a fresh prefill of the same ids."""
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -100,8 +101,11 @@ def test_an_answer_stopped_by_ctrl_c_leaves_the_cache_consistent(smol):
 def spawn(*args):
     """The chat on a pseudo-terminal, as a user runs it."""
     env = dict(os.environ, TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1")
+    # Ctrl-C as a user's shell leaves it: a test run started in the background inherits SIGINT ignored,
+    # and Python keeps an ignored SIGINT ignored, so the chat would never hear the key
+    reset = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)      # noqa: E731
     child = pexpect.spawn(sys.executable, ARGS + list(args), cwd=ROOT, env=env, encoding="utf-8",
-                          timeout=600, dimensions=(40, 200))
+                          timeout=600, dimensions=(40, 200), preexec_fn=reset)
     child.expect_exact(PROMPT)
     return child
 
