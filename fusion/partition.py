@@ -170,38 +170,56 @@ MAX_SHARED_LOADS = 4        # buffers a value read by several ops may load when 
 
 def cap_depth(g: Graph, m: set, epilogues=()) -> set:
     """Materialize every value whose inlined expression would be more than ``MAX_INLINE_DEPTH``
-    ops deep or hold more than ``MAX_INLINE_SIZE`` ops (shared values repeat), so lowering, Loop IR and the renderers stay shallow for chains of any length
-    (and each kernel's expression stays a size a compiler handles quickly).  A value read by
-    several ops whose expression, repeated at each read, would pass ``MAX_INLINE_SIZE`` is
-    materialized where it is computed: cut further down, each reader's kernel would recompute
-    it, reductions and all.  A reduction counts as one op in its readers' expressions: it is a
-    statement of its own, computed once per row of the kernel that reads it
-    (``fusion.lower.Builder.row_scalar``), so sibling reductions stay one pass over the row.
-    A value read by several ops whose expression loads more than ``MAX_SHARED_LOADS`` buffers is
-    materialized too: with the epilogue rule off, the residual stream ``x = x + attn(x) + mlp(x)``
-    would otherwise be re-added from every earlier layer's outputs in each later layer's kernels
-    (quadratic in depth; the last layers' matmuls spilled).  Values of an epilogue region
-    (``epilogues``, at most ``MAX_INLINE_DEPTH // 2`` each) stay inlined.  Updates ``m``."""
+    ops deep or hold more than ``MAX_INLINE_SIZE`` ops (shared values repeat), so lowering, Loop IR
+    and the renderers stay shallow for chains of any length (and each kernel's expression stays a
+    size a compiler handles quickly).  A value read by several ops whose expression, repeated at
+    each read, would pass ``MAX_INLINE_SIZE`` is materialized where it is computed: cut further
+    down, each reader's kernel would recompute it, reductions and all.  A reduction counts as one
+    op in its readers' expressions: it is a statement of its own, computed once per row of the
+    kernel that reads it (``fusion.lower.Builder.row_scalar``), so sibling reductions stay one pass
+    over the row.  A value read in several kernels (``_read_in_kernels``) whose expression loads
+    more than ``MAX_SHARED_LOADS`` distinct buffers is materialized too: with the epilogue rule
+    off, the residual stream ``x = x + attn(x) + mlp(x)`` would otherwise be re-added from every
+    earlier layer's outputs in each later layer's kernels (quadratic in depth; the last layers'
+    matmuls spilled).  Values of an epilogue region (``epilogues``, at most
+    ``MAX_INLINE_DEPTH // 2`` each) stay inlined.  Updates ``m``."""
     depth, size, loads = {}, {}, {}
+    shared = _read_in_kernels(g, m)
+    own = lambda v: frozenset((v,)) if v.size > 1 else frozenset()     # noqa: E731  (one element: no load)
     for e in g.prog.eqns:
         ins = [a for a in e.inputs if isinstance(a, Var)]
         d = 1 + max((depth.get(a, 0) for a in ins), default=0)
         n = 1 + sum(size.get(a, 0) for a in ins)
-        ld = sum(loads.get(a, a.size > 1) for a in ins)     # a buffer read (materialized or an input) counts 1
+        ld = frozenset()            # the distinct buffers the inlined expression reads; None: past the cap
+        for a in ins:
+            la = loads.get(a, own(a))
+            ld = None if la is None or ld is None or len(ld | la) > MAX_SHARED_LOADS else ld | la
         reduce = e.prim.kind == "reduce"
-        readers = len({"act" if u.prim.kind == "contract" and u.inputs[0] is e.out else id(u)
-                       for u in g.users.get(e.out, ())})     # sibling GEMVs of one activation: one reader
         repeated = not reduce and len(g.users.get(e.out, ())) * n
         if e.out in m or e.out in epilogues:
-            d = n = 0
-            ld = e.out.size > 1
+            d, n, ld = 0, 0, own(e.out)
         elif (d > MAX_INLINE_DEPTH or n > MAX_INLINE_SIZE or repeated > MAX_INLINE_SIZE
-              or not reduce and readers > 1 and ld > MAX_SHARED_LOADS):
+              or not reduce and ld is None and e.out in shared):
             m.add(e.out)
-            d = n = 0
-            ld = e.out.size > 1
+            d, n, ld = 0, 0, own(e.out)
         depth[e.out], size[e.out], loads[e.out] = d, 1 if reduce and n else n, ld
     return m
+
+
+def _read_in_kernels(g: Graph, m: set) -> set:
+    """The inlined values (not in ``m``) whose readers land in more than one kernel: each kernel
+    is named by the materialized value it computes, found through the readers' own inlined
+    readers; sibling contractions reading a value as their activation count as one kernel
+    (the horizontal rule launches them together)."""
+    many, kernel = object(), {}
+    for e in reversed(g.prog.eqns):
+        v = e.out
+        if v in m:
+            continue
+        ks = {("act", v) if u.prim.kind == "contract" and u.inputs[0] is v else
+              u.out if u.out in m else kernel.get(u.out, many) for u in g.users.get(v, ())}
+        kernel[v] = ks.pop() if len(ks) == 1 else many if ks else None
+    return {v for v, k in kernel.items() if k is many}
 
 
 def _tree_size(g: Graph, v, region) -> int:

@@ -365,6 +365,30 @@ def test_a_residual_stream_is_stored_before_its_kernels_reread_every_layer(rules
     assert len(c.plan.kernels) <= 40
 
 
+def test_a_value_read_twice_in_one_kernel_stays_inlined_whatever_it_loads():
+    """``MAX_SHARED_LOADS`` applies to values read in several kernels, and counts distinct buffers:
+    ``v`` below reads 2 buffers (counted 8 once) and ``s`` reads 5, each read twice by one
+    elementwise kernel, which stays one kernel; the donated state is still updated in place."""
+    def f(x, y):
+        u = x + y
+        v = u * u * u + u
+        return v * dsl.sigmoid(v)
+    c = check(f, randn(6, 40), randn(6, 40), rtol=1e-3, atol=1e-3)
+    assert families(c) == ["elementwise"]
+
+    def update(state, a, b, c, d):
+        s = state * 0.9 + a + b + c + d
+        return s * dsl.sigmoid(s)
+    c = check(update, *[randn(5, 24) for _ in range(5)], donate=(0,))
+    assert families(c) == ["elementwise"] and c.plan.aliases == {"state": "state"}
+
+    def chain(x, y):
+        for _ in range(12):
+            x = x + dsl.tanh(x) * y
+        return x
+    assert len(check(chain, randn(6, 40), randn(6, 40), rtol=1e-3, atol=1e-3).plan.kernels) <= 2
+
+
 def test_argmax_picks_the_first_nan_like_numpy():
     x = randn(6, 37)
     x[1, 5], x[2, 0], x[3, 30], x[3, 7], x[4] = np.nan, np.nan, np.nan, np.nan, np.nan
