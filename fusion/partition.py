@@ -164,8 +164,8 @@ def _quantized_gathers(g: Graph, act) -> set:
 MAX_INLINE_DEPTH = 48       # ops inlined into one expression; deeper chains are split into kernels
 MAX_INLINE_SIZE = 256       # ops in one inlined expression tree, a shared value counted at each use:
                             # bounds the doubling of `x = x * sigmoid(x)` chains (compile time, code size)
-MAX_SHARED_LOADS = 4        # buffers a value read by several ops may load when inlined: past it, storing
-                            # it once is cheaper than re-reading its inputs in every reader's kernel
+MAX_SHARED_LOADS = 4        # distinct buffers a value read in several kernels may load when inlined: past
+                            # it, storing it once is cheaper than re-reading its inputs in every reader's kernel
 
 
 def cap_depth(g: Graph, m: set, epilogues=()) -> set:
