@@ -213,13 +213,13 @@ def test_ctrl_c_as_an_answer_ends_stops_the_turn_not_the_chat(monkeypatch, capsy
         on_text(f"answer to {user}")
         return dict(prompt_tokens=9, cached_tokens=2, prefill_s=0.01, tokens=3, decode_tokens_per_s=50.0)
     monkeypatch.setattr(C.Conversation, "ask", ask)
-    note, calls = print, []
+    real_print, calls = print, []
 
     def print_once_interrupted(*a, **kw):          # the first stats line meets Ctrl-C
         if kw.get("file") is sys.stderr and "new prompt tokens" in str(a[0]) and not calls:
             calls.append(a[0])
             raise KeyboardInterrupt
-        note(*a, **kw)
+        real_print(*a, **kw)
     monkeypatch.setattr("builtins.print", print_once_interrupted)
     monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\n/exit\n"))
     assert C.main(["--temperature", "0"]) == 0
