@@ -22,7 +22,7 @@ CTYPE = {"f32": "float", "f16": "vf_half"}
 
 # the names the template declares inside its block: a buffer or position symbol of the same name
 # is read through a renamed local (``render``)
-LOCALS = ("D", "S", "T", "G", "R", "KT", "CH", "NS", "q_tile", "k_tile", "v_tile", "p_tile", "rescale",
+LOCALS = ("D", "S", "T", "G", "R", "KT", "CH", "NS", "SHORT", "ch", "q_tile", "k_tile", "v_tile", "p_tile", "rescale",
           "row_max", "row_sum", "last_flag", "kv_head", "tile", "first", "split", "p", "end", "lo", "hi",
           "i", "r", "rr", "t", "u", "j", "c", "d", "r0", "k_next", "v_next", "m", "l", "o", "start", "s", "top",
           "dot", "mx", "mn", "mc", "lc", "oc", "f", "corr", "sum", "pr", "v0", "v1", "v2", "v3", "splits",
@@ -438,6 +438,7 @@ class Decode:
         self.ragged = self.UNITS != self.UPL * self.LK              # lanes past the row's loads
         self.B = merge_blocks(self.NS)                              # splits merged together
         self.NB = -(-self.NS // self.B)
+        self.short = m.short > m.chunk and self.NS > 1              # a short context read by one split
 
     def col(self, x):
         """The row element that a lane's value ``x`` (of X) holds."""
@@ -446,6 +447,7 @@ class Decode:
     def header(self):
         a, m = self.a, self.m
         split = f"one of {self.NS} splits of {m.chunk} positions" if self.NS > 1 else "every position"
+        split += f" (up to {m.short} positions, the first takes them all)" if self.short else ""
         return [f"// {a.hq} query heads over {a.hkv} KV heads, 1 query row, {a.s} cache positions, head dim {self.D}.  A "
                 f"workgroup: one KV head, {self.R} query head{'s' if self.R > 1 else ''},",
                 f"// {split}; {self.LK} lanes per key (16 bytes each), {self.U} keys in flight per lane group, "
@@ -454,7 +456,8 @@ class Decode:
     def setup(self):
         a, NS, R = self.a, self.NS, self.R
         consts = [f"D = {self.D}", f"S = {a.s}", f"R = {R}", f"KT = {self.m.keys}"] + ([f"G = {self.G}"] if self.G > 1 else []) \
-            + ([f"CH = {self.m.chunk}", f"NS = {NS}"] if NS > 1 else []) + ([f"B = {self.B}"] if self.NB > 1 else [])
+            + ([f"CH = {self.m.chunk}", f"NS = {NS}"] if NS > 1 else []) + ([f"B = {self.B}"] if self.NB > 1 else []) \
+            + ([f"SHORT = {self.m.short}"] if self.short else [])
         out = [f"constexpr int {', '.join(consts)};",
                f"__shared__ float wave_m[{self.W}][R], wave_l[{self.W}][R], wave_o[{self.W}][R][D];   // each wave's state"]
         if NS > 1:
@@ -473,7 +476,11 @@ class Decode:
                        "takes fewer)")
         out += [
                 "const int p = @pos@;", "const int end = p + 1;"]
-        if NS > 1:
+        if self.short:
+            out += ["const int ch = end <= SHORT ? SHORT : CH;   // up to SHORT positions one split reads them all: no combine",
+                    "const int split = blockIdx.x % NS, lo = split * ch, hi = min(lo + ch, end);",
+                    "if (lo >= hi) return;        // a split past the position: nothing to read"]
+        elif NS > 1:
             out += ["const int split = blockIdx.x % NS, lo = split * CH, hi = min(lo + CH, end);",
                     "if (lo >= hi) return;        // a split past the position: nothing to read"]
         else:
@@ -569,7 +576,8 @@ class Decode:
         body += ["if (splits == 1) {", "  " + direct, "} else {",
                  f"  {part[0]}[(size_t)blockIdx.x * R * D + i] = acc;",
                  f"  if (i % D == 0) {{ {part[1]}[blockIdx.x * R + r] = mx; {part[2]}[blockIdx.x * R + r] = sum; }}", "}"]
-        out = ["const int splits = (end + CH - 1) / CH;     // the splits that hold positions"] + out + [loop] + _indent(body) + ["}"]
+        ch = "ch" if self.short else "CH"
+        out = [f"const int splits = (end + {ch} - 1) / {ch};     // the splits that hold positions"] + out + [loop] + _indent(body) + ["}"]
         arrived = f"{self.a.out}_arrived"
         if self.NB == 1:
             return out + [f"if (splits > 1 && vf_last_to_arrive(&{arrived}[blockIdx.x / NS], splits, &last_flag)) {{"] \

@@ -352,8 +352,37 @@ def _uses_waves(body):
     return False
 
 
-def render_kernel(k: L.Kernel) -> str:
-    """The source of a mapped kernel (``codegen.mapping.map_kernel``), without the prelude."""
+def _weights(k: L.Kernel):
+    """The large buffers a GEMV or matmul's reductions read and nothing writes: its weights (a
+    prefill's [T, K] activation is listed too, which a prefetch only wastes)."""
+    def operand(e):
+        e = e.x if isinstance(e, L.Cast) else e
+        return e.buf if isinstance(e, L.Load) else None
+    read = set()
+    for s in L.walk_stmts(k.body):
+        for a in s.accs if isinstance(s, L.Reduce) else ():
+            v = a.value
+            if isinstance(v, L.Bin) and v.op == "mul" and operand(v.a) != operand(v.b):  # not a sum of squares
+                read |= {operand(v.a), operand(v.b)}
+    return [p for p in k.params if p.name in read and p.kind == "buffer" and p.role == "in"
+            and len(p.shape) >= 2 and p.size * L.ITEMSIZE[p.dtype] >= 65536]
+
+
+def _prefetch(k: L.Kernel, weights, n: int) -> list:
+    """Before the wait of a programmatic dependent launch: the first ``n`` bytes of each of
+    ``weights`` asked of L2 (``vf_prefetch_l2``, a share per workgroup); none when ``n`` is 0."""
+    if not n or not weights:
+        return []
+    lines = [f"  // before the wait: the first {n} bytes of each weight into L2, a share per workgroup"]
+    for p in weights:
+        size = int(p.size * L.ITEMSIZE[p.dtype])
+        lines.append(f"  vf_prefetch_l2({p.name}, {min(n, size)}ull);")
+    return lines
+
+
+def render_kernel(k: L.Kernel, prefetch: int = 0, weights=()) -> str:
+    """The source of a mapped kernel (``codegen.mapping.map_kernel``), without the prelude;
+    ``prefetch``: bytes of each of ``weights`` asked of L2 before the wait (``Target.pdl_prefetch``)."""
     launch = k.launch
     lines = [f"// {k.name}: {k.family} kernel, {k.bytes} bytes moved, {k.flops} flops per call",
              f"// mapping: {launch.how}"]
@@ -365,8 +394,9 @@ def render_kernel(k: L.Kernel) -> str:
     lines += stmts(arrays)
     if _uses_waves(k.body):
         lines.append("  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;")
-    lines += ["  VF_GRID_LAUNCH_DEPENDENTS();",
-              "  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready"]
+    lines += _prefetch(k, weights, prefetch)
+    lines += ["  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
+              "  VF_GRID_LAUNCH_DEPENDENTS();"]
     lines += [f"  const int {p.name} = {p.name}_[0];" for p in k.params if p.kind == "scalar"]
     lines += stmts([s for s in k.body if not isinstance(s, L.Array)])
     return "\n".join(lines + ["}"]) + "\n"
@@ -386,6 +416,6 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     own = replace(t, block=m.launch.block) if m.launch.bounds == "VF_BLOCK" else t
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
             + prelude(own, m.launch.act, quant, att, tiled, q8))
-    src = head + "\n" + render_kernel(m)
+    src = head + "\n" + render_kernel(m, t.pdl_prefetch if t.pdl else 0, _weights(k))
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

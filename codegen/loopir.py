@@ -412,6 +412,8 @@ class AttentionTiles:
     block: tuple = ()             # prefill, register-blocked (rows, keys): each thread's rows x keys of the
                                   # scores and rows x columns of the outputs; ``heads`` then counts the KV
                                   # group's query heads a workgroup takes; (): the tiled template
+    short: int = 0                # decode: positions up to which the first split reads the whole context
+                                  # (its chunk is this long then), so no split's rows need combining
 
 
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8,

@@ -356,7 +356,9 @@ def decode_tiles(a: L.Attention, t: Target):
     scratch at any group size; ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
     it, one head and one key in flight).  Splits: the
     chunk where a workgroup per CU covers the full cache, in whole steps of the workgroup
-    (``VEGAFUSE_ATT_CHUNK`` sets it: A/B)."""
+    (``VEGAFUSE_ATT_CHUNK`` sets it: A/B); up to ``t.attention_short`` steps of keys, when that is
+    more than the chunk, the first split reads the whole context and nothing is combined (``short``;
+    ``VEGAFUSE_ATT_SHORT=POSITIONS`` sets it, 0 none; a cache no longer than that is one split)."""
     kd, vd = a.dtypes[1:]
     if a.t != 1 or kd != vd or a.d * ITEMSIZE[kd] % t.load_bytes:
         return None
@@ -378,7 +380,11 @@ def decode_tiles(a: L.Attention, t: Target):
         chunk = a.s * a.hkv * -(-group // heads) / t.compute_units     # a workgroup per CU at the full cache
         chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
-        m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll)
+        short = env_int("VEGAFUSE_ATT_SHORT", t.attention_short * step)
+        if short >= a.s:                                   # the whole cache is short: one split
+            chunk = -(-a.s // step) * step
+        m = L.AttentionTiles(1, step, chunk, -(-a.s // chunk), lanes, True, threads, t.wave, heads, unroll,
+                             short=short if chunk < short < a.s else 0)
         if decode_lds(a, m) <= t.attention_lds:
             if not budget or decode_vgprs(heads, unroll, upl * per, upl) <= budget:
                 return m
@@ -994,8 +1000,19 @@ def _quant_wave_loop(segs, t, info):
             seg = (L.Declare(own.name, "i32", L.Bin("sub", tile, L.c(off // per))),) + seg
         branches.append(((off + n) // per, comments + seg))
         off += n
+    fmt = next(q.fmt for _, s in segs for _, q, _ in quant_weights(s.body[0], info["act"]))
     return _segments(tile, branches, t, ks, per * max(len(s.body[0].accs) for _, s in segs), off // per,
-                     lanes=0 if lanes == t.wave else lanes)
+                     lanes=0 if lanes == t.wave else lanes, unroll=trip_unroll(t, -(-(K // 32) // (lanes * ks)), fmt))
+
+
+def trip_unroll(t: Target, blocks: int, fmt: str) -> int:
+    """Unroll of an int8 GEMV's wave loop over its tiles, so that a lane has several tiles' weight
+    loads in flight: ``t.int8_trip_unroll`` where a lane folds at most 2 blocks of a row (its own
+    loads are too few to hide the latency), 2 for gptq_int4 (each block's dot waits on its group's
+    scale and zero point), else none.  ``VEGAFUSE_TRIP_UNROLL`` overrides (A/B; 0: none)."""
+    if not t.int8_trip_unroll:
+        return env_int("VEGAFUSE_TRIP_UNROLL", 0)
+    return env_int("VEGAFUSE_TRIP_UNROLL", t.int8_trip_unroll if blocks <= 2 else 2 if fmt == "gptq_int4" else 0)
 
 
 def _block_unroll(trips: int) -> int:
@@ -1053,12 +1070,13 @@ def _wave_loop(segs, t, info):
     return _segments(row, branches, t, ks, max(len(s.body[0].accs) for _, s in segs), off)
 
 
-def _segments(var, branches, t, ks, accs, stop, lanes=0):
+def _segments(var, branches, t, ks, accs, stop, lanes=0, unroll=0):
     """The wave loop over ``var`` in [0, stop) whose body picks a segment by ``var`` (``branches``:
     (end, statements) in order); with ``ks`` waves per iteration, the LDS their ``accs`` partial
-    sums combine through."""
+    sums combine through; ``unroll``: the loop's unroll hint (``trip_unroll``)."""
     chain = branches[-1][1]
     for end, seg in reversed(branches[:-1]):
         chain = (L.If(L.Bin("lt", var, L.c(end)), seg, chain),)
     part = (L.Array("vf_part", "f32", t.waves_per_block * accs, "lds"),) if ks > 1 else ()
-    return part + (L.Loop(var.name, L.c(0), L.c(stop), chain, parallel=True, map="wave", split=ks, lanes=lanes),)
+    return part + (L.Loop(var.name, L.c(0), L.c(stop), chain, parallel=True, map="wave", split=ks, lanes=lanes,
+                          unroll=unroll),)

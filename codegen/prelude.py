@@ -726,10 +726,35 @@ __device__ __forceinline__ float vf_wave_sum(float v) {
 }
 """
 
-_NV_PDL = r"""// programmatic dependent launch: start early, wait for the previous kernel's data
-#define VF_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+_NV_PDL = r"""// programmatic dependent launch: this kernel's workgroups may start while the previous kernel runs;
+// VF_GRID_WAIT() waits until that kernel has ended and its stores are seen; the next kernel may start once
+// every workgroup of this one has passed VF_GRID_LAUNCH_DEPENDENTS() (placed after the wait, so that at most
+// one kernel waits) or ended
+{trigger}
 #define VF_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+// before the wait: this workgroup's share of the first n bytes of a weight, asked of L2 in one bulk prefetch
+// (whole 16-byte units inside the buffer; the weights do not depend on the previous kernel)
+__device__ __forceinline__ void vf_prefetch_l2(const void* p, unsigned long long n) {
+  if (threadIdx.x != 0) return;
+  const unsigned long long share = (n + gridDim.x - 1) / gridDim.x;
+  const unsigned long long base = (unsigned long long)p;
+  const unsigned long long lo = (base + blockIdx.x * share + 15) & ~15ull;
+  const unsigned long long end = base + (blockIdx.x + 1) * share, hi = (end < base + n ? end : base + n) & ~15ull;
+  if (hi > lo) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(lo), "r"((unsigned)(hi - lo)) : "memory");
+}
 """
+
+
+def _nv_pdl(t) -> str:
+    """The programmatic-dependent-launch macros of an NVIDIA target (empty without ``t.pdl``)."""
+    if not t.pdl:
+        return _NV_NO_PDL
+    trigger = ('#define VF_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")'
+               if t.pdl_trigger == "wait" else
+               "#define VF_GRID_LAUNCH_DEPENDENTS()   // the next kernel starts as this one's workgroups end")
+    return _NV_PDL.replace("{trigger}", trigger)
+
+
 _NV_NO_PDL = r"""#define VF_GRID_LAUNCH_DEPENDENTS()
 #define VF_GRID_WAIT()
 """
@@ -879,7 +904,7 @@ def prelude(t: Target, act: str | None = None, quant: bool = False, attention: b
         head += _AMD_DOT2 if act == "f16" else _AMD_F32ACT
     else:
         head = _NVIDIA.format(name=t.name, how=_nv_how(t), wave=_nv_wave(t),
-                              pdl=_NV_PDL if t.pdl else _NV_NO_PDL) + _NV_WAVE_SUM
+                              pdl=_nv_pdl(t)) + _NV_WAVE_SUM
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
     activation = _OVER_STEP + (_Q8_1 if int8 == "q8_1" else _Q8_1R)   # the int8 GEMV's activation blocks
     tail = ((_AMD_INT8 if t.vendor == "amd" else nv_int8()) + _DEQUANT

@@ -51,6 +51,8 @@ class Target:
     int8_blocks_per_cu: int = 0  # the same for GEMVs on int8 dot products (0: blocks_per_cu); on an H200 they take
                                  # 64 registers, so 4 workgroups of 256 fit an SM and a grid of 8 per SM ran a second
                                  # round: 4 gave 427.8 against 410.3/410.5 tok/s (Qwen2.5-7B q4_0, A/B/A, 2026-12-01)
+    int8_trip_unroll: int = 0    # unroll of an int8 GEMV's loop over its tiles where a lane folds at most 2 blocks of
+                                 # a row (codegen.mapping.trip_unroll): other tiles' loads in flight (0: none)
     int8_balance: bool = False   # rows per lane chosen for the grid (codegen.mapping.rows_per_lane): as few as
                                  # keep the waves busy (more loads in flight), fewer when the tiles would leave
                                  # waves idle in a last round; gfx906 keeps 8 for its LDS metric
@@ -71,12 +73,19 @@ class Target:
     attention_block: int = 256   # threads of an attention workgroup (codegen.mapping.attention_tiles)
     attention_lds: int = 32 * 1024  # LDS an attention workgroup may take (its tiles' size): two fit a gfx906 CU
     attention_waves: int = 4     # waves of a decode attention workgroup (codegen.mapping.decode_tiles)
+    attention_short: int = 0     # decode attention: up to this many steps of keys the first split reads the whole
+                                 # context, no combine (codegen.mapping.decode_tiles; 0: the splits as they fall)
     attention_vgprs: int = 0     # registers per lane a decode attention may take (0: no limit; decode_tiles
                                  # takes fewer query heads per workgroup, or fewer keys in flight, to fit)
     pdl: bool = False            # programmatic dependent launch (Hopper): a kernel starts while the previous
-                                 # one drains, then waits for its inputs.  Measured on
-                                 # an H200 with the trigger at kernel start: 536.6 against 628.5 tok/s
-                                 # (Qwen2.5-1.5B), 174.4 against 233.5 (7B), so off until the trigger moves
+                                 # one drains, then waits for its inputs.  Off: on an H200 (2026-12-02, with the
+                                 # two settings below) Qwen2.5-1.5B q4_0 gained 4.4% and 7B q4_0 lost 1.6%
+                                 # (docs/performance.md); VEGAFUSE_CUDA_PDL=1 turns it on
+    pdl_trigger: str = "exit"    # with pdl: when the next kernel may start: "exit" (as each workgroup ends) or
+                                 # "wait" (once this one has waited: 0.929x at 1.5B f16); VEGAFUSE_PDL_TRIGGER
+    pdl_prefetch: int = 4 << 20  # with pdl: the first bytes of each weight a GEMV asks L2 for before it waits,
+                                 # shared among its workgroups (0: none; 4 MiB 1.032x against 1 MiB at 1.5B
+                                 # q4_0); VEGAFUSE_PDL_PREFETCH
     maps_like: str = ""          # map kernels (codegen/mapping.py) as for this target, so that its kernel text
                                  # runs here; only the prelude and the workgroup limits come from this table
     emulated_wave: bool = False  # NVIDIA only: a wave of ``wave`` = 64 lanes made of two 32-lane warps, joined
@@ -115,6 +124,13 @@ TARGETS = {
                     # at 242.2/243.9 against 238.2 tok/s (A/B/A, 2026-12-01).  At K 3584 (its O projection)
                     # the same took 10.1 against 9.0 us, so only long rows
                     balance_k=8192,
+                    # A/B/A on an H200 (2026-12-02, --ab VEGAFUSE_TRIP_UNROLL=N, every GEMV): Qwen2.5-1.5B
+                    # q4_0 (1.5 blocks a lane) 915 -> 937 tok/s by 4, 923 by 2; 7B q4_0 (3.5) 474 -> 468 by 2;
+                    # 7B gptq_int4 (3.5) 401 -> 421 by 2; 1.5B f16 (a float GEMV) 677 -> 657 by 2
+                    int8_trip_unroll=4,
+                    # A/B/A on an H200 (2026-12-02, VEGAFUSE_ATT_SHORT=0 as B): Qwen2.5-1.5B f16 decode at 32
+                    # positions 679.3 against 670.1 tok/s (attention 8.5 -> 7.0 us alone), 7B q4_0 474.6 / 471.8
+                    attention_short=4,
                     one_workgroup_block=1024),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,

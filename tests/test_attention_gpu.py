@@ -183,8 +183,9 @@ def test_the_kernel_text_computes_attention(v, target, template, tmp_path_factor
 ], ids=lambda v: "x".join(map(str, v)))
 def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
     """The decode template (lane groups owning keys, no LDS tiles) at wave 32 and 64 at positions 0,
-    1, both sides of the first split boundary, past the second and S - 1, each on fresh random inputs,
-    against the float64 interpreter (one compiled kernel for all: the arrival counters set back)."""
+    1, both sides of the first split boundary, past the second, both sides of the short context that
+    one split reads whole, and S - 1, each on fresh random inputs, against the float64 interpreter
+    (one compiled kernel for all: the arrival counters set back)."""
     hq, hkv, s, d, kv = v
     rng = np.random.default_rng()
     k = attention_kernel(hq, hkv, 1, s, d, kv)
@@ -192,7 +193,8 @@ def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
     assert m.heads and m.heads <= hq // hkv, m
     tmp = str(tmp_path_factory.getbasetemp())
     f = dsl.jit(lambda q, kc, vc, pos: dsl.attention(q, kc, vc, pos, 1.0 / np.sqrt(d)))
-    for pos in sorted({0, 1, m.chunk - 1, m.chunk, m.chunk + 1, 2 * m.chunk + 5, s - 1} & set(range(s))):
+    short = {m.short - 2, m.short - 1, m.short} if m.short else set()
+    for pos in sorted(({0, 1, m.chunk - 1, m.chunk, m.chunk + 1, 2 * m.chunk + 5, s - 1} | short) & set(range(s))):
         q = rng.standard_normal((hq, 1, d)).astype("f4")
         kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
         out = np.full((hq, 1, d), np.nan, np.float32)
@@ -232,3 +234,25 @@ def test_a_forced_prefill_tile_is_checked(monkeypatch):
         monkeypatch.setenv("VEGAFUSE_ATT_BLOCK", bad)
         with pytest.raises(ValueError, match="^VEGAFUSE_ATT_BLOCK="):
             attention_tiles(a, get_target("sm_90"))
+
+
+def test_a_short_context_is_read_by_one_split(monkeypatch):
+    """Decode at Qwen2.5-1.5B's shape: up to four steps of keys (128 positions on sm_90, whose splits
+    are 32 or 64 long) the first split reads the whole context, so nothing is combined; the text
+    names the bound; ``VEGAFUSE_ATT_SHORT=0`` keeps the splits; where a split is that long already
+    (a workgroup per CU over a long cache), nothing changes; a cache no longer than the bound is one
+    split; gfx906 (not measured) keeps its splits."""
+    for s, chunk in ((512, 32), (4200, 64)):
+        k = attention_kernel(12, 2, 1, s, 128, "f2")
+        _, m = tiles_of(k, "sm_90")
+        assert (m.chunk, m.short) == (chunk, 4 * m.keys) and m.keys == 32, m
+        src = render_hip(k, "sm_90").source
+        assert "SHORT = 128" in src and "const int ch = end <= SHORT ? SHORT : CH;" in src
+    one = tiles_of(attention_kernel(12, 2, 1, 100, 128, "f2"), "sm_90")[1]
+    assert (one.chunk, one.splits, one.short) == (128, 1, 0), one
+    assert tiles_of(attention_kernel(12, 2, 1, 512, 128, "f2"), "gfx906")[1].short == 0
+    _, m = tiles_of(attention_kernel(12, 2, 1, 65536, 128, "f2"), "sm_90")
+    assert m.chunk >= m.short and "SHORT" not in render_hip(attention_kernel(12, 2, 1, 65536, 128, "f2"), "sm_90").source
+    monkeypatch.setenv("VEGAFUSE_ATT_SHORT", "0")
+    k = attention_kernel(12, 2, 1, 512, 128, "f2")
+    assert tiles_of(k, "sm_90")[1].short == 0 and "SHORT" not in render_hip(k, "sm_90").source

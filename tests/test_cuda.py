@@ -550,8 +550,10 @@ def _check_attention(hq, hkv, t, S, D, kv_dtype, positions, want_splits=None):
 
 
 def _decode_positions(S):
-    """0, 1, both sides of the first split boundaries, the middle and the last position."""
-    return lambda m: sorted({0, 1, m.chunk - 1, m.chunk, m.chunk + 1, 2 * m.chunk, S // 2 + 3, S - 1} & set(range(S)))
+    """0, 1, both sides of the first split boundaries and of the short context one split reads
+    whole (``AttentionTiles.short``), the middle and the last position."""
+    return lambda m: sorted({0, 1, m.chunk - 1, m.chunk, m.chunk + 1, 2 * m.chunk, m.short - 1, m.short, S // 2 + 3,
+                             S - 1} & set(range(S)))
 
 
 @pytest.mark.parametrize("hq,hkv,D,kv_dtype", [

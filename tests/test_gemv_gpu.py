@@ -87,3 +87,56 @@ def test_nvidia_quant_blocks_through_ldg(monkeypatch):
     monkeypatch.setenv("VEGAFUSE_NV_LDG", "0")
     src = render_hip(k, "sm_90").source
     assert "__ldg((const int4*)p)" not in src and "return *(const vf_int4*)p;" in src
+
+
+def _tile_loop_unroll(src):
+    """The unroll hint on the int8 GEMV's loop over its tiles (0: none)."""
+    lines = src.splitlines()
+    i = next(n for n, line in enumerate(lines) if "for (int tile = " in line)
+    head = lines[i - 1].strip()
+    return int(head.split()[-1]) if head.startswith("#pragma unroll") else 0
+
+
+@pytest.mark.parametrize("fmt,K,want", [("q4_0", 1536, 4), ("q4_0", 3584, 0), ("gptq_int4", 3584, 2),
+                                        ("q8_0", 576, 4)])
+def test_trip_unroll_rule_on_the_tables(fmt, K, want, monkeypatch):
+    """On sm_90 an int8 GEMV whose lanes fold at most 2 blocks of a row (Qwen2.5-1.5B's K 1536: 48
+    blocks over 32 lanes) unrolls its loop over tiles by 4, gptq_int4 by 2 at any K, others not
+    (4096 rows: enough that no waves share a row); gfx906 and the emulated wave 64 keep their loop as
+    it is; ``VEGAFUSE_TRIP_UNROLL`` overrides."""
+    from dsl.quant import random_qarray
+    w = random_qarray((4096, K), fmt, 1)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    (k,) = lower_program(dsl.jit(lambda x, w: nn.linear(x, w)).lower(x, w)).kernels
+    assert _tile_loop_unroll(render_hip(k, "sm_90").source) == want
+    assert _tile_loop_unroll(render_hip(k, "gfx906").source) == 0
+    assert _tile_loop_unroll(render_hip(k, "sm_90_wave64").source) == 0
+    monkeypatch.setenv("VEGAFUSE_TRIP_UNROLL", "0")
+    assert _tile_loop_unroll(render_hip(k, "sm_90").source) == 0
+    monkeypatch.setenv("VEGAFUSE_TRIP_UNROLL", "2")
+    assert _tile_loop_unroll(render_hip(k, "sm_90").source) == 2
+
+
+def test_programmatic_dependent_launch_waits_before_it_lets_the_next_kernel_start():
+    """With ``Target.pdl`` a GEMV first asks L2 for its share of each weight's first bytes (not the
+    norm's gain, not the activation), then waits for the previous kernel, then (``pdl_trigger="wait"``)
+    lets the next one start; ``"exit"`` (the default) leaves the start to the workgroups' end; without
+    pdl, and on gfx906, the macros are empty and nothing is prefetched."""
+    from dataclasses import replace
+    K, N = 1024, 512
+    w = (rng.standard_normal((N, K)) * K ** -0.5).astype(np.float16)
+    x, g = rng.standard_normal((1, K)).astype(np.float32), rng.uniform(0.5, 1.5, K).astype(np.float32)
+    (k,) = lower_program(dsl.jit(lambda x, g, w: nn.linear(nn.rms_norm(x, g, 1e-6), w)).lower(x, g, w)).kernels
+    t = replace(get_target("sm_90"), pdl=True, pdl_prefetch=1 << 20, pdl_trigger="wait")
+    src = render_hip(k, t).source
+    prefetches = [line.strip() for line in src.splitlines() if line.strip().startswith("vf_prefetch_l2(")]
+    assert prefetches == [f"vf_prefetch_l2(w, {N * K * 2}ull);"], prefetches
+    body = src[src.index('extern "C"'):]
+    assert body.index("vf_prefetch_l2(w") < body.index("VF_GRID_WAIT();") < body.index("VF_GRID_LAUNCH_DEPENDENTS();")
+    assert 'asm volatile("griddepcontrol.launch_dependents;"' in src
+    small = render_hip(k, replace(t, pdl_prefetch=4096)).source
+    assert "vf_prefetch_l2(w, 4096ull);" in small
+    exit_ = render_hip(k, replace(t, pdl_trigger="exit")).source
+    assert "griddepcontrol.launch_dependents" not in exit_ and "griddepcontrol.wait" in exit_
+    for plain in (render_hip(k, "sm_90").source, render_hip(k, "gfx906").source):
+        assert "vf_prefetch_l2(w" not in plain and "griddepcontrol" not in plain

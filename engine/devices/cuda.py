@@ -19,6 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from codegen.hip import render_hip
+from codegen.mapping import env_int
 from codegen.targets import get_target
 from engine.build import Compiler
 from engine.devices.gpu import NP_DTYPES, DeviceArray, GPUDevice, GPUKernel, Launch, Plan, ScalarSlots  # noqa: F401
@@ -104,11 +105,14 @@ class CUDADevice(GPUDevice):
         self.graphs = (os.environ.get("VEGAFUSE_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.sync_each = os.environ.get("VEGAFUSE_SYNC", "0") == "1"
         # programmatic dependent launch on Hopper and newer: off by default (see Target.pdl),
-        # VEGAFUSE_CUDA_PDL=1 turns it on for A/B runs
+        # VEGAFUSE_CUDA_PDL=1 turns it on for A/B runs; VEGAFUSE_PDL_PREFETCH=BYTES sets how much of
+        # each weight a GEMV asks of L2 before its wait (Target.pdl_prefetch)
         env = os.environ.get("VEGAFUSE_CUDA_PDL", "")
         self.pdl = major >= 9 and (env == "1" or (env == "" and self.target.pdl))
         if self.pdl:
-            self.target = replace(self.target, pdl=True)
+            prefetch = env_int("VEGAFUSE_PDL_PREFETCH", self.target.pdl_prefetch)
+            trigger = os.environ.get("VEGAFUSE_PDL_TRIGGER", self.target.pdl_trigger)
+            self.target = replace(self.target, pdl=True, pdl_prefetch=prefetch, pdl_trigger=trigger)
 
         self._functions = {}
         self._resident = {}
