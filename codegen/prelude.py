@@ -736,7 +736,8 @@ _NV_PDL = r"""// programmatic dependent launch: this kernel's workgroups may sta
 // (whole 16-byte units inside the buffer; the weights do not depend on the previous kernel)
 __device__ __forceinline__ void vf_prefetch_l2(const void* p, unsigned long long n) {
   if (threadIdx.x != 0) return;
-  const unsigned long long share = (n + gridDim.x - 1) / gridDim.x;
+  // whole 16-byte units per workgroup, so that on a 16-byte aligned buffer the shares tile the n bytes
+  const unsigned long long share = ((n + gridDim.x - 1) / gridDim.x + 15) & ~15ull;
   const unsigned long long base = (unsigned long long)p;
   const unsigned long long lo = (base + blockIdx.x * share + 15) & ~15ull;
   const unsigned long long end = base + (blockIdx.x + 1) * share, hi = (end < base + n ? end : base + n) & ~15ull;

@@ -140,3 +140,71 @@ def test_programmatic_dependent_launch_waits_before_it_lets_the_next_kernel_star
     assert "griddepcontrol.launch_dependents" not in exit_ and "griddepcontrol.wait" in exit_
     for plain in (render_hip(k, "sm_90").source, render_hip(k, "gfx906").source):
         assert "vf_prefetch_l2(w" not in plain and "griddepcontrol" not in plain
+
+
+def test_trip_unroll_of_a_fused_kernel_does_not_depend_on_the_order_of_its_weights():
+    """Two GEMVs on one activation fused into one kernel, a gptq_int4 and a q4_0 weight at K 3584
+    (3.5 blocks a lane): the gptq_int4 rule (unroll 2) holds whichever segment comes first."""
+    from dsl.quant import random_qarray
+    K = 3584
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    for a, b in (("gptq_int4", "q4_0"), ("q4_0", "gptq_int4")):
+        wa, wb = random_qarray((512, K), a, 1), random_qarray((4096, K), b, 1)
+        (k,) = lower_program(dsl.jit(lambda x, wa, wb: (nn.linear(x, wa), nn.linear(x, wb))).lower(x, wa, wb)).kernels
+        assert _tile_loop_unroll(render_hip(k, "sm_90").source) == 2, (a, b)
+
+
+def test_pdl_switches_are_checked(monkeypatch):
+    """``VEGAFUSE_PDL_TRIGGER`` takes "exit" or "wait" and ``VEGAFUSE_PDL_PREFETCH`` a number of bytes
+    (0: none); another value is one ValueError naming the switch, not a silent default."""
+    from engine.devices.cuda import pdl_target
+    t = get_target("sm_90")
+    assert (pdl_target(t).pdl, pdl_target(t).pdl_trigger, pdl_target(t).pdl_prefetch) == (True, "exit", 4 << 20)
+    monkeypatch.setenv("VEGAFUSE_PDL_TRIGGER", "wait")
+    monkeypatch.setenv("VEGAFUSE_PDL_PREFETCH", "0")
+    assert (pdl_target(t).pdl_trigger, pdl_target(t).pdl_prefetch) == ("wait", 0)
+    monkeypatch.setenv("VEGAFUSE_PDL_TRIGGER", "wiat")
+    with pytest.raises(ValueError, match="^VEGAFUSE_PDL_TRIGGER='wiat' is not"):
+        pdl_target(t)
+    monkeypatch.setenv("VEGAFUSE_PDL_TRIGGER", "exit")
+    monkeypatch.setenv("VEGAFUSE_PDL_PREFETCH", "-1")
+    with pytest.raises(ValueError, match="^VEGAFUSE_PDL_PREFETCH=-1 is negative"):
+        pdl_target(t)
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ to run the prefetch's byte arithmetic on the CPU")
+def test_the_prefetch_shares_tile_the_bytes(tmp_path):
+    """``vf_prefetch_l2``'s arithmetic run on the CPU for every workgroup of a grid (the bulk prefetch
+    recorded instead): each range 16-byte aligned, a multiple of 16 bytes, inside the first n bytes
+    and apart from the others; on a 16-byte aligned buffer together they cover the n bytes' whole
+    16-byte units, also where a share is below 32 bytes or the grid has more workgroups than units."""
+    import ctypes
+    import re
+    import subprocess
+    text = prelude._NV_PDL
+    fn = text[text.index("__device__ __forceinline__ void vf_prefetch_l2"):text.rindex("}") + 1]
+    fn = re.sub(r"asm volatile\(.*\);", "{ vf_lo[vf_n] = lo; vf_size[vf_n++] = (unsigned)(hi - lo); }", fn)
+    src = ("#define __device__\n#define __forceinline__ inline\nstruct vf_dim { unsigned x; };\n"
+           "static vf_dim threadIdx, blockIdx, gridDim;\nstatic unsigned long long vf_lo[1 << 16], vf_size[1 << 16];\n"
+           "static int vf_n;\n" + fn + "\nextern \"C\" int run(unsigned long long p, unsigned long long n, "
+           "unsigned grid, unsigned long long* lo, unsigned long long* size) {\n  vf_n = 0; gridDim.x = grid;\n"
+           "  for (blockIdx.x = 0; blockIdx.x < grid; ++blockIdx.x) vf_prefetch_l2((const void*)p, n);\n"
+           "  for (int i = 0; i < vf_n; ++i) { lo[i] = vf_lo[i]; size[i] = vf_size[i]; }\n  return vf_n;\n}\n")
+    (tmp_path / "p.cpp").write_text(src)
+    r = subprocess.run([GXX, "-O1", "-fPIC", "-shared", str(tmp_path / "p.cpp"), "-o", str(tmp_path / "p.so")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[:2000]
+    lib = ctypes.CDLL(str(tmp_path / "p.so"))
+    lib.run.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
+    lo, size = np.zeros(1 << 16, np.uint64), np.zeros(1 << 16, np.uint64)
+    for off in (0, 8, 1):
+        base = (1 << 40) + off
+        for n, grid in ((4 << 20, 528), (4 << 20, 60000), (65536, 4096), (65536, 5000), (100, 3), (4096, 1), (20, 7)):
+            count = lib.run(base, n, grid, lo.ctypes.data, size.ctypes.data)
+            got = sorted(zip(lo[:count].tolist(), size[:count].tolist()))
+            end = base
+            for a, s in got:
+                assert a % 16 == 0 and s % 16 == 0 and s > 0 and a >= end and a + s <= base + n, (off, n, grid, a, s)
+                end = a + s
+            if off == 0:
+                assert sum(s for _, s in got) == n // 16 * 16, (n, grid)

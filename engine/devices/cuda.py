@@ -68,6 +68,19 @@ def cuda_wave(wave=None) -> int:
     return int(raw)
 
 
+def pdl_target(target):
+    """``target`` with programmatic dependent launch on: its trigger from ``VEGAFUSE_PDL_TRIGGER``
+    ("exit" or "wait") and its prefetch from ``VEGAFUSE_PDL_PREFETCH`` (bytes, 0: none) where they
+    are set; ValueError naming the switch for a value it does not take."""
+    prefetch = env_int("VEGAFUSE_PDL_PREFETCH", target.pdl_prefetch)
+    if prefetch < 0:
+        raise ValueError(f"VEGAFUSE_PDL_PREFETCH={prefetch} is negative; set it to bytes (0: no prefetch) or unset it")
+    trigger = os.environ.get("VEGAFUSE_PDL_TRIGGER") or target.pdl_trigger
+    if trigger not in ("exit", "wait"):
+        raise ValueError(f"VEGAFUSE_PDL_TRIGGER={trigger!r} is not 'exit' or 'wait'; set it to one or unset it")
+    return replace(target, pdl=True, pdl_prefetch=prefetch, pdl_trigger=trigger)
+
+
 class CUDADevice(GPUDevice):
     """One NVIDIA GPU.  ``graphs``: capture the decode step in a CUDA graph (default on;
     ``VEGAFUSE_CUDA_GRAPHS=0`` turns it off).
@@ -110,9 +123,7 @@ class CUDADevice(GPUDevice):
         env = os.environ.get("VEGAFUSE_CUDA_PDL", "")
         self.pdl = major >= 9 and (env == "1" or (env == "" and self.target.pdl))
         if self.pdl:
-            prefetch = env_int("VEGAFUSE_PDL_PREFETCH", self.target.pdl_prefetch)
-            trigger = os.environ.get("VEGAFUSE_PDL_TRIGGER", self.target.pdl_trigger)
-            self.target = replace(self.target, pdl=True, pdl_prefetch=prefetch, pdl_trigger=trigger)
+            self.target = pdl_target(self.target)
 
         self._functions = {}
         self._resident = {}
