@@ -368,7 +368,7 @@ def _weights(k: L.Kernel):
             and len(p.shape) >= 2 and p.size * L.ITEMSIZE[p.dtype] >= 65536]
 
 
-def _prefetch(k: L.Kernel, weights, n: int) -> list:
+def _prefetch(weights, n: int) -> list:
     """Before the wait of a programmatic dependent launch: the first ``n`` bytes of each of
     ``weights`` asked of L2 (``vf_prefetch_l2``, a share per workgroup); none when ``n`` is 0."""
     if not n or not weights:
@@ -394,7 +394,7 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=()) -> str:
     lines += stmts(arrays)
     if _uses_waves(k.body):
         lines.append("  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;")
-    lines += _prefetch(k, weights, prefetch)
+    lines += _prefetch(weights, prefetch)
     lines += ["  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
               "  VF_GRID_LAUNCH_DEPENDENTS();"]
     lines += [f"  const int {p.name} = {p.name}_[0];" for p in k.params if p.kind == "scalar"]

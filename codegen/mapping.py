@@ -1000,20 +1000,19 @@ def _quant_wave_loop(segs, t, info):
             seg = (L.Declare(own.name, "i32", L.Bin("sub", tile, L.c(off // per))),) + seg
         branches.append(((off + n) // per, comments + seg))
         off += n
-    fmts = {q.fmt for _, s in segs for _, q, _ in quant_weights(s.body[0], info["act"])}
-    fmt = "gptq_int4" if "gptq_int4" in fmts else min(fmts)      # any segment's gptq_int4: its rule, in any order
+    gptq = any(q.fmt == "gptq_int4" for _, s in segs for _, q, _ in quant_weights(s.body[0], info["act"]))
     return _segments(tile, branches, t, ks, per * max(len(s.body[0].accs) for _, s in segs), off // per,
-                     lanes=0 if lanes == t.wave else lanes, unroll=trip_unroll(t, -(-(K // 32) // (lanes * ks)), fmt))
+                     lanes=0 if lanes == t.wave else lanes, unroll=trip_unroll(t, -(-(K // 32) // (lanes * ks)), gptq))
 
 
-def trip_unroll(t: Target, blocks: int, fmt: str) -> int:
+def trip_unroll(t: Target, blocks: int, gptq: bool) -> int:
     """Unroll of an int8 GEMV's wave loop over its tiles, so that a lane has several tiles' weight
-    loads in flight: ``t.int8_trip_unroll`` where a lane folds at most 2 blocks of a row (its own
-    loads are too few to hide the latency), 2 where any of its weights is gptq_int4 (each block's dot
-    waits on its group's scale and zero point), else none.  ``VEGAFUSE_TRIP_UNROLL`` overrides (A/B; 0: none)."""
-    if not t.int8_trip_unroll:
-        return env_int("VEGAFUSE_TRIP_UNROLL", 0)
-    return env_int("VEGAFUSE_TRIP_UNROLL", t.int8_trip_unroll if blocks <= 2 else 2 if fmt == "gptq_int4" else 0)
+    loads in flight, on targets with ``t.int8_trip_unroll``: that much where a lane folds at most 2
+    blocks of a row (its own loads are too few to hide the latency), 2 where any of its weights is
+    gptq_int4 (``gptq``: each block's dot waits on its group's scale and zero point), else none.
+    ``VEGAFUSE_TRIP_UNROLL`` overrides (A/B; 0: none)."""
+    rule = 0 if not t.int8_trip_unroll else t.int8_trip_unroll if blocks <= 2 else 2 if gptq else 0
+    return env_int("VEGAFUSE_TRIP_UNROLL", rule)
 
 
 def _block_unroll(trips: int) -> int:
