@@ -416,6 +416,7 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     own = replace(t, block=m.launch.block) if m.launch.bounds == "VF_BLOCK" else t
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
             + prelude(own, m.launch.act, quant, att, tiled, q8))
-    src = head + "\n" + render_kernel(m, t.pdl_prefetch if t.pdl else 0, _weights(k))
+    prefetch = t.pdl_prefetch if t.pdl else 0
+    src = head + "\n" + render_kernel(m, prefetch, _weights(k) if prefetch else ())
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)
