@@ -683,7 +683,9 @@ def tidy_names(k: "Kernel", reserved=()) -> "Kernel":
 
 
 def serial_reduce(r: Reduce):
-    """A Reduce as plain statements: each Acc declared with its identity, then one loop."""
+    """A Reduce as plain statements: each Acc declared with its identity, then one loop.  An
+    argmax step computes its value once (``{acc}_value``): it is compared three times, and two
+    copies of it that fast math rounds differently would make ``x != x`` true, a NaN that is not."""
     v = Sym(r.var, "i32")
     decls, upd = [], []
     for a in r.accs:
@@ -691,10 +693,12 @@ def serial_reduce(r: Reduce):
         decls.append(Declare(a.name, a.dtype, a.init))
         if a.op == "argmax":
             decls.append(Declare(a.arg, "i32", Const(0, "i32")))
+            x = Sym(f"{a.name}_value", a.dtype)
+            upd.append(Declare(x.name, a.dtype, a.value))
             # the first NaN wins, as in numpy: a value beats the best so far, or is the first NaN
-            better = Bin("or", Bin("gt", a.value, acc), Bin("and", Bin("ne", a.value, a.value), Bin("eq", acc, acc)))
+            better = Bin("or", Bin("gt", x, acc), Bin("and", Bin("ne", x, x), Bin("eq", acc, acc)))
             upd.append(Assign(a.arg, Select(better, v, Sym(a.arg, "i32"))))
-            upd.append(Assign(a.name, Bin("max", acc, a.value)))
+            upd.append(Assign(a.name, Bin("max", acc, x)))
         else:
             upd.append(Assign(a.name, Bin(a.op, acc, a.value)))
     return tuple(decls) + (Loop(r.var, r.start, r.stop, tuple(upd)),)

@@ -192,7 +192,7 @@ def _tidy(m: MatmulTiles) -> MatmulTiles:
     ``acc_w_gate``), clear of the template's own names."""
     bodies = m.decls + m.prologue + tuple(x for g in m.segments for x in g.epilogue)
     names = L.local_names(bodies) + [a for g in m.segments for a in g.accs]
-    taken, new = set(TEMPLATE_NAMES), {}
+    taken, new = set(TEMPLATE_NAMES) | {n + s for n in _buffers(m, bodies) for s in ("", "8")}, {}
     for n in dict.fromkeys(names):
         base = re.sub(r"_\d+$", "", n) or n
         cand, i = base, 1
@@ -209,6 +209,20 @@ def _tidy(m: MatmulTiles) -> MatmulTiles:
                  for g in m.segments)
     return replace(m, decls=L.rewrite(m.decls, ex, name), prologue=L.rewrite(m.prologue, ex, name),
                    row_values=tuple((new[n], d) for n, d in m.row_values), act=ex(m.act), segments=segs)
+
+
+def _buffers(m: MatmulTiles, bodies) -> set:
+    """The kernel's buffers that ``m`` reads or writes: no local takes their names, nor those of
+    their 8-element register copies (``{buf}8``, see ``_row_reduce``)."""
+    exprs = [m.act, *(w for g in m.segments for w in g.weights)]
+    exprs += [e for s in L.walk_stmts(bodies) for e in L.stmt_exprs(s)]
+    out = {s.buf for s in L.walk_stmts(bodies) if isinstance(s, L.Store)}
+    for x in (x for e in exprs for x in L.walk_exprs(e)):
+        if isinstance(x, L.Load):
+            out.add(x.buf)
+        elif isinstance(x, L.QDot):
+            out |= {x.w, x.act}
+    return out
 
 
 def lds_arrays(m: MatmulTiles):

@@ -169,7 +169,9 @@ class Lowering:
                 continue
             for u in rest:              # hazard rule: the update must not read the elements it overwrites
                 if isinstance(u, Var) and u is not o and u not in self.materialized and o in self.deps(u):
-                    raise Unfusable(u)          # materialize it first, then write in place
+                    # materialize it first, then write in place (an epilogue root whose kernel was to
+                    # store the update itself gives up those stores: its cone is refused)
+                    raise Unfusable(u, cone=u in self.stores)
             aliases[r] = o
         return aliases
 
@@ -842,7 +844,11 @@ def build_plan(prog, rules=None, input_names=None, donated=()) -> Plan:
         try:
             return _lower_all(lw)
         except Unfusable as u:
-            (refused if u.cone else extra).add(u.var)
+            done = refused if u.cone else extra
+            if u.var in done:           # each retry must change the partition, or it would never end
+                raise RuntimeError(f"fusion: {u.var} stays unfusable after it was "
+                                   f"{'refused its stores' if u.cone else 'materialized'}") from u
+            done.add(u.var)
 
 
 def _lower_all(lw) -> Plan:

@@ -18,7 +18,9 @@ Each program is classified:
 * mismatch: some output does not;
 * exception: anything raised other than a ``DSLError`` while tracing;
 * crash: the process died (programs run in child processes, batch by batch;
-  after a crash the rest of the batch is rerun).
+  after a crash the rest of the batch is rerun);
+* hang: the program ran past ``--time-limit`` seconds (its process is ended
+  with the stacks it was in, and the rest of the batch is rerun).
 
 Every failure is shrunk (ops dropped, input dims shrunk, outputs dropped) while
 it persists and printed as a runnable script.
@@ -26,6 +28,7 @@ it persists and printed as a runnable script.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import subprocess
@@ -875,10 +878,16 @@ def shrink(prog, status, check, seed, index, budget=150):
 
 
 # ----------------------------------------------------------------------------- processes
-def worker(seed, indices, backend, shrink_failures):
-    """Child process: run programs, one JSON line per program (``start`` first, so a crash is known)."""
+TIME_LIMIT = 120.0          # seconds one program may run (the slowest take a few)
+
+
+def worker(seed, indices, backend, shrink_failures, time_limit=TIME_LIMIT):
+    """Child process: run programs, one JSON line per program (``start`` first, so a crash is known).
+    A program still running after ``time_limit`` seconds ends the process, its stacks on stderr
+    (``faulthandler``: this works inside native code too); the parent records it as a hang."""
     from dsl.core import DSLError
     abort_at = os.environ.get("VEGAFUSE_FUZZ_ABORT_AT")         # tests the crash isolation
+    hang_at = os.environ.get("VEGAFUSE_FUZZ_HANG_AT")           # tests the time limit
     for i in indices:
         print(json.dumps({"start": i}), flush=True)
         if abort_at is not None and int(abort_at) == i:
@@ -894,7 +903,11 @@ def worker(seed, indices, backend, shrink_failures):
                             f"print(F.program_source({seed}, {i}))'"}
             print(json.dumps(rec), flush=True)
             continue
+        faulthandler.dump_traceback_later(time_limit, exit=True)
+        if hang_at is not None and int(hang_at) == i:
+            time.sleep(10 * time_limit)
         status, detail = run_source(src, backend)
+        faulthandler.cancel_dump_traceback_later()
         rec = {"index": i, "status": status, "detail": detail}
         if status in ("mismatch", "exception") and shrink_failures:
             rec["repro"] = shrink(prog, status, lambda s: run_source(s, backend)[0], seed, i)
@@ -903,8 +916,9 @@ def worker(seed, indices, backend, shrink_failures):
         print(json.dumps(rec), flush=True)
 
 
-def _child(seed, indices, backend, shrink_failures):
+def _child(seed, indices, backend, shrink_failures, time_limit):
     cmd = [sys.executable, "-m", "tests.fuzz", "--worker", "--seed", str(seed), "--backend", backend,
+           "--time-limit", str(time_limit),
            "--indices", ",".join(map(str, indices))] + ([] if shrink_failures else ["--no-shrink"])
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -921,16 +935,24 @@ def shrink_crash(seed, index, backend, budget=40):
     return shrink(prog, "crash", check, seed, index, budget)
 
 
-def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, progress=True, start=0):
-    """Run programs ``start .. start+n-1`` of ``seed``; returns ({status: count}, failures, seconds)."""
+def _hang_detail(err, limit):
+    """One line for a program ended by the time limit: the innermost frame of its main thread."""
+    frames = [x.strip() for x in err.split("most recent call first):")[-1].splitlines() if x.strip().startswith("File")]
+    return f"still running after {limit:g} s" + (f", in {frames[0]}" if frames else "")
+
+
+def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, progress=True, start=0,
+             time_limit=TIME_LIMIT):
+    """Run programs ``start .. start+n-1`` of ``seed``; returns ({status: count}, failures, seconds).
+    A program that runs longer than ``time_limit`` seconds is a failure of status "hang"."""
     t0 = time.time()
     pending = [list(range(b, min(b + batch, start + n))) for b in range(start, start + n, batch)]
-    counts = {"ok": 0, "invalid": 0, "mismatch": 0, "exception": 0, "crash": 0}
+    counts = {"ok": 0, "invalid": 0, "mismatch": 0, "exception": 0, "crash": 0, "hang": 0}
     failures, running, done = [], [], 0
     while pending or running:
         while pending and len(running) < jobs:
             idx = pending.pop(0)
-            running.append((_child(seed, idx, backend, shrink_failures), idx))
+            running.append((_child(seed, idx, backend, shrink_failures, time_limit), idx))
         proc, idx = running.pop(0)
         out, err = proc.communicate()
         seen, current = set(), None
@@ -947,7 +969,12 @@ def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, pro
                 failures.append(rec)
         rest = [i for i in idx if i not in seen]
         if rest:
-            if current is not None and current in rest:
+            if current is not None and current in rest and "Timeout (" in err:
+                counts["hang"] += 1     # not shrunk: each try could take the whole limit
+                failures.append({"index": current, "status": "hang", "detail": _hang_detail(err, time_limit)[:300],
+                                 "repro": program_source(seed, current)[0]})
+                rest.remove(current)
+            elif current is not None and current in rest:
                 counts["crash"] += 1
                 tail = err.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
                 rec = {"index": current, "status": "crash", "detail": tail[0][:300]}
@@ -971,7 +998,7 @@ def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, pro
 
 def _summary(c):
     return (f"ok {c['ok'] + c['invalid']}, mismatches {c['mismatch']}, exceptions {c['exception']}, "
-            f"crashes {c['crash']}")
+            f"crashes {c['crash']}, hangs {c['hang']}")
 
 
 def main(argv=None):
@@ -985,15 +1012,18 @@ def main(argv=None):
                     "also compile every kernel for gfx906 through hiprtc)")
     ap.add_argument("--batch", type=int, default=50, help="programs per child process")
     ap.add_argument("--no-shrink", action="store_true", help="print failures as generated")
+    ap.add_argument("--time-limit", type=float, default=TIME_LIMIT,
+                    help=f"seconds a program may run before it counts as a hang (default {TIME_LIMIT:g})")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--indices", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2 ** 31)
     if a.worker:
-        worker(seed, [int(i) for i in a.indices.split(",") if i], a.backend, not a.no_shrink)
+        worker(seed, [int(i) for i in a.indices.split(",") if i], a.backend, not a.no_shrink, a.time_limit)
         return 0
     print(f"seed {seed}, {a.n} programs, backend {a.backend}, {a.jobs} job{'' if a.jobs == 1 else 's'}", file=sys.stderr)
-    counts, failures, secs = run_many(a.n, seed, a.jobs, a.backend, a.batch, not a.no_shrink, start=a.start)
+    counts, failures, secs = run_many(a.n, seed, a.jobs, a.backend, a.batch, not a.no_shrink, start=a.start,
+                                      time_limit=a.time_limit)
     print(f"{a.n} programs: {_summary(counts)} ({secs:.0f} s)")
     print(f"({counts['invalid']} of the ok were invalid programs rejected with a DSLError)")
     for f in sorted(failures, key=lambda r: r["index"]):

@@ -508,3 +508,22 @@ def test_source_is_textual_llvm(dev):
     assert "define void @\"src" in ck.source and "noalias" in ck.source
     assert "fadd reassoc nsz arcp contract" in ck.source
     assert render_llvm(ck.kernel).count("define") == 2
+
+
+def _rope_argmax(x):
+    """An argmax over the rows of a RoPE-like expression (recomputed inside the argmax kernel)
+    beside a stored value that kernel also reads."""
+    angle = (dsl.arange(16) % 8 + 3).astype("f32") * 0.77
+    v = x.reshape((8, 3, 16))
+    rot = (v * dsl.cos(angle) + dsl.concatenate([-v[..., 8:], v[..., :8]], axis=-1) * dsl.sin(angle)).reshape((8, 48))
+    low = dsl.minimum(rot, 1.02)
+    return dsl.argmax(rot + low, 0), low
+
+
+def test_an_argmax_step_computes_its_value_once():
+    """The argmax step compares its value three times (larger? NaN?); computed three times, fast
+    math rounded the copies differently, ``x != x`` held for numbers and the last row won."""
+    x = rng.standard_normal((8, 48)).astype(np.float32)
+    jf = dsl.jit(_rope_argmax)
+    want = jf.lower(x).program.run(x, compute_dtype="f64")
+    np.testing.assert_array_equal(np.asarray(jf(x)[0]), want[0])

@@ -29,6 +29,15 @@ def test_a_crashing_program_is_recorded_and_the_batch_goes_on(monkeypatch):
     assert [f["index"] for f in failures] == [3] and "def f(" in failures[0]["repro"]
 
 
+def test_a_hanging_program_is_recorded_and_the_batch_goes_on(monkeypatch):
+    monkeypatch.setenv("VEGAFUSE_FUZZ_HANG_AT", "2")
+    counts, failures, _ = fuzz.run_many(6, 5, jobs=1, batch=6, progress=False, time_limit=3)
+    assert counts["hang"] == 1 and sum(counts.values()) == 6, counts
+    (f,) = failures
+    assert f["index"] == 2 and f["status"] == "hang" and "still running after 3 s, in File" in f["detail"]
+    assert "def f(" in f["repro"]
+
+
 def test_shrinking_keeps_the_failure_and_prints_a_runnable_script():
     src, prog = fuzz.program_source(7, 0, {
         "inputs": [{"shape": [8, 16], "dtype": "f32"}], "donate": False, "fusion": {},

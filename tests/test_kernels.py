@@ -299,6 +299,16 @@ def test_in_place_update_that_reads_its_own_buffer():
     check(lambda x: dsl.dynamic_update_slice(x, x[1:3, 0:2].T * x[2:4, 2:4] + 1.0, [0, 1]), randn(5, 4), donate=(0,))
 
 
+def test_in_place_update_by_a_gemv_of_its_own_buffer():
+    """The update is a GEMV's epilogue over the donated buffer it is written into: the GEMV kernel
+    may not store it there itself (it would overwrite rows other workgroups still read), so the
+    update gets its own buffer; planning once retried the same partition forever."""
+    def f(x, w, p):
+        return dsl.dynamic_update_slice(x, dsl.dot_t(x, w) * 0.17, [p, 20])
+    for p in (0, 1, 3):
+        check(f, randn(7, 33), randn(8, 33), p, donate=(0,))
+
+
 def test_f16_mean_accumulates_in_f32():
     x = (rng.random((3, 2000)) * 100 + 50).astype(np.float16)         # row sums pass 65504
     c = check(lambda x: dsl.mean(x, -1), x, rtol=2e-3)

@@ -132,6 +132,23 @@ def test_ragged_k_and_a_plain_matmul(target, tmp_path_factory):
     check(lambda x, w: nn.linear(x, w), (randn(T, K), weight(N, K, "f16")), target, str(tmp_path_factory.getbasetemp()))
 
 
+def _norm_linear(x, sum, sum8, w):
+    """A layer norm before a linear layer whose inputs are named like the prologue's locals."""
+    h = x * sum
+    h = (h - h.mean(axis=-1, keepdims=True)) / dsl.sqrt(dsl.var(h, axis=-1, keepdims=True) + 0.5)
+    return nn.linear(h, w) + sum8
+
+
+@needs_gxx
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+def test_prologue_locals_never_shadow_a_buffer(target, tmp_path_factory):
+    """The prologue's reductions (a mean's ``sum``, their 8-element copies ``{buf}8``) take names
+    clear of the kernel's buffers: a local ``sum`` once hid the input ``sum`` its loop read."""
+    T, K, N = 40, 64, 48
+    args = (randn(T, K), randn(K), randn(T, N), weight(N, K, "f16"))
+    check(_norm_linear, args, target, str(tmp_path_factory.getbasetemp()))
+
+
 def test_rule_and_switch(monkeypatch):
     """Fewer than MMA_ROWS rows keep the GEMV-style matmul, and VEGAFUSE_MMA=0 turns it off; the
     text is one for gfx906 and the NVIDIA wave-64 flavour."""
