@@ -190,11 +190,7 @@ def _reduce_update(s, a, pad):
         return [f"{pad}{a.name} += {v};"]
     if a.op == "max":
         return [f"{pad}{a.name} = {'vf_max' if a.dtype == 'f32' else 'max'}({a.name}, {v});"]
-    if a.dtype != "f32":
-        return [f"{pad}if ({expr(a.value)} > {a.name}) {{ {a.name} = {v}; {a.arg} = {s.var}; }}"]
-    # k only grows: a larger value wins, and the first NaN (not <=, while the best is no NaN yet)
-    return [f"{pad}if (!({expr(a.value)} <= {a.name}) && {a.name} == {a.name}) {{ {a.name} = {v}; {a.arg} = {s.var}; }}"
-            "   // the first NaN wins, as in numpy"]
+    return [f"{pad}vf_argmax_step{'_i' if a.dtype == 'i32' else ''}({v}, {s.var}, &{a.name}, &{a.arg});"]
 
 
 def _reduce(s, pad):

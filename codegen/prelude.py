@@ -45,9 +45,16 @@ __device__ __forceinline__ float vf_block_sum(float v, float* red) {{
   __syncthreads();
   return vf_wave_sum(threadIdx.x % VF_WAVE < VF_WAVES ? red[threadIdx.x % VF_WAVE] : 0.0f);
 }}
-// argmax over the block: the larger value wins, ties go to the smaller index
-// does (ov, oi) win an argmax against (v, i)?  NaN is the largest value, as in numpy; ties go to
-// the smaller index
+// one step of a thread's argmax, its indices k growing: a larger value wins, and the first NaN while
+// the best is none (NaN is the largest value, as in numpy); v is computed once, by the caller
+__device__ __forceinline__ void vf_argmax_step(float v, int k, float* best, int* arg) {{
+  if (!(v <= *best) && *best == *best) {{ *best = v; *arg = k; }}
+}}
+__device__ __forceinline__ void vf_argmax_step_i(int v, int k, int* best, int* arg) {{
+  if (v > *best) {{ *best = v; *arg = k; }}
+}}
+// argmax over the block: does (ov, oi) win against (v, i)?  NaN is the largest value, as in numpy;
+// ties go to the smaller index
 __device__ __forceinline__ bool vf_argmax_better(float ov, int oi, float v, int i) {{
   const bool onan = ov != ov, nan = v != v;
   return onan != nan ? onan : (onan || ov == v) ? oi < i : ov > v;

@@ -264,8 +264,9 @@ def _offset(e):
 
 def _by_range(e, env):
     """Rules that need what operands can be: min/max of ordered ranges (clamps that cannot
-    clamp), x / n and x % n for x in [0, n), (a*n + b) / n and % n for b in [0, n), comparisons
-    decided by ranges."""
+    clamp), x / n and x % n for x in [0, n), (a*n + b) / n and % n for b in [0, n),
+    (a*m*n + b) / n = a*m + b / n and (a*m*n + b) % n = b % n for a*m*n, b >= 0 (C's division
+    truncates: only where nothing is negative), x % (m*n) % n = x % n, comparisons decided by ranges."""
     if not isinstance(e, L.Bin) or e.a.dtype != "i32":
         return None
     ra, rb = value_range(e.a, env), value_range(e.b, env)
@@ -276,6 +277,8 @@ def _by_range(e, env):
             return e.b if e.op == "min" else e.a
     if e.op in ("idiv", "mod") and _const(e.b) and e.b.value > 0:
         n = e.b.value
+        if e.op == "mod" and isinstance(e.a, L.Bin) and e.a.op == "mod" and _const(e.a.b) and e.a.b.value % n == 0:
+            return L.Bin("mod", e.a.a, e.b)                                    # x % (m n) % n, any sign
         if ra and 0 <= ra[0] and ra[1] < n:
             return L.Const(0, "i32") if e.op == "idiv" else e.a
         if isinstance(e.a, L.Bin) and e.a.op == "mul" and _const(e.a.b, n):
@@ -285,6 +288,13 @@ def _by_range(e, env):
             rm, rr = value_range(e.a.a, env), value_range(e.a.b, env)
             if rm and rr and rm[0] >= 0 and 0 <= rr[0] and rr[1] < n:          # (a * n + b) / n
                 return e.a.a.a if e.op == "idiv" else e.a.b
+        if isinstance(e.a, L.Bin) and e.a.op == "add" and isinstance(e.a.a, L.Bin) and e.a.a.op == "mul" \
+                and _const(e.a.a.b) and e.a.a.b.value % n == 0:
+            rm, rr = value_range(e.a.a, env), value_range(e.a.b, env)
+            if rm and rr and rm[0] >= 0 and rr[0] >= 0:                        # (a * m n + b) / n, b >= 0
+                if e.op == "mod":
+                    return L.Bin("mod", e.a.b, e.b)
+                return L.add(L.mul(e.a.a.a, L.Const(e.a.a.b.value // n, "i32")), L.Bin("idiv", e.a.b, e.b))
     if e.op in CMP_OPS and ra and rb:
         always = {"lt": ra[1] < rb[0], "le": ra[1] <= rb[0], "gt": ra[0] > rb[1], "ge": ra[0] >= rb[1],
                   "eq": ra[0] == ra[1] == rb[0] == rb[1], "ne": ra[1] < rb[0] or rb[1] < ra[0]}[e.op]
@@ -361,6 +371,11 @@ def fold(body, env):
             if not body2 and _loop_extras_default(s):
                 continue
             out.append(replace(s, start=start, stop=stop, body=body2))
+        elif isinstance(s, L.Reduce):          # its values see the reduction variable's range
+            start, stop = fold_expr(s.start, env), fold_expr(s.stop, env)
+            r0, r1 = value_range(start, env), value_range(stop, env)
+            inner = dict(env, **{s.var: (r0[0], r1[1] - 1)})
+            out.append(replace(map_node(s, lambda e: fold_expr(e, inner), lambda b: b), start=start, stop=stop))
         else:
             out.append(map_node(s, lambda e: fold_expr(e, env), lambda b: fold(b, env)))
     return tuple(out)

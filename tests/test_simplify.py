@@ -149,6 +149,11 @@ def test_index_rules_use_ranges_from_loop_bounds():
     assert fold_expr(b("idiv", b("add", b("mul", n, c(64)), x), c(64)), env) == n
     assert fold_expr(b("mod", b("add", b("mul", n, c(64)), x), c(64)), env) == x
     assert fold_expr(b("add", b("mul", b("idiv", sym("f"), c(8)), c(8)), b("mod", sym("f"), c(8))), {}) == sym("f")
+    assert fold_expr(b("idiv", b("add", b("mul", n, c(48)), x), c(16)), env) == b("add", b("mul", n, c(3)), b("idiv", x, c(16)))
+    assert fold_expr(b("mod", b("add", b("mul", n, c(48)), x), c(16)), env) == b("mod", x, c(16))
+    assert fold_expr(b("mod", b("add", b("mul", n, c(48)), sym("f")), c(16)), env) == \
+        b("mod", b("add", b("mul", n, c(48)), sym("f")), c(16))                   # f may be negative
+    assert fold_expr(b("mod", b("mod", sym("f"), c(16)), c(8)), {}) == b("mod", sym("f"), c(8))
     clamp = b("max", c(0), b("min", x, c(63)))
     assert fold_expr(clamp, env) == x
     assert fold_expr(clamp, {"x": (0, 64)}) == b("min", x, c(63))                 # only the upper side
@@ -261,7 +266,8 @@ def test_unknown_statement_kinds_are_traversed():
 def random_index(rng, names, depth):
     if depth == 0 or rng.random() < 0.25:
         return sym(rng.choice(names)) if rng.random() < 0.7 else c(int(rng.integers(-3, 9)))
-    op = rng.choice(["add", "sub", "mul", "idiv", "mod", "min", "max", "clamp", "split", "unscale", "select"])
+    op = rng.choice(["add", "sub", "mul", "idiv", "mod", "min", "max", "clamp", "split", "unscale", "rescale",
+                     "modmod", "select"])
     a = random_index(rng, names, depth - 1)
     if op in ("idiv", "mod"):
         return b(op, a, c(int(rng.integers(1, 9))))
@@ -276,6 +282,13 @@ def random_index(rng, names, depth):
         n = c(int(rng.integers(1, 9)))
         b_ = random_index(rng, names, depth - 1) if rng.random() < 0.5 else c(int(rng.integers(0, n.value)))
         return b(rng.choice(["idiv", "mod"]), b("add", b("mul", a, n), b_) if rng.random() < 0.7 else b("mul", a, n), n)
+    if op == "rescale":                        # (a * m n + b) / n and % n: a reshape's index, split again
+        n = int(rng.integers(1, 9))
+        b_ = random_index(rng, names, depth - 1)
+        return b(rng.choice(["idiv", "mod"]), b("add", b("mul", a, c(n * int(rng.integers(1, 5)))), b_), c(n))
+    if op == "modmod":                         # a % (m n) % n
+        n = int(rng.integers(1, 9))
+        return b("mod", b("mod", a, c(n * int(rng.integers(1, 5)))), c(n))
     if op == "select":
         return L.Select(b("lt", a, random_index(rng, names, depth - 1)), a, random_index(rng, names, depth - 1))
     return b(op, a, random_index(rng, names, depth - 1))
