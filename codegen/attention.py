@@ -43,7 +43,7 @@ def _loop(n, var, body):
         return ["#pragma unroll", f"for (int {var} = 0; {var} < {n}; ++{var}) {{"] + _indent(body) + ["}"]
 
     def zero(x):
-        x = re.sub(rf"\b{var}\b", "0", x)
+        x = re.sub(rf"(?<![.\w]){var}\b", "0", x)                            # (not a member: pr.x)
         x = re.sub(r" \+ \w+ \* 0\b| \+ 0 \* \w+", "", x)
         return re.sub(r"\((vf_wave|vf_lane)\)", r"\1", x)
     body = [zero(x) for x in body]
@@ -652,7 +652,7 @@ def render(a: L.Attention, bare) -> list:
     text = "\n".join(lines)
     outside = {a.q, a.k, a.v, a.out} | {e.name for e in L.walk_exprs(a.pos) if isinstance(e, L.Sym)}
     for name in set(LOCALS + DECODE_LOCALS) & outside:                       # a local would hide it: rename the local
-        text = re.sub(rf"\b{name}\b", name + "_", text)
+        text = re.sub(rf"(?<![.\w]){name}\b", name + "_", text)                  # (not a member: pr.x, threadIdx.x)
     text = (text.replace("@q@", a.q).replace("@k@", a.k).replace("@v@", a.v).replace("@out@", a.out)
             .replace("@pos@", bare(a.pos)))
     return text.split("\n")

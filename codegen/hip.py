@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from . import attention
 from . import loopir as L
 from . import mma
-from .mapping import map_kernel
+from .mapping import clear_of_templates, map_kernel
 from .prelude import prelude  # noqa: F401  (re-exported)
 from .targets import Target, get_target, occupancy_lds
 
@@ -413,6 +413,6 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
             + prelude(own, m.launch.act, quant, att, tiled, q8))
     prefetch = t.pdl_prefetch if t.pdl else 0
-    src = head + "\n" + render_kernel(m, prefetch, _weights(k) if prefetch else ())
+    src = head + "\n" + render_kernel(m, prefetch, _weights(clear_of_templates(k)) if prefetch else ())
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

@@ -682,6 +682,21 @@ def tidy_names(k: "Kernel", reserved=()) -> "Kernel":
     return replace(k, body=rewrite(k.body, ex, lambda n: names.get(n, n)))
 
 
+def rename_params(k: "Kernel", names: dict) -> "Kernel":
+    """``k`` with the parameters named in ``names`` ({old: new}) renamed, with every read and write
+    of them (a launch binds parameters by position, so only the kernel text changes)."""
+    if not names:
+        return k
+    n = lambda x: names.get(x, x)  # noqa: E731
+
+    def ex(e):
+        return rewrite_expr(e, lambda x: Sym(names[x.name], x.dtype) if isinstance(x, Sym) and x.name in names
+                            else replace(x, buf=names[x.buf]) if isinstance(x, Load) and x.buf in names
+                            else replace(x, w=n(x.w), act=n(x.act)) if isinstance(x, QDot) and (x.w in names or x.act in names)
+                            else None)
+    return replace(k, params=tuple(replace(p, name=n(p.name)) for p in k.params), body=rewrite(k.body, ex, n))
+
+
 def serial_reduce(r: Reduce):
     """A Reduce as plain statements: each Acc declared with its identity, then one loop.  An
     argmax step computes its value once (``{acc}_value``): it is compared three times, and two

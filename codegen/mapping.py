@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from . import loopir as L
 from .loopir import ITEMSIZE
+from . import mma
 from .mma import mma_tiles
 from .prelude import act_dtype
 from .targets import Target, get_target
@@ -41,6 +42,7 @@ def map_kernel(k: L.Kernel, t: Target, lds_limit: int = 0) -> L.Kernel:
     bytes the kernel must fit besides ``t``'s own (the target whose text it runs on)."""
     if k.launch is not None:
         return k
+    k = clear_of_templates(k)
     if t.maps_like:                        # another target's kernel text, launched within this one's limits
         # (its LDS; an emulated wave's 15 waves a workgroup: no larger workgroups, _whole_trips)
         return map_kernel(k, get_target(t.maps_like, emulated_wave=t.emulated_wave), t.max_static_lds)
@@ -520,6 +522,23 @@ def _int8_path(body, t, lds_limit) -> bool:
     return bool(on and reds and act) and all(quant_weights(r, n) for r in reds for n in act
                                                      if any(x == L.Load(n, L.Sym(r.var, "i32"), "f32")
                                                             for a in r.accs for x in L.walk_exprs(a.value)))
+
+
+def clear_of_templates(k: L.Kernel) -> L.Kernel:
+    """A contraction's buffers renamed (a trailing ``_``) where the tiled matmul's text declares
+    the same name (``mma.TEMPLATE_NAMES``: a weight ``k`` or an input ``row``), or where another
+    buffer's 8-element register copy would (``x8`` beside ``x``): the text would read the local."""
+    if k.family != "contract":
+        return k
+    names = {p.name for p in k.params}
+    taken = set(mma.TEMPLATE_NAMES) | {n + "8" for n in names}
+    new = {}
+    for n in sorted(names & taken):
+        m = n + "_"
+        while m in names or m in taken or m in new.values():
+            m += "_"
+        new[n] = m
+    return L.rename_params(k, new)
 
 
 def _contract(body, t, lds_limit):

@@ -90,7 +90,10 @@ def prefetch() -> bool:
 
 
 ROW, COL, K, R = (L.Sym(n, "i32") for n in ("row", "col", "k", "r"))
-TEMPLATE_NAMES = ("row", "col", "k", "r", "c", "e", "f", "i", "j", "v", "a_next", "b_next", "load_tiles", "k0", "m0", "n0", "frag", "tile_n", "mma_a", "mma_b")
+# the names the template declares itself: no local takes them (``_tidy``), and a kernel buffer that
+# has one is renamed before mapping (``codegen.mapping.clear_of_templates``)
+TEMPLATE_NAMES = ("row", "col", "k", "r", "c", "e", "f", "i", "j", "v", "a_next", "b_next", "load_tiles", "store_tiles",
+                  "buf", "k0", "m0", "n0", "frag", "tile_n", "mma_a", "mma_b")
 
 
 def _factor(v, act):

@@ -150,6 +150,28 @@ def check_positions(k, target, v, positions, tmp, m):
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("v", [(4, 2, 1, 256, 64, "f2"), (4, 4, 1, 40, 128, "f4"), (8, 4, 20, 256, 64, "f2")],
+                         ids=lambda v: "x".join(map(str, v)))
+def test_inputs_named_like_vector_members_are_read(v, target, tmp_path_factory):
+    """Inputs named ``x``, ``w``, ``oc`` (locals of the templates, and members such as ``pr.x`` or
+    ``threadIdx.x``): the template's locals are renamed, its members are not."""
+    hq, hkv, t, s, d, kv = v
+    rng = np.random.default_rng()
+    f = dsl.jit(lambda x, w, oc, pos: dsl.attention(x, w, oc, pos, 1.0 / np.sqrt(d)))
+    q = rng.standard_normal((hq, t, d)).astype("f4")
+    kc, vc = (rng.standard_normal((hkv, s, d)).astype(kv) for _ in range(2))
+    pos = int(rng.integers(0, s - t + 1))
+    low = f.lower(q, kc, vc, pos)
+    (k,) = build_plan(low.program, None, low.in_names, low.donated).kernels
+    out = np.full((hq, t, d), np.nan, np.float32)
+    named = {"x": q, "w": kc, "oc": vc, "pos": np.array([pos], np.int32)}
+    emulate(k, target, [named.get(p.name, out) for p in k.params], str(tmp_path_factory.getbasetemp()))
+    want = low.program.run(q, kc, vc, pos, compute_dtype="f64")[0]
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
 @pytest.mark.parametrize("template", ["blocked", "scalar"])
 @pytest.mark.parametrize("target", ["sm_90", "gfx906"])
 @pytest.mark.parametrize("v", [(10, 2, 5, 300, 80, "f2"), (4, 2, 3, 200, 64, "f4")], ids=lambda v: "x".join(map(str, v)))

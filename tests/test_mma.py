@@ -149,6 +149,20 @@ def test_prologue_locals_never_shadow_a_buffer(target, tmp_path_factory):
     check(_norm_linear, args, target, str(tmp_path_factory.getbasetemp()))
 
 
+@needs_gxx
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+def test_buffers_named_like_the_templates_locals(target, tmp_path_factory):
+    """Inputs named like the template's own locals (a weight ``k``, an activation ``row``, a
+    residual ``col``) or like another input's register copy (``e`` beside ``e8``) are renamed in
+    the kernel text: the locals hid them and the text did not compile."""
+    T, K, N = 40, 64, 48
+
+    def f(row, k, col, e, e8):
+        return nn.linear(row * e, k) + col + e8
+    check(f, (randn(T, K), weight(N, K, "f16"), randn(T, N), randn(K), randn(T, N)), target,
+          str(tmp_path_factory.getbasetemp()))
+
+
 def test_rule_and_switch(monkeypatch):
     """Fewer than MMA_ROWS rows keep the GEMV-style matmul, and VEGAFUSE_MMA=0 turns it off; the
     text is one for gfx906 and the NVIDIA wave-64 flavour."""
