@@ -211,14 +211,24 @@ def _reduce(s, pad):
             lo, hi = f"vf_wave % {s.split} * {chunk} + {lane}", f"(vf_wave % {s.split} + 1) * {chunk}"
         else:
             lo = _plus(lo, lane)
-        if s.vector > 1:
-            out.append(f"{pad}VF_UNROLL_K")
-        elif s.unroll:
-            out.append(f"{pad}#pragma unroll {s.unroll}")
-        step = s.lanes or "VF_WAVE"
-        out.append(_for(s.var, lo, hi, f"+= {step}{'' if s.vector == 1 else f' * {s.vector}'}", pad))
+        step = f"{s.lanes or 'VF_WAVE'}{'' if s.vector == 1 else f' * {s.vector}'}"
+        if s.whole:                                # a constant count of steps, every load in flight at once
+            extent = s.stop.value // s.split - (0 if s.split > 1 else s.start.value)
+            out += [f"{pad}#pragma unroll   // all of the lane's steps: their loads in flight together",
+                    f"{pad}for (int vf_step = 0; vf_step < ({extent} + {step} - 1) / {step if ' ' not in step else f'({step})'}; ++vf_step) {{",
+                    f"{pad}  const int {s.var} = {lo} + vf_step * {step};",
+                    f"{pad}  if ({s.var} < {hi}) {{"]
+        else:
+            if s.vector > 1:
+                out.append(f"{pad}VF_UNROLL_K")
+            elif s.unroll:
+                out.append(f"{pad}#pragma unroll {s.unroll}")
+            out.append(_for(s.var, lo, hi, f"+= {step}", pad))
+    inner = pad + ("    " if s.map == "lane" and s.whole else "  ")
     for a in s.accs:
-        out += _reduce_update(s, a, pad + "  ")
+        out += _reduce_update(s, a, inner)
+    if s.map == "lane" and s.whole:
+        out.append(f"{pad}  }}")
     out.append(f"{pad}}}")
     if s.map == "block":
         out += [pad + BLOCK_REDUCE[a.op, a.dtype].format(a=a.name, i=a.arg) for a in s.accs]

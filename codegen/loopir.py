@@ -343,6 +343,8 @@ class Reduce:
     split: int = 1
     lanes: int = 0                # map="lane": the lanes that share the range (0: the whole wave)
     unroll: int = 0               # GPU unroll hint (loads in flight); 0: the compiler's choice
+    whole: bool = False           # map="lane": a lane's few steps all unrolled, each guarded, so that all their
+                                  # loads are in flight at once (codegen.mapping.whole_steps)
     order: str = "inner"          # ORDERS: where the reduction's loop runs, chosen by the scheduler
 
 

@@ -354,7 +354,8 @@ def decode_tiles(a: L.Attention, t: Target):
     workgroups of ceil(group / n) heads, the last taking fewer where they do not divide it; only
     divisors where the target sets no register budget) and ``unroll`` are the most heads, with 4 or else 2
     keys in flight, then with 1, whose queries fit ``DECODE_FLOATS`` values per lane and whose
-    registers (``decode_vgprs``) fit ``t.attention_vgprs`` (gfx906: 128, two waves per SIMD and no
+    registers (``decode_vgprs``) fit ``t.attention_decode_vgprs`` or else ``t.attention_vgprs`` (sm_90, gfx906:
+    128; on gfx906 two waves per SIMD and no
     scratch at any group size; ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
     it, one head and one key in flight).  Splits: the
     chunk where a workgroup per CU covers the full cache, in whole steps of the workgroup
@@ -368,7 +369,7 @@ def decode_tiles(a: L.Attention, t: Target):
     units = a.d // per                                     # 16-byte loads per row
     lanes = min(t.wave, 1 << (units - 1).bit_length())
     upl = -(-units // lanes)
-    budget = env_int("VEGAFUSE_ATT_VGPRS", t.attention_vgprs)
+    budget = env_int("VEGAFUSE_ATT_VGPRS", t.attention_decode_vgprs or t.attention_vgprs)
     heads = sorted({-(-group // n) for n in range(1, group + 1)}, reverse=True)   # the group over 1, 2, ... workgroups
     if not budget:
         heads = [h for h in heads if group % h == 0]
@@ -1012,8 +1013,10 @@ def _quant_wave_loop(segs, t, info):
                 accs.append(replace(a, name=names.get(a.name, a.name),
                                     value=L.QDot(q.buf, q.fmt, blk, q.count, info["act"], kb)))
             epilogue += ren(tuple(rest))
+        unroll = _block_unroll(K // 32 // (lanes * ks))
         red = L.Reduce(kb.name, L.c(0), L.c(K // 32), tuple(accs), map="lane", split=ks,
-                       lanes=0 if lanes == t.wave else lanes, unroll=_block_unroll(K // 32 // (lanes * ks)))
+                       lanes=0 if lanes == t.wave else lanes, unroll=unroll,
+                       whole=not unroll and whole_steps(t, -(-(K // 32) // (lanes * ks))))
         seg = (red, L.If(last, tuple(epilogue)))
         if off:
             seg = (L.Declare(own.name, "i32", L.Bin("sub", tile, L.c(off // per))),) + seg
@@ -1032,6 +1035,20 @@ def trip_unroll(t: Target, blocks: int, gptq: bool) -> int:
     ``VEGAFUSE_TRIP_UNROLL`` overrides (A/B; 0: none)."""
     rule = 0 if not t.int8_trip_unroll else t.int8_trip_unroll if blocks <= 2 else 2 if gptq else 0
     return env_int("VEGAFUSE_TRIP_UNROLL", rule)
+
+
+def whole_steps(t: Target, steps: int) -> bool:
+    """Whether an int8 GEMV lane's loop over weight blocks, of ``steps`` steps (at most; the last
+    may leave some lanes out), is written as that constant count, fully unrolled with each step
+    guarded, so that all of its loads are in flight at once: up to ``t.int8_whole_steps`` steps
+    (gfx906: never; its main loop then read LDS 0.090 times per weight byte, over the 0.056 gate,
+    and it is not measured there).  A loop over
+    ``kb += VF_WAVE`` has no count the compiler knows, so each step's loads waited on the last's.
+    On an H200 (2026-12-03, A/B/A against ``VEGAFUSE_WHOLE_STEPS=0``): Qwen2.5-7B q4_0 517 against
+    473 tok/s, gptq_int4 468 against 418, 1.5B q4_0 959 against 934; the float GEMV's loop (vector
+    steps, under ``VF_UNROLL_K``) lost 6% at 1.5B f16 written so, and keeps its loop.
+    ``VEGAFUSE_WHOLE_STEPS`` sets the most steps (0: never; A/B)."""
+    return steps <= env_int("VEGAFUSE_WHOLE_STEPS", t.int8_whole_steps)
 
 
 def _block_unroll(trips: int) -> int:

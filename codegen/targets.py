@@ -53,6 +53,8 @@ class Target:
                                  # round: 4 gave 427.8 against 410.3/410.5 tok/s (Qwen2.5-7B q4_0, A/B/A, 2026-12-01)
     int8_trip_unroll: int = 0    # unroll of an int8 GEMV's loop over its tiles where a lane folds at most 2 blocks of
                                  # a row (codegen.mapping.trip_unroll): other tiles' loads in flight (0: none)
+    int8_whole_steps: int = 0    # an int8 GEMV lane's loop over at most this many blocks is written fully unrolled, its
+                                 # loads in flight together (codegen.mapping.whole_steps; 0: never)
     int8_balance: bool = False   # rows per lane chosen for the grid (codegen.mapping.rows_per_lane): as few as
                                  # keep the waves busy (more loads in flight), fewer when the tiles would leave
                                  # waves idle in a last round; gfx906 keeps 8 for its LDS metric
@@ -77,6 +79,8 @@ class Target:
                                  # context, no combine (codegen.mapping.decode_tiles; 0: the splits as they fall)
     attention_vgprs: int = 0     # registers per lane a decode attention may take (0: no limit; decode_tiles
                                  # takes fewer query heads per workgroup, or fewer keys in flight, to fit)
+    attention_decode_vgprs: int = 0  # the decode attention's register budget where it differs from the prefill's
+                                 # (0: attention_vgprs)
     pdl: bool = False            # programmatic dependent launch (Hopper): a kernel starts while the previous
                                  # one drains, then waits for its inputs.  Off: on an H200 (2026-12-02, with the
                                  # two settings below) Qwen2.5-1.5B q4_0 gained 4.4% and 7B q4_0 lost 1.6%
@@ -128,9 +132,16 @@ TARGETS = {
                     # q4_0 (1.5 blocks a lane) 915 -> 937 tok/s by 4, 923 by 2; 7B q4_0 (3.5) 474 -> 468 by 2;
                     # 7B gptq_int4 (3.5) 401 -> 421 by 2; 1.5B f16 (a float GEMV) 677 -> 657 by 2
                     int8_trip_unroll=4,
+                    # A/B/A on an H200 (2026-12-03, VEGAFUSE_WHOLE_STEPS=0 as B): Qwen2.5-7B q4_0 517 against 473
+                    # tok/s, gptq_int4 468 against 418, 1.5B q4_0 959 against 934
+                    int8_whole_steps=8,
                     # A/B/A on an H200 (2026-12-02, VEGAFUSE_ATT_SHORT=0 as B): Qwen2.5-1.5B f16 decode at 32
                     # positions 679.3 against 670.1 tok/s (attention 8.5 -> 7.0 us alone), 7B q4_0 474.6 / 471.8
                     attention_short=4,
+                    # a decode attention of fewer query heads per workgroup (3 at Qwen2.5's shapes, 2 keys in flight:
+                    # 12 or 4 workgroups at a short context, not 4 or 2): A/B/A on an H200 (2026-12-03, VEGAFUSE_ATT_VGPRS
+                    # =128 as B) Qwen2.5-7B q4_0 486.2 against 474.8/475.1 tok/s, 1.5B f16 685.9 against 679.7/672.0
+                    attention_decode_vgprs=128,
                     one_workgroup_block=1024),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,

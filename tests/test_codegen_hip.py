@@ -59,7 +59,8 @@ def test_gemv_keeps_the_activation_in_lds_and_loads_16_bytes(kernels):
         src = render_hip(k, "gfx906").body
         assert "__shared__ vf_half act[" in src               # f16 pairs for v_dot2_f32_f16
         assert "vf_dot8_h(" in src                           # the 16-byte weight path
-        k_var = re.search(r"for \(int (k\d*) = vf_lane \* 8;", src).group(1)
+        m = re.search(r"for \(int (k\d*) = vf_lane \* 8;|const int (k\d*) = vf_lane \* 8 \+ vf_step \* VF_WAVE \* 8;", src)
+        k_var = m.group(1) or m.group(2)                     # a loop, or the steps of one unrolled whole
         assert f"act + {k_var})" in src
     nv = render_hip(gemvs[0], "sm_90").body                  # no fp16 dot: the activation stays f32
     assert "__shared__ float act[576]" in nv and "vf_dot8_h(" in nv

@@ -1,6 +1,8 @@
 """The float GEMV's balanced grid (``codegen.mapping._balanced``) and the NVIDIA load of quant blocks:
 the kernel text run on the CPU (``tests/emulation.py``) against the float64 interpreter, and the
 mapping's choices on the real tables."""
+import re
+
 import numpy as np
 import pytest
 
@@ -208,3 +210,25 @@ def test_the_prefetch_shares_tile_the_bytes(tmp_path):
                 end = a + s
             if off == 0:
                 assert sum(s for _, s in got) == n // 16 * 16, (n, grid)
+
+
+def test_a_lane_of_few_weight_blocks_has_them_all_in_flight(monkeypatch):
+    """On sm_90 an int8 GEMV lane that folds at most 8 blocks of a row (Qwen2.5-7B's K 3584: 3.5)
+    takes them in a fully unrolled count of guarded steps, written for any wave width (gfx906 keeps
+    its loop); a long row (K 18944: 18.5) keeps its loop unrolled by 4; ``VEGAFUSE_WHOLE_STEPS=0``
+    keeps the loop everywhere (A/B)."""
+    from dsl.quant import random_qarray
+    x = rng.standard_normal((1, 3584)).astype(np.float32)
+    w = random_qarray((4096, 3584), "q4_0", int(rng.integers(1 << 30)))
+    (k,) = lower_program(dsl.jit(lambda x, w: nn.linear(x, w)).lower(x, w)).kernels
+    src = render_hip(k, "sm_90").body
+    assert "for (int vf_step = 0; vf_step < (112 + VF_WAVE - 1) / VF_WAVE; ++vf_step) {" in src
+    assert re.search(r"const int (kb\w*) = vf_lane \+ vf_step \* VF_WAVE;\n\s*if \(\1 < 112\) \{", src)
+    assert "vf_step" not in render_hip(k, "gfx906").body       # its LDS gate: not there
+    long_x = rng.standard_normal((1, 18944)).astype(np.float32)
+    long_w = random_qarray((3584, 18944), "q4_0", int(rng.integers(1 << 30)))
+    (long_k,) = lower_program(dsl.jit(lambda x, w: nn.linear(x, w)).lower(long_x, long_w)).kernels
+    src = render_hip(long_k, "sm_90").body
+    assert "vf_step" not in src and "#pragma unroll 4\n" in src
+    monkeypatch.setenv("VEGAFUSE_WHOLE_STEPS", "0")
+    assert "vf_step" not in render_hip(k, "sm_90").body
