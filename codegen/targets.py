@@ -138,10 +138,12 @@ TARGETS = {
                     # A/B/A on an H200 (2026-12-02, VEGAFUSE_ATT_SHORT=0 as B): Qwen2.5-1.5B f16 decode at 32
                     # positions 679.3 against 670.1 tok/s (attention 8.5 -> 7.0 us alone), 7B q4_0 474.6 / 471.8
                     attention_short=4,
-                    # a decode attention of fewer query heads per workgroup (3 at Qwen2.5's shapes, 2 keys in flight:
-                    # 12 or 4 workgroups at a short context, not 4 or 2): A/B/A on an H200 (2026-12-03, VEGAFUSE_ATT_VGPRS
-                    # =128 as B) Qwen2.5-7B q4_0 486.2 against 474.8/475.1 tok/s, 1.5B f16 685.9 against 679.7/672.0
-                    attention_decode_vgprs=128,
+                    # a decode attention of fewer query heads per workgroup (Qwen2.5-1.5B: 3 of 6, 4 keys in flight;
+                    # 7B: 4 of 7, 2 keys), so that a short context takes more workgroups.  On an H200 (2026-12-03):
+                    # a budget of 128 (3 heads, 2 keys) ran 7B q4_0 at 534.5/533.5 against 516.7 tok/s with none and
+                    # 1.5B f16 at 686.7/686.2 against 675.0 (A/B/A), but decode at position 4000 fell from 1.654 to
+                    # 2.304 ms a token; 170 kept it (1.658) and ran 7B q4_0 at 1.888 ms (529.7 tok/s)
+                    attention_decode_vgprs=170,
                     one_workgroup_block=1024),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,

@@ -259,20 +259,20 @@ def test_a_forced_prefill_tile_is_checked(monkeypatch):
 
 
 def test_a_short_context_is_read_by_one_split(monkeypatch):
-    """Decode at Qwen2.5-1.5B's shape: up to four steps of keys (64 positions on sm_90, whose
-    workgroups of 3 query heads take steps of 16 keys and splits 16 or 128 long) the first split
+    """Decode at Qwen2.5-1.5B's shape: up to four steps of keys (128 positions on sm_90, whose
+    workgroups of 3 query heads take steps of 32 keys and splits 32 or 128 long) the first split
     reads the whole context, so nothing is combined; the text
     names the bound; ``VEGAFUSE_ATT_SHORT=0`` keeps the splits; where a split is that long already
     (a workgroup per CU over a long cache), nothing changes; a cache no longer than the bound is one
     split; gfx906 (not measured) keeps its splits."""
-    for s, chunk, short in ((512, 16, 64), (4200, 128, 0)):
+    for s, chunk, short in ((512, 32, 128), (4200, 128, 0)):
         k = attention_kernel(12, 2, 1, s, 128, "f2")
         _, m = tiles_of(k, "sm_90")
-        assert (m.chunk, m.short, m.heads, m.keys) == (chunk, short, 3, 16), m
+        assert (m.chunk, m.short, m.heads, m.keys) == (chunk, short, 3, 32), m
         src = render_hip(k, "sm_90").source
-        assert ("SHORT = 64" in src and "const int ch = end <= SHORT ? SHORT : CH;" in src) == bool(short)
-    one = tiles_of(attention_kernel(12, 2, 1, 60, 128, "f2"), "sm_90")[1]
-    assert (one.chunk, one.splits, one.short) == (64, 1, 0), one
+        assert ("SHORT = 128" in src and "const int ch = end <= SHORT ? SHORT : CH;" in src) == bool(short)
+    one = tiles_of(attention_kernel(12, 2, 1, 100, 128, "f2"), "sm_90")[1]
+    assert (one.chunk, one.splits, one.short) == (128, 1, 0), one
     assert tiles_of(attention_kernel(12, 2, 1, 512, 128, "f2"), "gfx906")[1].short == 0
     _, m = tiles_of(attention_kernel(12, 2, 1, 65536, 128, "f2"), "sm_90")
     assert m.chunk >= m.short and "SHORT" not in render_hip(attention_kernel(12, 2, 1, 65536, 128, "f2"), "sm_90").source
