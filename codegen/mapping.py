@@ -354,9 +354,9 @@ def decode_tiles(a: L.Attention, t: Target):
     workgroups of ceil(group / n) heads, the last taking fewer where they do not divide it; only
     divisors where the target sets no register budget) and ``unroll`` are the most heads, with 4 or else 2
     keys in flight, then with 1, whose queries fit ``DECODE_FLOATS`` values per lane and whose
-    registers (``decode_vgprs``) fit ``t.attention_decode_vgprs`` or else ``t.attention_vgprs`` (sm_90, gfx906:
-    128; on gfx906 two waves per SIMD and no
-    scratch at any group size; ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
+    registers (``decode_vgprs``) fit ``t.attention_decode_vgprs`` or else ``t.attention_vgprs`` (sm_90:
+    170, the most keys in flight that a long cache needs; gfx906: 128, two waves per SIMD and no
+    scratch at any group size); ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
     it, one head and one key in flight).  Splits: the
     chunk where a workgroup per CU covers the full cache, in whole steps of the workgroup
     (``VEGAFUSE_ATT_CHUNK`` sets it: A/B); up to ``t.attention_short`` steps of keys, when that is
