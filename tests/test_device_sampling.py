@@ -26,12 +26,34 @@ def inverse_cdf(q, u):
     return int(np.searchsorted(np.cumsum(q), u, side="right"))
 
 
+# the device's threshold searches resolve z to 105 / 2^24 (``stdlib.sampling.sample``): ids closer than
+# that to a top-k or top-p cut may fall on either side, and so may the draw
+CUT = 2 * 105 / 2 ** 24
+
+
+def near_a_cut(x, kw):
+    """Whether the top-k or top-p cut of finite-max logits ``x`` (float64) lies within :data:`CUT` in
+    z of the next id down, or the top-p mass within f32 rounding of ``top_p``: either set is a draw."""
+    z = np.sort((x - x.max()) / kw["temperature"])[::-1]
+    k = kw["top_k"] if 0 < kw["top_k"] < len(z) else len(z)
+    if k < len(z) and z[k - 1] - z[k] < CUT:
+        return True
+    if kw["top_p"] >= 1:
+        return False
+    p = np.exp(z[:k] - z[0])
+    mass = np.cumsum(p) / p.sum()
+    j = int(np.argmax(mass >= kw["top_p"]))                 # the last id of the nucleus
+    return bool(np.min(np.abs(mass - kw["top_p"])) < 1e-5 or (j + 1 < len(z) and z[j] - z[j + 1] < CUT))
+
+
 def check_draws(kw, backend="cpu", V=None, n=60):
     """The device sampler on ``backend`` against the reference's inverse CDF for ``n`` fresh u's."""
     rng = np.random.default_rng()
     V = V or int(rng.integers(200, 700))
-    logits = (rng.standard_normal(V) * rng.uniform(1.0, 4.0)).astype(np.float32)
     kw = dict(dict(top_k=0, top_p=1.0, min_p=0.0), **kw)
+    logits = (rng.standard_normal(V) * rng.uniform(1.0, 4.0)).astype(np.float32)
+    while near_a_cut(logits.astype(np.float64), kw):            # a cut the device may place either way
+        logits = (rng.standard_normal(V) * rng.uniform(1.0, 4.0)).astype(np.float32)
     q = reference_probs(logits, **kw)
     f = dsl.jit(lambda lg, u, s: draw(lg, u, s, kw["top_k"]), backend=backend)
     settings = np.array([kw["temperature"], kw["top_p"], kw["min_p"]], np.float32)
@@ -118,8 +140,10 @@ def test_the_gpu_kernel_text_draws_the_reference_inverse_cdf(target, tmp_path_fa
     from codegen.targets import get_target
     rng = np.random.default_rng()
     V = int(rng.integers(300, 900))
-    logits = (rng.standard_normal(V) * 2.5).astype(np.float32)
     kw = dict(temperature=0.9, top_k=60, top_p=0.9, min_p=0.02)
+    logits = (rng.standard_normal(V) * 2.5).astype(np.float32)
+    while near_a_cut(logits.astype(np.float64), kw):            # a cut the device may place either way
+        logits = (rng.standard_normal(V) * 2.5).astype(np.float32)
     q = reference_probs(logits, **kw)
     cdf = np.cumsum(q)
     settings = np.array([kw["temperature"], kw["top_p"], kw["min_p"]], np.float32)

@@ -9,7 +9,7 @@ import dsl
 from engine.sampling import sample as host_sample
 from stdlib.sampling import sample as draw
 from tests.emulation import GXX
-from tests.test_device_sampling import emulate_plan, inverse_cdf
+from tests.test_device_sampling import emulate_plan, inverse_cdf, near_a_cut
 from tests.test_sampling import reference_probs
 
 rng = np.random.default_rng()
@@ -18,10 +18,13 @@ needs_gxx = pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of 
 
 def expected(logits, u, kw):
     """The id the device must draw at ``u``: the reference's inverse CDF, or the host's argmax when
-    no logit is finite or one is +inf; None when ``u`` lies within f32 rounding of a CDF step."""
+    no logit is finite or one is +inf; None when ``u`` lies within f32 rounding of a CDF step, or a
+    top-k or top-p cut within the device's search precision of the next id (:func:`near_a_cut`)."""
     x = np.where(np.isnan(logits), -np.inf, logits.astype(np.float64))
     if not np.isfinite(x.max()):
         return host_sample(logits, kw["temperature"], kw["top_k"], kw["top_p"], np.random.default_rng(), kw["min_p"])
+    if near_a_cut(x, kw):
+        return None
     q = reference_probs(logits, **kw)
     if np.min(np.abs(np.cumsum(q) - u)) < 1e-4:
         return None
@@ -80,6 +83,18 @@ def test_no_finite_maximum_draws_the_hosts_argmax(case, kw):
     dict(top_p=1e-6), dict(top_k=-1), dict(min_p=1.0, top_k=7), dict(temperature=0.8, min_p=0.3, top_p=0.99)])
 def test_extreme_settings_draw_the_reference(kw):
     check((rng.standard_normal(int(rng.integers(100, 400))) * 3).astype(np.float32), **kw)
+
+
+def test_a_top_k_cut_within_the_search_precision_is_a_draw():
+    """Recorded case: at temperature 50 the 30th and 31st z differed by 5.5e-6, under the threshold
+    search's 6.3e-6, so the device kept 31 ids, and its nucleus (top_p 0.5) one id more than the
+    float64 reference's: :func:`expected` must not ask for either set there, but does elsewhere."""
+    kw = dict(temperature=50.0, top_k=30, top_p=0.5, min_p=0.0)
+    x = np.linspace(5.0, 0.0, 40)
+    x[30] = x[29] - 50 * 5.5e-6
+    assert near_a_cut(x, kw) and expected(x.astype(np.float32), 0.3, kw) is None
+    x[30] = x[29] - 50 * 1e-3
+    assert not near_a_cut(x, kw) and expected(x.astype(np.float32), 0.3, kw) is not None
 
 
 @pytest.mark.parametrize("V", [1, 2, 3, 5, 255, 257, 1000])
