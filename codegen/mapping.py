@@ -1042,8 +1042,8 @@ def whole_steps(t: Target, steps: int) -> bool:
     may leave some lanes out), is written as that constant count, fully unrolled with each step
     guarded, so that all of its loads are in flight at once: up to ``t.int8_whole_steps`` steps
     (gfx906: never; its main loop then read LDS 0.090 times per weight byte, over the 0.056 gate,
-    and it is not measured there).  A loop over
-    ``kb += VF_WAVE`` has no count the compiler knows, so each step's loads waited on the last's.
+    and it is not measured there).  A loop over ``kb += VF_WAVE`` has no count the compiler knows,
+    so each step's loads waited on the last's.
     On an H200 (2026-12-03, A/B/A against ``VEGAFUSE_WHOLE_STEPS=0``): Qwen2.5-7B q4_0 517 against
     473 tok/s, gptq_int4 468 against 418, 1.5B q4_0 959 against 934; the float GEMV's loop (vector
     steps, under ``VF_UNROLL_K``) lost 6% at 1.5B f16 written so, and keeps its loop.
