@@ -77,6 +77,8 @@ class Target:
     attention_waves: int = 4     # waves of a decode attention workgroup (codegen.mapping.decode_tiles)
     attention_short: int = 0     # decode attention: up to this many steps of keys the first split reads the whole
                                  # context, no combine (codegen.mapping.decode_tiles; 0: the splits as they fall)
+    attention_splits_per_cu: int = 1  # decode attention: workgroups per CU that read the full cache (the split's
+                                 # chunk of positions; codegen.mapping.decode_tiles)
     attention_vgprs: int = 0     # registers per lane a decode attention may take (0: no limit; decode_tiles
                                  # takes fewer query heads per workgroup, or fewer keys in flight, to fit)
     attention_decode_vgprs: int = 0  # the decode attention's register budget where it differs from the prefill's
@@ -144,6 +146,10 @@ TARGETS = {
                     # 1.5B f16 at 686.7/686.2 against 675.0 (A/B/A), but decode at position 4000 fell from 1.654 to
                     # 2.304 ms a token; 170 kept it (1.658) and ran 7B q4_0 at 1.888 ms (529.7 tok/s)
                     attention_decode_vgprs=170,
+                    # two workgroups per SM over a full cache: Qwen2.5-1.5B f16 at position 4000 of 4200 ran
+                    # 632.8 against 599.1/600.3 tok/s with one (chunks of 64 positions against 128; A/B/A on an
+                    # H200, 2026-12-03, --ab VEGAFUSE_ATT_CHUNK=64)
+                    attention_splits_per_cu=2,
                     one_workgroup_block=1024),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,

@@ -136,9 +136,9 @@ def decode_rates(args) -> int:
     """``--decode-rates`` (one side of an A/B/A): ``--repeat`` greedy decodes of ``--tokens`` steps
     after the prompt, on one model built once, after one untimed run (compiles, graph capture);
     prints {"rates": [tok/s, ...]} as the last line of stdout.  GPU: the device loop
-    (``Model.decode_greedy``) from position 32 after a random 32-token prompt, random weights of a
-    shape or a model file's weights; CPU: token by token with the argmax read back, as the CPU
-    benchmark times it."""
+    (``Model.decode_greedy``) from position 32 after a random 32-token prompt (or from ``--position``),
+    random weights of a shape or a model file's weights; CPU: token by token with the argmax read
+    back, as the CPU benchmark times it."""
     import numpy as np
     from .bench import SHAPES, random_params
     from .model import Model
@@ -160,6 +160,8 @@ def decode_rates(args) -> int:
     def once():
         m.reset()
         nxt = int(np.argmax(np.asarray(m.prefill(ids))))
+        if args.position is not None:              # --position: attention reads that many cache positions
+            m.pos = args.position
         t0 = time.perf_counter()
         if args.backend == "cuda":
             m.decode_greedy(nxt, args.tokens)

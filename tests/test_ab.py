@@ -43,3 +43,22 @@ def test_an_a_b_a_run_on_the_cpu():
     bad = subprocess.run([sys.executable, "-m", "engine.bench", "--ab", "nonsense"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --ab 'nonsense'") and len(bad.stderr.splitlines()) == 1
+
+
+def test_each_side_decodes_from_the_position_asked(monkeypatch, capsys):
+    """``--position`` reaches each side's decode (it was once dropped, so an A/B/A at a long cache
+    timed position 32): the real model's steps run at the positions asked."""
+    from engine import ab, bench
+    from engine.models import resolve_model
+    from engine.model import Model
+    seen, decode = [], Model.decode
+
+    def recording(self, *a, **k):
+        seen.append(self.pos)
+        return decode(self, *a, **k)
+    monkeypatch.setattr(Model, "decode", recording)
+    args = bench.parse_args(["--tokens", "2", "--repeat", "1"])
+    # the model resolved as bench.run does; the CPU refuses --position on the command line
+    args.model, args.position = resolve_model(None), 40
+    assert ab.decode_rates(args) == 0 and '"rates"' in capsys.readouterr().out
+    assert seen == [40, 41, 40, 41]                # the untimed run, then the timed one

@@ -260,12 +260,12 @@ def test_a_forced_prefill_tile_is_checked(monkeypatch):
 
 def test_a_short_context_is_read_by_one_split(monkeypatch):
     """Decode at Qwen2.5-1.5B's shape: up to four steps of keys (128 positions on sm_90, whose
-    workgroups of 3 query heads take steps of 32 keys and splits 32 or 128 long) the first split
-    reads the whole context, so nothing is combined; the text
-    names the bound; ``VEGAFUSE_ATT_SHORT=0`` keeps the splits; where a split is that long already
-    (a workgroup per CU over a long cache), nothing changes; a cache no longer than the bound is one
-    split; gfx906 (not measured) keeps its splits."""
-    for s, chunk, short in ((512, 32, 128), (4200, 128, 0)):
+    workgroups of 3 query heads take steps of 32 keys and splits of 32 or 64 positions: two
+    workgroups per SM over the full cache) the first split reads the whole context, so nothing is
+    combined; the text names the bound; ``VEGAFUSE_ATT_SHORT=0`` keeps the splits; where a split is
+    that long already (256 positions of a cache of 16384), nothing changes; a cache no longer than the
+    bound is one split; gfx906 (not measured) keeps its splits."""
+    for s, chunk, short in ((512, 32, 128), (4200, 64, 128), (16384, 256, 0)):
         k = attention_kernel(12, 2, 1, s, 128, "f2")
         _, m = tiles_of(k, "sm_90")
         assert (m.chunk, m.short, m.heads, m.keys) == (chunk, short, 3, 32), m
