@@ -84,9 +84,8 @@ class Target:
     attention_decode_vgprs: int = 0  # the decode attention's register budget where it differs from the prefill's
                                  # (0: attention_vgprs)
     pdl: bool = False            # programmatic dependent launch (Hopper): a kernel starts while the previous
-                                 # one drains, then waits for its inputs.  Off: on an H200 (2026-12-02, with the
-                                 # two settings below) Qwen2.5-1.5B q4_0 gained 4.4% and 7B q4_0 lost 1.6%
-                                 # (docs/performance.md); VEGAFUSE_CUDA_PDL=1 turns it on
+                                 # one drains, then waits for its inputs (on for sm_90, see its entry;
+                                 # VEGAFUSE_CUDA_PDL=0 turns it off, =1 on)
     pdl_trigger: str = "exit"    # with pdl: when the next kernel may start: "exit" (as each workgroup ends) or
                                  # "wait" (once this one has waited: 0.929x at 1.5B f16); VEGAFUSE_PDL_TRIGGER
     pdl_prefetch: int = 4 << 20  # with pdl: the first bytes of each weight a GEMV asks L2 for before it waits,
@@ -150,13 +149,18 @@ TARGETS = {
                     # 632.8 against 599.1/600.3 tok/s with one (chunks of 64 positions against 128; A/B/A on an
                     # H200, 2026-12-03, --ab VEGAFUSE_ATT_CHUNK=64)
                     attention_splits_per_cu=2,
+                    # programmatic dependent launch, the trigger at exit and 4 MiB asked of L2 before the wait:
+                    # on an H200 (2026-12-03, --ab VEGAFUSE_CUDA_PDL=1 before it was the default) Qwen2.5-1.5B
+                    # q4_0 1041.9 against 1005.1/1004.0 tok/s, 1.5B f16 710.6 against 703.7/694.7, 7B q4_0
+                    # 527.0 against 524.2/525.2 (7B q4_0 had lost 1.6% before its int8 lanes took whole steps)
+                    pdl=True,
                     one_workgroup_block=1024),
 }
 # gfx906's wave width on an NVIDIA GPU: named barrier 0 is __syncthreads and ids 1..15 are one per wave,
 # so a workgroup holds at most 15 waves; the wave exchange's LDS comes out of the kernel's static budget
 # (1 int per thread of the largest workgroup)
 TARGETS["sm_90_wave64"] = replace(TARGETS["sm_90"], name="sm_90_wave64", wave=64, emulated_wave=True,
-                                  max_static_lds=48 * 1024 - 4 * 512, maps_like="gfx906")
+                                  max_static_lds=48 * 1024 - 4 * 512, maps_like="gfx906", pdl=False)
 
 
 def get_target(name: str, **overrides) -> Target:

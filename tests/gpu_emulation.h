@@ -23,6 +23,7 @@ static float vf_emu_lanes[1024];
 #define __launch_bounds__(n)
 #define VF_GRID_LAUNCH_DEPENDENTS()
 #define VF_GRID_WAIT()
+#define vf_prefetch_l2(p, n)             // asks L2 for lines: no value changes
 #define VF_INF INFINITY
 typedef _Float16 vf_half;
 struct vf_vec16 { unsigned x, y, z, w; };

@@ -122,8 +122,9 @@ def test_trip_unroll_rule_on_the_tables(fmt, K, want, monkeypatch):
 def test_programmatic_dependent_launch_waits_before_it_lets_the_next_kernel_start():
     """With ``Target.pdl`` a GEMV first asks L2 for its share of each weight's first bytes (not the
     norm's gain, not the activation), then waits for the previous kernel, then (``pdl_trigger="wait"``)
-    lets the next one start; ``"exit"`` (the default) leaves the start to the workgroups' end; without
-    pdl, and on gfx906, the macros are empty and nothing is prefetched."""
+    lets the next one start; ``"exit"`` (the default) leaves the start to the workgroups' end; sm_90's
+    text has it so (4 MiB, at exit); without pdl, and on gfx906, the macros are empty and nothing is
+    prefetched."""
     from dataclasses import replace
     K, N = 1024, 512
     w = (rng.standard_normal((N, K)) * K ** -0.5).astype(np.float16)
@@ -140,7 +141,8 @@ def test_programmatic_dependent_launch_waits_before_it_lets_the_next_kernel_star
     assert "vf_prefetch_l2(w, 4096ull);" in small
     exit_ = render_hip(k, replace(t, pdl_trigger="exit")).source
     assert "griddepcontrol.launch_dependents" not in exit_ and "griddepcontrol.wait" in exit_
-    for plain in (render_hip(k, "sm_90").source, render_hip(k, "gfx906").source):
+    assert render_hip(k, "sm_90").source == render_hip(k, replace(t, pdl_prefetch=4 << 20, pdl_trigger="exit")).source
+    for plain in (render_hip(k, replace(t, pdl=False)).source, render_hip(k, "gfx906").source):
         assert "vf_prefetch_l2(w" not in plain and "griddepcontrol" not in plain
 
 

@@ -117,13 +117,12 @@ class CUDADevice(GPUDevice):
         self.stream = _check(drv.cuStreamCreate(0), "cuStreamCreate")
         self.graphs = (os.environ.get("VEGAFUSE_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
         self.sync_each = os.environ.get("VEGAFUSE_SYNC", "0") == "1"
-        # programmatic dependent launch on Hopper and newer: off by default (see Target.pdl),
-        # VEGAFUSE_CUDA_PDL=1 turns it on for A/B runs; VEGAFUSE_PDL_PREFETCH=BYTES sets how much of
-        # each weight a GEMV asks of L2 before its wait (Target.pdl_prefetch)
+        # programmatic dependent launch on Hopper and newer, as the target table says (sm_90: on; see
+        # Target.pdl); VEGAFUSE_CUDA_PDL=0 turns it off, =1 on, for A/B runs; VEGAFUSE_PDL_PREFETCH=BYTES
+        # sets how much of each weight a GEMV asks of L2 before its wait (Target.pdl_prefetch)
         env = os.environ.get("VEGAFUSE_CUDA_PDL", "")
         self.pdl = major >= 9 and (env == "1" or (env == "" and self.target.pdl))
-        if self.pdl:
-            self.target = pdl_target(self.target)
+        self.target = pdl_target(self.target) if self.pdl else replace(self.target, pdl=False)
 
         self._functions = {}
         self._resident = {}
