@@ -357,7 +357,7 @@ def decode_tiles(a: L.Attention, t: Target):
     registers (``decode_vgprs``) fit ``t.attention_decode_vgprs`` or else ``t.attention_vgprs`` (sm_90:
     170, the most keys in flight that a long cache needs; gfx906: 128, two waves per SIMD and no
     scratch at any group size); ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
-    it, one head and one key in flight).  Splits: the chunk where ``t.attention_splits_per_cu``
+    it, one head and one key in flight).  Splits: the chunk where ``t.attention_workgroups_per_cu``
     workgroups per CU cover the full cache (sm_90: 2, gfx906: 1), in whole steps of the workgroup
     (``VEGAFUSE_ATT_CHUNK`` sets it: A/B); up to ``t.attention_short`` steps of keys, when that is
     more than the chunk, the first split reads the whole context and nothing is combined (``short``;
@@ -380,7 +380,8 @@ def decode_tiles(a: L.Attention, t: Target):
             continue
         threads = t.attention_waves * t.wave
         step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
-        chunk = a.s * a.hkv * -(-group // heads) / (t.compute_units * t.attention_splits_per_cu)  # at the full cache
+        # the chunk where the target's workgroups per CU cover the full cache
+        chunk = a.s * a.hkv * -(-group // heads) / (t.compute_units * t.attention_workgroups_per_cu)
         chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
         short = env_int("VEGAFUSE_ATT_SHORT", t.attention_short * step)

@@ -77,8 +77,8 @@ class Target:
     attention_waves: int = 4     # waves of a decode attention workgroup (codegen.mapping.decode_tiles)
     attention_short: int = 0     # decode attention: up to this many steps of keys the first split reads the whole
                                  # context, no combine (codegen.mapping.decode_tiles; 0: the splits as they fall)
-    attention_splits_per_cu: int = 1  # decode attention: workgroups per CU that read the full cache (the split's
-                                 # chunk of positions; codegen.mapping.decode_tiles)
+    attention_workgroups_per_cu: int = 1  # decode attention: workgroups per CU when the cache is full, which sets
+                                 # the positions of a split (codegen.mapping.decode_tiles)
     attention_vgprs: int = 0     # registers per lane a decode attention may take (0: no limit; decode_tiles
                                  # takes fewer query heads per workgroup, or fewer keys in flight, to fit)
     attention_decode_vgprs: int = 0  # the decode attention's register budget where it differs from the prefill's
@@ -146,9 +146,11 @@ TARGETS = {
                     # 2.304 ms a token; 170 kept it (1.658) and ran 7B q4_0 at 1.888 ms (529.7 tok/s)
                     attention_decode_vgprs=170,
                     # two workgroups per SM over a full cache: Qwen2.5-1.5B f16 at position 4000 of 4200 ran
-                    # 632.8 against 599.1/600.3 tok/s with one (chunks of 64 positions against 128; A/B/A on an
-                    # H200, 2026-12-03, --ab VEGAFUSE_ATT_CHUNK=64)
-                    attention_splits_per_cu=2,
+                    # 632.8 against 599.1/600.3 tok/s with one (splits of 64 positions against 128; A/B/A on an
+                    # H200, 2026-12-03, --ab VEGAFUSE_ATT_CHUNK=64; 32 positions lost, 0.971x), at 3 query heads
+                    # a workgroup.  On 2026-12-01, at 6 heads a workgroup, 64 positions was also best (then
+                    # one workgroup per SM; 32 lost).  Other shapes not measured
+                    attention_workgroups_per_cu=2,
                     # programmatic dependent launch, the trigger at exit and 4 MiB asked of L2 before the wait:
                     # on an H200 (2026-12-03, --ab VEGAFUSE_CUDA_PDL=1 before it was the default) Qwen2.5-1.5B
                     # q4_0 1041.9 against 1005.1/1004.0 tok/s, 1.5B f16 710.6 against 703.7/694.7, 7B q4_0

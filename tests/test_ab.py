@@ -30,6 +30,7 @@ def test_switches_parse_or_fail_with_one_line(monkeypatch):
         with pytest.raises(ModelError, match=says):
             parse_switch(bad)
     assert _child_argv(["--ab", "x", "--tokens", "4", "--cooldown=2", "--ab=y", "--cooldown", "1"]) == ["--tokens", "4"]
+    assert _child_argv(["--position", "4000", "--ab", "x", "--context", "4200"]) == ["--position", "4000", "--context", "4200"]
 
 
 def test_an_a_b_a_run_on_the_cpu():

@@ -227,6 +227,19 @@ def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+def test_decode_at_a_long_cache_of_two_workgroups_per_sm(tmp_path_factory):
+    """sm_90's decode at Qwen2.5-1.5B's shape over a cache of 4200 positions: splits of 64 positions
+    (two workgroups per SM at the full cache), 66 of them merged in blocks, the first split reading up
+    to 128 positions whole; past the short read and across ten splits, against the float64
+    interpreter on fresh random inputs."""
+    v = (12, 2, 1, 4200, 128, "f2")
+    k = attention_kernel(*v)
+    _, m = tiles_of(k, "sm_90")
+    assert (m.chunk, m.splits, m.short) == (64, 66, 128), m
+    check_positions(k, "sm_90", v, (129, 600), str(tmp_path_factory.getbasetemp()), m)
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
 @pytest.mark.parametrize("target", ["sm_90", "gfx906"])
 @pytest.mark.parametrize("v", [
     (16, 2, 13, 100, 64, "f2"),     # 8 query heads per KV head, head dim 64
