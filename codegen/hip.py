@@ -203,6 +203,8 @@ def _reduce(s, pad):
     if s.map == "serial":
         out.append(_for(s.var, expr(lo), hi, "++", pad).replace(f"{s.var} ++", f"++{s.var}"))
     elif s.map == "block":
+        if s.unroll:
+            out.append(f"{pad}#pragma unroll {s.unroll}")
         out.append(_for(s.var, _plus(lo, "threadIdx.x"), hi, "+= VF_BLOCK", pad))
     else:                                          # lane: vector elements per lane step, split waves
         lane = ("vf_lane" if not s.lanes else f"vf_lane % {s.lanes}") if s.vector == 1 else f"vf_lane * {s.vector}"
@@ -225,6 +227,7 @@ def _reduce(s, pad):
                 out.append(f"{pad}#pragma unroll {s.unroll}")
             out.append(_for(s.var, lo, hi, f"+= {step}", pad))
     inner = pad + ("    " if s.map == "lane" and s.whole else "  ")
+    out += stmts(s.body, inner)
     for a in s.accs:
         out += _reduce_update(s, a, inner)
     if s.map == "lane" and s.whole:

@@ -346,6 +346,8 @@ class Reduce:
     whole: bool = False           # map="lane": a lane's few steps all unrolled, each guarded, so that all their
                                   # loads are in flight at once (codegen.mapping.whole_steps)
     order: str = "inner"          # ORDERS: where the reduction's loop runs, chosen by the scheduler
+    body: tuple = ()              # statements each iteration runs first: a GEMV's fill that shares the
+                                  # reduction's loop (codegen.prologue)
 
 
 # A Reduce that opens the body of a parallel loop (a GEMV's output columns n) runs
@@ -531,6 +533,8 @@ def sub_bodies(s):
         return (s.body,)
     if isinstance(s, If):
         return (s.then, s.orelse)
+    if isinstance(s, Reduce) and s.body:
+        return (s.body,)
     return ()
 
 
@@ -599,7 +603,8 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
         if isinstance(s, Reduce):
             accs = tuple(replace(a, name=name(a.name), value=ex(a.value), arg=name(a.arg) if a.arg else "")
                          for a in s.accs)
-            return replace(s, var=name(s.var), start=ex(s.start), stop=ex(s.stop), accs=accs)
+            return replace(s, var=name(s.var), start=ex(s.start), stop=ex(s.stop), accs=accs,
+                           body=rewrite(s.body, ex, name))
         if isinstance(s, If):
             return If(ex(s.cond), rewrite(s.then, ex, name), rewrite(s.orelse, ex, name))
         if isinstance(s, Attention):
@@ -999,6 +1004,7 @@ def format_kernel(k: Kernel) -> str:
                 emit(s.body, ind + 1)
             elif isinstance(s, Reduce):
                 lines.append(f"{pad}reduce {s.var} in [{format_expr(s.start)}, {format_expr(s.stop)}){_mapping(s)}:")
+                emit(s.body, ind + 1)
                 for a in s.accs:
                     arg = f", {a.arg}" if a.arg else ""
                     lines.append(f"{pad}  {a.dtype} {a.name}{arg} = {a.op}({format_expr(a.value)})")

@@ -28,6 +28,7 @@ from dataclasses import replace
 from . import loopir as L
 from .loopir import ITEMSIZE
 from . import mma
+from . import prologue
 from .mma import mma_tiles
 from .prelude import act_dtype
 from .targets import Target, get_target
@@ -549,7 +550,10 @@ def _contract(body, t, lds_limit):
     tiled = mma_tiles(body, t, lds_limit) if matmul else None
     if tiled:                                              # many rows: the tiled matmul (codegen/mma.py)
         return tiled
-    info, original = {"q8": not matmul and _int8_path(body, t, lds_limit)}, body
+    info = {"q8": not matmul and _int8_path(body, t, lds_limit)}
+    if info["q8"] and prologue.enabled():                  # (a float fill lost 0.7% so: docs/performance.md)
+        body = prologue.norm_after_dot(body) or body
+    original = body
     body = _matmul_rows(body, t, info, lds_limit) if matmul else _contract_rows(body, t, info)
     if info.get("act_dtype") == "f16":                     # the activation is read back as f16
         act = info["act"]
@@ -697,6 +701,8 @@ def _contract_rows(body, t, info):
             out += [replace(s, map="block", unroll=t.prologue_unroll, body=(L.Store(st.buf, st.index, value),)),
                     L.Barrier()]
             info["act_dtype"], info["K"] = dt, K
+        elif isinstance(s, L.Reduce) and s.body:               # a fill that shares the norm's loop (codegen.prologue)
+            out.append(_fill_with_norm(s, t, info))
         elif isinstance(s, L.Array):
             arrays.add(s.name)
             out.append(replace(s, dtype=L.int8_activation() if info["q8"] else act_dtype(t, s.size), space="lds"))
@@ -902,24 +908,60 @@ def _inlined(body):
     return st
 
 
+def _groups(K, t):
+    """The q8_1 fill's trips over groups of 4 values: ``(g, at, active, trips)``, with ``at`` the
+    group a thread reads (clamped: every thread takes the same trips) and ``active`` whether it is
+    one of the K / 4."""
+    groups = K // 4
+    trips = -(-groups // t.block) * t.block
+    g = L.Sym("g_0", "i32")                 # locals end in a counter, dropped by loopir.tidy_names
+    if trips == groups:
+        return g, g, L.Const(True, "bool"), trips
+    return g, L.Bin("min", g, L.c(groups - 1)), L.Bin("lt", g, L.c(groups)), trips
+
+
+def _at(e, var, at, i):
+    """``e`` (of loop variable ``var``) at element ``4 at + i``."""
+    return L.substitute((L.Declare("v", e.dtype, e),), {var: L.add(L.mul(at, L.c(4)), L.c(i))})[0].init
+
+
 def _quantize_fill(s, t):
     """The GEMV prologue's fill ``for k: act[k] = value`` as q8_1: each thread computes 4
     consecutive values, and the 8 threads of a block quantize them together (``QuantizeQ8``).
     Every thread takes the same trips (the shuffles need the whole wave), the last ones only
     helping."""
-    st, K = s.body[0], s.stop.value
-    groups = K // 4
-    trips = -(-groups // t.block) * t.block
-    g = L.Sym("g_0", "i32")                 # locals end in a counter, dropped by loopir.tidy_names
-
-    at = g if trips == groups else L.Bin("min", g, L.c(groups - 1))
+    st = s.body[0]
+    g, at, active, trips = _groups(s.stop.value, t)
     xs = [L.Sym(f"x{i}_0", "f32") for i in range(4)]
-    body = tuple(L.substitute((L.Declare(x.name, "f32", st.value),), {s.var: L.add(L.mul(at, L.c(4)), L.c(i))})[0]
-                 for i, x in enumerate(xs))
-    active = L.Const(True, "bool") if trips == groups else L.Bin("lt", g, L.c(groups))
+    body = tuple(L.Declare(x.name, "f32", _at(st.value, s.var, at, i)) for i, x in enumerate(xs))
     # unrolled, the trips' loads are in flight together (as the float fill's)
     return L.Loop(g.name, L.c(0), L.c(trips), body + (L.QuantizeQ8(st.buf, g, tuple(xs), active),), map="block",
                   unroll=t.prologue_unroll)
+
+
+def _fill_with_norm(r, t, info):
+    """The q8_1 fill that ``codegen.prologue`` folded into its norm's reduction (``r.body``), mapped
+    as ``_quantize_fill``, the reduction taking the same trips over the groups' 4 values; no
+    barrier after it: the block sum's own make the activation seen by every wave."""
+    st, K = r.body[0], r.stop.value
+    info["act"], info["K"], info["act_dtype"], info["copied"] = st.buf, K, L.int8_activation(), False
+    (acc,) = r.accs
+    g, at, active, trips = _groups(K, t)
+    sq = prologue.squared(acc.value, st.value)            # the norm's x * x: x read once, into a local
+    if sq:
+        xs = [L.Sym(f"x{i}_0", "f32") for i in range(4)]
+        decls = tuple(L.Declare(x.name, "f32", _at(sq[0], r.var, at, i)) for i, x in enumerate(xs))
+        values = tuple(L.Bin("mul", x, _at(sq[1], r.var, at, i)) for i, x in enumerate(xs))
+        terms = [L.Bin("mul", x, x) for x in xs]
+    else:
+        decls, values = (), tuple(_at(st.value, r.var, at, i) for i in range(4))
+        terms = [_at(acc.value, r.var, at, i) for i in range(4)]
+    v = terms[0]
+    for x in terms[1:]:
+        v = L.Bin("add", v, x)
+    v = v if active == L.Const(True, "bool") else L.Select(active, v, L.Const(0.0, acc.dtype))
+    return replace(r, var=g.name, start=L.c(0), stop=L.c(trips), accs=(replace(acc, value=v),), map="block",
+                   body=decls + (L.QuantizeQ8(st.buf, g, values, active),), unroll=t.prologue_unroll)
 
 
 def _lanes_per_row(t, K, sizes):
