@@ -303,6 +303,7 @@ STMT = {
     L.QuantizeQ8: _quantize,
     mma.MatmulTiles: lambda s, pad: mma.render(s, stmts, bare, pad),
     L.CopyQ8: lambda s, pad: [f"{pad}vf_copy_q8_1({s.dst}, {s.src}, {s.blocks});"],
+    L.CopyF32: lambda s, pad: [f"{pad}vf_copy_f32({s.dst}, {s.src}, {s.n});"],
     L.QuantizeStored: _quantize_stored,
 }
 

@@ -282,6 +282,16 @@ class CopyQ8:
 
 
 @dataclass(frozen=True)
+class CopyF32:
+    """GPU, made by the mapping: the threads of the workgroup copy the ``n`` f32 values of the buffer
+    ``src`` (written by an earlier kernel; n a multiple of 4) into the LDS array ``dst``, 16 bytes at
+    a time (a GEMV's fill that only reads its input: the down projection's SiLU * up)."""
+    dst: str
+    src: str
+    n: int
+
+
+@dataclass(frozen=True)
 class QuantizeStored:
     """GPU, made by the mapping, after a GEMV's wave loop (every thread of the workgroup runs it): the
     q8_1 blocks of the ``n`` f32 values of ``src`` into the buffer ``dst``.  Trip j of workgroup b stored
@@ -421,7 +431,7 @@ class AttentionTiles:
 
 
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8,
-             CopyQ8, QuantizeStored]
+             CopyQ8, CopyF32, QuantizeStored]
 
 
 @dataclass(frozen=True)
@@ -613,6 +623,8 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
             return QuantizeQ8(name(s.arr), ex(s.group), tuple(ex(v) for v in s.values), ex(s.active))
         if isinstance(s, CopyQ8):
             return CopyQ8(name(s.dst), name(s.src), s.blocks)
+        if isinstance(s, CopyF32):
+            return CopyF32(name(s.dst), name(s.src), s.n)
         if isinstance(s, QuantizeStored):
             return replace(s, src=name(s.src), dst=name(s.dst), done=name(s.done))
         return s
@@ -1032,6 +1044,8 @@ def format_kernel(k: Kernel) -> str:
                 lines.append(f"{pad}{s.arr}.group[{format_expr(s.group)}] = q8_1({vals}) if {format_expr(s.active)}")
             elif isinstance(s, CopyQ8):
                 lines.append(f"{pad}{s.dst}[0:{s.blocks}] = {s.src}[0:{s.blocks}]  # q8_1 blocks")
+            elif isinstance(s, CopyF32):
+                lines.append(f"{pad}{s.dst}[0:{s.n}] = {s.src}[0:{s.n}]  # 16 bytes at a time")
             elif isinstance(s, QuantizeStored):
                 how = "by its workgroup" if s.whole else "by arrival"
                 lines.append(f"{pad}{s.dst} = q8_1({s.src}[0:{s.n}]) {how} (rows {s.rows} per trip from "
@@ -1155,7 +1169,7 @@ def buffer_traffic(k: Kernel) -> dict:
                 for v in s.values:
                     visit_expr(v, extent)
                 touch(s.arr, None)                         # a buffer's q8_1 blocks (fusion/q8.py)
-            elif isinstance(s, CopyQ8):
+            elif isinstance(s, (CopyQ8, CopyF32)):
                 touch(s.src, None)
             elif isinstance(s, QuantizeStored):
                 touch(s.src, None)

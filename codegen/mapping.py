@@ -640,6 +640,12 @@ def _whole_trips(t: Target, info, per_cu: int):
                    int8_prologue_budget=0)
 
 
+def _copy16() -> bool:
+    """``VEGAFUSE_COPY16=0``: a float GEMV's fill that only copies its input takes a float a thread
+    per trip, as any fill (A/B)."""
+    return os.environ.get("VEGAFUSE_COPY16", "1") != "0"
+
+
 def _whole_switch() -> bool:
     """``VEGAFUSE_Q8_WHOLE=0``: every q8_1 block a GEMV stores is quantized by arrivals (A/B)."""
     return os.environ.get("VEGAFUSE_Q8_WHOLE", "1") != "0"
@@ -698,8 +704,12 @@ def _contract_rows(body, t, info):
             value = L.Cast(st.value, dt) if dt != "f32" else st.value
             # the fill is latency-bound (one global load per thread per trip): unrolled, several loads
             # are in flight (measured on an H200: O/down projections 2906 -> 3131 GB/s)
-            out += [replace(s, map="block", unroll=t.prologue_unroll, body=(L.Store(st.buf, st.index, value),)),
-                    L.Barrier()]
+            if dt == "f32" and K % 4 == 0 and st.value == L.Load(st.value.buf if isinstance(st.value, L.Load) else "",
+                                                                  L.Sym(s.var, "i32"), "f32") and _copy16():
+                out += [L.CopyF32(st.buf, st.value.buf, K), L.Barrier()]        # a plain copy: 16 bytes a load
+            else:
+                out += [replace(s, map="block", unroll=t.prologue_unroll, body=(L.Store(st.buf, st.index, value),)),
+                        L.Barrier()]
             info["act_dtype"], info["K"] = dt, K
         elif isinstance(s, L.Reduce) and s.body:               # a fill that shares the norm's loop (codegen.prologue)
             out.append(_fill_with_norm(s, t, info))
@@ -967,11 +977,23 @@ def _fill_with_norm(r, t, info):
 def _lanes_per_row(t, K, sizes):
     """Lanes that share one quantized GEMV row: enough for its K / 32 blocks (a power of two, at
     most the wave), so that a wave takes several short rows side by side; every segment's rows a
-    multiple of the rows a wave takes at once (uniform trips, no divergent shuffles)."""
-    lanes = min(t.wave, 1 << max(0, (K // 32 - 1).bit_length()))
+    multiple of the rows a wave takes at once (uniform trips, no divergent shuffles).  Where the
+    blocks leave lanes idle (48 over 32 lanes: a quarter of the lane steps empty), half the wave
+    takes a row when it divides them in at most ``t.int8_full_lanes`` blocks a lane."""
+    nb = K // 32
+    lanes = min(t.wave, 1 << max(0, (nb - 1).bit_length()))
+    half = lanes // 2
+    if (t.int8_full_lanes and _full_lanes_switch() and lanes == t.wave and nb % lanes and nb % half == 0
+            and nb // half <= t.int8_full_lanes):
+        lanes = half
     while lanes < t.wave and any(n % (t.wave // lanes) for n in sizes):
         lanes *= 2
     return lanes
+
+
+def _full_lanes_switch() -> bool:
+    """``VEGAFUSE_INT8_FULL_LANES=0``: a wave per row however many lanes its blocks leave idle (A/B)."""
+    return os.environ.get("VEGAFUSE_INT8_FULL_LANES", "1") != "0"
 
 
 def rows_per_lane(sizes, rows_per_wave, most=4, idle=None) -> int:

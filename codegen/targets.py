@@ -55,6 +55,8 @@ class Target:
                                  # a row (codegen.mapping.trip_unroll): other tiles' loads in flight (0: none)
     int8_whole_steps: int = 0    # an int8 GEMV lane's loop over at most this many blocks is written fully unrolled, its
                                  # loads in flight together (codegen.mapping.whole_steps; 0: never)
+    int8_full_lanes: int = 0     # an int8 GEMV row whose blocks leave a wave's lanes idle takes half the wave when
+                                 # a lane then folds at most this many blocks (codegen.mapping._lanes_per_row; 0: never)
     int8_balance: bool = False   # rows per lane chosen for the grid (codegen.mapping.rows_per_lane): as few as
                                  # keep the waves busy (more loads in flight), fewer when the tiles would leave
                                  # waves idle in a last round; gfx906 keeps 8 for its LDS metric
@@ -136,6 +138,10 @@ TARGETS = {
                     # A/B/A on an H200 (2026-12-03, VEGAFUSE_WHOLE_STEPS=0 as B): Qwen2.5-7B q4_0 517 against 473
                     # tok/s, gptq_int4 468 against 418, 1.5B q4_0 959 against 934
                     int8_whole_steps=8,
+                    # A/B/A on an H200 (2026-12-03, VEGAFUSE_INT8_FULL_LANES as B): Qwen2.5-1.5B q4_0 (48 blocks
+                    # a row: 16 lanes of 3 against 32 lanes with 16 idle on the second step) 1114.8 against
+                    # 1071.9/1073.8 tok/s; 7B q4_0 (112 blocks: 16 lanes of 7) lost, 536.4 against 542.5/543.7
+                    int8_full_lanes=4,
                     # A/B/A on an H200 (2026-12-02, VEGAFUSE_ATT_SHORT=0 as B): Qwen2.5-1.5B f16 decode at 32
                     # positions 679.3 against 670.1 tok/s (attention 8.5 -> 7.0 us alone), 7B q4_0 474.6 / 471.8
                     attention_short=4,

@@ -99,6 +99,14 @@ static inline void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_ha
 static std::atomic<int> vf_emu_misaligned{0};
 extern "C" int emulate_misaligned() { return vf_emu_misaligned.exchange(0); }
 static inline void vf_emu_align16(const void* p) { if ((size_t)p % 16) vf_emu_misaligned++; }
+// the prelude's 16-byte copy of a float input into LDS (every 16-byte access checked)
+static inline void vf_copy_f32(float* dst, const float* src, int n) {
+  for (int i = threadIdx.x; i < n / 4; i += VF_BLOCK) {
+    vf_emu_align16(dst + 4 * i);
+    vf_emu_align16(src + 4 * i);
+    std::memcpy(dst + 4 * i, src + 4 * i, 16);
+  }
+}
 struct vf_h8 { vf_half h[8]; };
 static inline vf_h8 vf_load8(const vf_half* w) { vf_emu_align16(w); vf_h8 v; std::memcpy(v.h, w, 16); return v; }
 static inline vf_h8 vf_load8(const float* w) { vf_emu_align16(w); vf_h8 v; for (int i = 0; i < 8; ++i) v.h[i] = (vf_half)w[i]; return v; }

@@ -105,8 +105,10 @@ def test_trip_unroll_rule_on_the_tables(fmt, K, want, monkeypatch):
     """On sm_90 an int8 GEMV whose lanes fold at most 2 blocks of a row (Qwen2.5-1.5B's K 1536: 48
     blocks over 32 lanes) unrolls its loop over tiles by 4, gptq_int4 by 2 at any K, others not
     (4096 rows: enough that no waves share a row); gfx906 and the emulated wave 64 keep their loop as
-    it is; ``VEGAFUSE_TRIP_UNROLL`` overrides."""
+    it is; ``VEGAFUSE_TRIP_UNROLL`` overrides.  (With half a wave a row, the default at K 1536, a lane
+    folds 3 blocks: no unroll; the test of that rule is below.)"""
     from dsl.quant import random_qarray
+    monkeypatch.setenv("VEGAFUSE_INT8_FULL_LANES", "0")
     w = random_qarray((4096, K), fmt, 1)
     x = rng.standard_normal((1, K)).astype(np.float32)
     (k,) = lower_program(dsl.jit(lambda x, w: nn.linear(x, w)).lower(x, w)).kernels
@@ -234,3 +236,21 @@ def test_a_lane_of_few_weight_blocks_has_them_all_in_flight(monkeypatch):
     assert "vf_step" not in src and "#pragma unroll 4\n" in src
     monkeypatch.setenv("VEGAFUSE_WHOLE_STEPS", "0")
     assert "vf_step" not in render_hip(k, "sm_90").body
+
+
+@pytest.mark.parametrize("fmt,K,lanes", [("q4_0", 1536, 16), ("q4_1", 1536, 16), ("q8_0", 3584, 32),
+                                         ("gptq_int4", 2048, 32), ("q4_0", 2560, 32)])
+def test_a_row_whose_blocks_leave_lanes_idle_takes_half_the_wave(fmt, K, lanes, monkeypatch):
+    """On sm_90 (``Target.int8_full_lanes``: 4) Qwen2.5-1.5B's K of 1536 (48 blocks: 32 lanes would
+    leave 16 idle on their second step) takes 16 lanes a row, 3 blocks each; 3584 (112 blocks, 7 a
+    lane at 16) and 2560 (80: 5) keep the wave, as do rows that fill it (2048: 64 blocks); gfx906 and
+    the emulated wave 64 keep their mapping; ``VEGAFUSE_INT8_FULL_LANES=0`` turns it off."""
+    from dsl.quant import random_qarray
+    w = random_qarray((256, K), fmt, 1)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    (k,) = lower_program(dsl.jit(lambda x, w: nn.linear(x, w)).lower(x, w)).kernels
+    how = lambda t: render_hip(k, t).kernel.launch.how  # noqa: E731
+    assert (f"{lanes} lanes per output row" if lanes < 32 else "a wave per output row") in how("sm_90")
+    assert "16 lanes" not in how("gfx906") and "16 lanes" not in how("sm_90_wave64")
+    monkeypatch.setenv("VEGAFUSE_INT8_FULL_LANES", "0")
+    assert "a wave per output row" in how("sm_90")
