@@ -99,9 +99,11 @@ static inline void vf_mma_tile(float* acc, const vf_half* a, int as, const vf_ha
 static std::atomic<int> vf_emu_misaligned{0};
 extern "C" int emulate_misaligned() { return vf_emu_misaligned.exchange(0); }
 static inline void vf_emu_align16(const void* p) { if ((size_t)p % 16) vf_emu_misaligned++; }
-// the prelude's 16-byte copy of a float input into LDS (every 16-byte access checked)
-static inline void vf_copy_f32(float* dst, const float* src, int n) {
-  for (int i = threadIdx.x; i < n / 4; i += VF_BLOCK) {
+// the prelude's 16-byte copy of a float input into LDS (every 16-byte access checked); a macro, since
+// VF_BLOCK is defined by the kernels that use it
+#define vf_copy_f32(dst, src, n) vf_emu_copy_f32(dst, src, n, VF_BLOCK)
+static inline void vf_emu_copy_f32(float* dst, const float* src, int n, int block) {
+  for (int i = threadIdx.x; i < n / 4; i += block) {
     vf_emu_align16(dst + 4 * i);
     vf_emu_align16(src + 4 * i);
     std::memcpy(dst + 4 * i, src + 4 * i, 16);
