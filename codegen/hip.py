@@ -193,6 +193,11 @@ def _reduce_update(s, a, pad):
     return [f"{pad}vf_argmax_step{'_i' if a.dtype == 'i32' else ''}({v}, {s.var}, &{a.name}, &{a.arg});"]
 
 
+def _exact(s, extent) -> bool:
+    """Do a lane reduction's ``lanes`` (a number, not the wave) divide its range of ``extent``?"""
+    return bool(s.lanes) and s.vector == 1 and extent % s.lanes == 0
+
+
 def _reduce(s, pad):
     out = []
     for a in s.accs:
@@ -216,21 +221,26 @@ def _reduce(s, pad):
         step = f"{s.lanes or 'VF_WAVE'}{'' if s.vector == 1 else f' * {s.vector}'}"
         if s.whole:                                # a constant count of steps, every load in flight at once
             extent = s.stop.value // s.split - (0 if s.split > 1 else s.start.value)
+            count = f"({extent} + {step} - 1) / {step if ' ' not in step else f'({step})'}"
+            if _exact(s, extent):                  # the lanes divide the range: every step is whole
+                count = extent // s.lanes
             out += [f"{pad}#pragma unroll   // all of the lane's steps: their loads in flight together",
-                    f"{pad}for (int vf_step = 0; vf_step < ({extent} + {step} - 1) / {step if ' ' not in step else f'({step})'}; ++vf_step) {{",
-                    f"{pad}  const int {s.var} = {lo} + vf_step * {step};",
-                    f"{pad}  if ({s.var} < {hi}) {{"]
+                    f"{pad}for (int vf_step = 0; vf_step < {count}; ++vf_step) {{",
+                    f"{pad}  const int {s.var} = {lo} + vf_step * {step};"]
+            if not _exact(s, extent):
+                out.append(f"{pad}  if ({s.var} < {hi}) {{")
         else:
             if s.vector > 1:
                 out.append(f"{pad}VF_UNROLL_K")
             elif s.unroll:
                 out.append(f"{pad}#pragma unroll {s.unroll}")
             out.append(_for(s.var, lo, hi, f"+= {step}", pad))
-    inner = pad + ("    " if s.map == "lane" and s.whole else "  ")
+    guarded = s.map == "lane" and s.whole and not _exact(s, s.stop.value // s.split - (0 if s.split > 1 else s.start.value))
+    inner = pad + ("    " if guarded else "  ")
     out += stmts(s.body, inner)
     for a in s.accs:
         out += _reduce_update(s, a, inner)
-    if s.map == "lane" and s.whole:
+    if guarded:
         out.append(f"{pad}  }}")
     out.append(f"{pad}}}")
     if s.map == "block":
@@ -274,7 +284,8 @@ def _array(s, pad):
         what = "q8_1 blocks with a residual plane" if s.dtype == "q8_1r" else "q8_1 blocks"
         align = " __attribute__((aligned(16)))" if shared else ""     # copied 16 bytes at a time (vf_copy_q8_1)
         return [f"{pad}{shared}vf_q8_1 {s.name}[{s.size // 32}]{align};  // {s.size} values in {what}"]
-    return [f"{pad}{shared}{CTYPE[s.dtype]} {s.name}[{s.size}];"]
+    align = f" __attribute__((aligned({s.align})))" if s.align else ""
+    return [f"{pad}{shared}{CTYPE[s.dtype]} {s.name}[{s.size}]{align};"]
 
 
 def _quantize(s, pad):

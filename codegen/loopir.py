@@ -256,6 +256,7 @@ class Array:
     dtype: str
     size: int
     space: str = "local"          # "local" | "lds"
+    align: int = 0                # bytes its start is aligned to beyond its element's (0: the element's)
 
 
 @dataclass(frozen=True)
@@ -284,8 +285,9 @@ class CopyQ8:
 @dataclass(frozen=True)
 class CopyF32:
     """GPU, made by the mapping: the threads of the workgroup copy the ``n`` f32 values of the buffer
-    ``src`` (written by an earlier kernel; n a multiple of 4) into the LDS array ``dst``, 16 bytes at
-    a time (a GEMV's fill that only reads its input: the down projection's SiLU * up)."""
+    ``src`` (an earlier kernel's output or a program input; n a multiple of 4) into the LDS array
+    ``dst``, 16 bytes at a time (a GEMV's fill that only reads its input: the down projection's
+    SiLU * up)."""
     dst: str
     src: str
     n: int
@@ -357,7 +359,8 @@ class Reduce:
                                   # loads are in flight at once (codegen.mapping.whole_steps)
     order: str = "inner"          # ORDERS: where the reduction's loop runs, chosen by the scheduler
     body: tuple = ()              # statements each iteration runs first: a GEMV's fill that shares the
-                                  # reduction's loop (codegen.prologue)
+                                  # reduction's loop (codegen.prologue; made by the GPU mapping, so the
+                                  # passes before it, serial_reduce, plain, buffer_traffic, never see one)
 
 
 # A Reduce that opens the body of a parallel loop (a GEMV's output columns n) runs

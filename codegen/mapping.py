@@ -704,8 +704,9 @@ def _contract_rows(body, t, info):
             value = L.Cast(st.value, dt) if dt != "f32" else st.value
             # the fill is latency-bound (one global load per thread per trip): unrolled, several loads
             # are in flight (measured on an H200: O/down projections 2906 -> 3131 GB/s)
-            if dt == "f32" and K % 4 == 0 and st.value == L.Load(st.value.buf if isinstance(st.value, L.Load) else "",
-                                                                  L.Sym(s.var, "i32"), "f32") and _copy16():
+            k = L.Sym(s.var, "i32")
+            if (dt == "f32" and K % 4 == 0 and s.start == L.c(0) and st.index == k and isinstance(st.value, L.Load)
+                    and st.value == L.Load(st.value.buf, k, "f32") and _copy16()):
                 out += [L.CopyF32(st.buf, st.value.buf, K), L.Barrier()]        # a plain copy: 16 bytes a load
             else:
                 out += [replace(s, map="block", unroll=t.prologue_unroll, body=(L.Store(st.buf, st.index, value),)),
@@ -715,7 +716,9 @@ def _contract_rows(body, t, info):
             out.append(_fill_with_norm(s, t, info))
         elif isinstance(s, L.Array):
             arrays.add(s.name)
-            out.append(replace(s, dtype=L.int8_activation() if info["q8"] else act_dtype(t, s.size), space="lds"))
+            dt = L.int8_activation() if info["q8"] else act_dtype(t, s.size)
+            # f32: read 16 bytes at a time (vf_dot8_h's float4, vf_copy_f32)
+            out.append(replace(s, dtype=dt, space="lds", align=16 if dt == "f32" else 0))
         elif isinstance(s, L.Loop):                            # a serial row loop (a matmul's rows)
             out.append(replace(s, body=_contract_rows(s.body, t, info) + (L.Barrier(),)))
         elif isinstance(s, L.Reduce):

@@ -193,8 +193,7 @@ __device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ 
   for (int i = 0; i < 4; ++i) acc += a[i] * wv[i];
   return acc;
 }
-// the n floats an earlier kernel wrote (n a multiple of 4), copied into LDS by the workgroup's threads
-// 16 bytes at a time
+// n floats of a buffer (n a multiple of 4), copied into LDS by the workgroup's threads 16 bytes at a time
 __device__ __forceinline__ void vf_copy_f32(float* dst, const float* __restrict__ src, int n) {
   #pragma unroll 8
   for (int i = threadIdx.x; i < n / 4; i += VF_BLOCK) ((vf_float4*)dst)[i] = ((const vf_float4*)src)[i];
@@ -260,8 +259,7 @@ __device__ __forceinline__ float vf_dot4_f(float acc, const float* __restrict__ 
   const float4 wv = *(const float4*)w, av = *(const float4*)a;
   return fmaf(av.x, wv.x, fmaf(av.y, wv.y, fmaf(av.z, wv.z, fmaf(av.w, wv.w, acc))));
 }
-// the n floats an earlier kernel wrote (n a multiple of 4), copied into LDS by the workgroup's threads
-// 16 bytes at a time
+// n floats of a buffer (n a multiple of 4), copied into LDS by the workgroup's threads 16 bytes at a time
 __device__ __forceinline__ void vf_copy_f32(float* dst, const float* __restrict__ src, int n) {
   #pragma unroll 8
   for (int i = threadIdx.x; i < n / 4; i += VF_BLOCK) ((float4*)dst)[i] = ((const float4*)src)[i];

@@ -244,13 +244,17 @@ def test_a_row_whose_blocks_leave_lanes_idle_takes_half_the_wave(fmt, K, lanes, 
     """On sm_90 (``Target.int8_full_lanes``: 4) Qwen2.5-1.5B's K of 1536 (48 blocks: 32 lanes would
     leave 16 idle on their second step) takes 16 lanes a row, 3 blocks each; 3584 (112 blocks, 7 a
     lane at 16) and 2560 (80: 5) keep the wave, as do rows that fill it (2048: 64 blocks); gfx906 and
-    the emulated wave 64 keep their mapping; ``VEGAFUSE_INT8_FULL_LANES=0`` turns it off."""
+    the emulated wave 64 keep their mapping; ``VEGAFUSE_INT8_FULL_LANES=0`` turns it off.  16 lanes
+    divide the blocks, so each of a lane's steps is written without a guard."""
     from dsl.quant import random_qarray
     w = random_qarray((256, K), fmt, 1)
     x = rng.standard_normal((1, K)).astype(np.float32)
     (k,) = lower_program(dsl.jit(lambda x, w: nn.linear(x, w)).lower(x, w)).kernels
     how = lambda t: render_hip(k, t).kernel.launch.how  # noqa: E731
     assert (f"{lanes} lanes per output row" if lanes < 32 else "a wave per output row") in how("sm_90")
+    if lanes == 16:                            # every step whole: no guard on the block index
+        body = render_hip(k, "sm_90").body
+        assert f"vf_step < {K // 32 // 16};" in body and "if (kb <" not in body, body
     assert "16 lanes" not in how("gfx906") and "16 lanes" not in how("sm_90_wave64")
     monkeypatch.setenv("VEGAFUSE_INT8_FULL_LANES", "0")
     assert "a wave per output row" in how("sm_90")
