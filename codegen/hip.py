@@ -205,6 +205,9 @@ def _reduce(s, pad):
         if a.arg:
             out.append(f"{pad}int {a.arg} = 0;")
     lo, hi = s.start, expr(s.stop)
+    whole = s.map == "lane" and s.whole                # a constant count of steps over the lane's extent
+    extent = s.stop.value // s.split - (0 if s.split > 1 else s.start.value) if whole else 0
+    guarded = whole and not _exact(s, extent)          # a step may fall past the range
     if s.map == "serial":
         out.append(_for(s.var, expr(lo), hi, "++", pad).replace(f"{s.var} ++", f"++{s.var}"))
     elif s.map == "block":
@@ -220,14 +223,13 @@ def _reduce(s, pad):
             lo = _plus(lo, lane)
         step = f"{s.lanes or 'VF_WAVE'}{'' if s.vector == 1 else f' * {s.vector}'}"
         if s.whole:                                # a constant count of steps, every load in flight at once
-            extent = s.stop.value // s.split - (0 if s.split > 1 else s.start.value)
             count = f"({extent} + {step} - 1) / {step if ' ' not in step else f'({step})'}"
-            if _exact(s, extent):                  # the lanes divide the range: every step is whole
+            if not guarded:                        # the lanes divide the range: every step is whole
                 count = extent // s.lanes
             out += [f"{pad}#pragma unroll   // all of the lane's steps: their loads in flight together",
                     f"{pad}for (int vf_step = 0; vf_step < {count}; ++vf_step) {{",
                     f"{pad}  const int {s.var} = {lo} + vf_step * {step};"]
-            if not _exact(s, extent):
+            if guarded:
                 out.append(f"{pad}  if ({s.var} < {hi}) {{")
         else:
             if s.vector > 1:
@@ -235,7 +237,6 @@ def _reduce(s, pad):
             elif s.unroll:
                 out.append(f"{pad}#pragma unroll {s.unroll}")
             out.append(_for(s.var, lo, hi, f"+= {step}", pad))
-    guarded = s.map == "lane" and s.whole and not _exact(s, s.stop.value // s.split - (0 if s.split > 1 else s.start.value))
     inner = pad + ("    " if guarded else "  ")
     out += stmts(s.body, inner)
     for a in s.accs:

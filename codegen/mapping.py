@@ -551,7 +551,7 @@ def _contract(body, t, lds_limit):
     if tiled:                                              # many rows: the tiled matmul (codegen/mma.py)
         return tiled
     info = {"q8": not matmul and _int8_path(body, t, lds_limit)}
-    if info["q8"] and prologue.enabled():                  # (a float fill lost 0.7% so: docs/performance.md)
+    if info["q8"] and prologue.enabled():                  # int8 only: the float fill lost (docs/performance.md)
         body = prologue.norm_after_dot(body) or body
     original = body
     body = _matmul_rows(body, t, info, lds_limit) if matmul else _contract_rows(body, t, info)
