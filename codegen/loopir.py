@@ -645,11 +645,14 @@ def fold(e):
     return rewrite_expr(e, f)
 
 
+def substitute_expr(e, values):
+    """``e`` with each Sym named in ``values`` replaced by its expression, indices folded."""
+    return fold(rewrite_expr(e, lambda x: values.get(x.name) if isinstance(x, Sym) else None))
+
+
 def substitute(body, values):
     """``body`` with each Sym named in ``values`` replaced by its expression, indices folded."""
-    def ex(e):
-        return fold(rewrite_expr(e, lambda x: values.get(x.name) if isinstance(x, Sym) else None))
-    return rewrite(body, ex)
+    return rewrite(body, lambda e: substitute_expr(e, values))
 
 
 def drop_unit_loops(body, keep_parallel=False):
@@ -781,7 +784,7 @@ def interchange(loop: Loop, chunk: int, lo: Expr = None, hi: Expr = None, unroll
         return (Loop(j, c(0), m, (Declare(n, "i32", add(first, jj)),) + tuple(head) + tuple(body)),)
 
     def at_k(e, kk):
-        return substitute((Declare("_", e.dtype, e),), {r.var: kk})[0].init
+        return substitute_expr(e, {r.var: kk})
 
     def steps(var, start, stop, u):          # acc_col[n_j] += the values of steps u * var .. u * var + u - 1
         ks = [add(mul(Sym(var, "i32"), c(u)), c(i)) for i in range(u)]

@@ -935,7 +935,7 @@ def _groups(K, t):
 
 def _at(e, var, at, i):
     """``e`` (of loop variable ``var``) at element ``4 at + i``."""
-    return L.substitute((L.Declare("v", e.dtype, e),), {var: L.add(L.mul(at, L.c(4)), L.c(i))})[0].init
+    return L.substitute_expr(e, {var: L.add(L.mul(at, L.c(4)), L.c(i))})
 
 
 def _quantize_fill(s, t):
@@ -1077,7 +1077,7 @@ def _quant_wave_loop(segs, t, info):
                 e, lambda x: L.Sym(own_locals[x.name], x.dtype) if isinstance(x, L.Sym) and x.name in own_locals
                 else None), lambda n: own_locals.get(n, n))
             for a, q, r in quant_weights(red, info["act"]):
-                blk = L.add(L.mul(L.substitute((L.Declare("r", "i32", r),), row)[0].init, L.c(K // 32)), kb)
+                blk = L.add(L.mul(L.substitute_expr(r, row), L.c(K // 32)), kb)
                 accs.append(replace(a, name=names.get(a.name, a.name),
                                     value=L.QDot(q.buf, q.fmt, blk, q.count, info["act"], kb)))
             epilogue += ren(tuple(rest))

@@ -150,7 +150,7 @@ def parse(body):
     if any(isinstance(d, L.Reduce) and any(a.op not in ("add", "max") or a.dtype != "f32" for a in d.accs)
            for d in row_stmts):
         return None
-    value = L.substitute((L.Declare("v", "f32", _inlined(kloop.body).value),), subst | {kloop.var: K})[0].init
+    value = L.substitute_expr(_inlined(kloop.body).value, subst | {kloop.var: K})
     T, out = None, []
     for cmts, s in segs:
         red, *stores = L.substitute(matmul_rows(s).body, subst | {s.var: COL})
@@ -163,7 +163,7 @@ def parse(body):
         weights = tuple(_factor(a.value, act.name) for a in red.accs)
         if any(w is None or any(x == ROW for x in L.walk_exprs(w)) for w in weights):
             return None
-        weights = tuple(L.substitute((L.Declare("w", "f32", w),), {red.var: K})[0].init for w in weights)
+        weights = tuple(L.substitute_expr(w, {red.var: K}) for w in weights)
         out.append(MmaSegment(cmts, s.stop.value, tuple(a.name for a in red.accs), weights, tuple(stores)))
     T = T or TR * ntiles
     unclamp = lambda e: L.rewrite_expr(e, lambda x: ROW if x == L.Bin("min", ROW, L.c(T - 1)) else None)  # noqa: E731
@@ -383,7 +383,7 @@ def _row_reduce(r: L.Reduce, K: int, bare, pad):
         out.append(f"{pad}  for (int i = 0; i < 8; ++i) {{")
         for a in r.accs:
             one = L.rewrite_expr(a.value, lambda x: L.Sym(names[x] + "[i]", "f32") if x in names else None)
-            one = L.substitute((L.Declare("v", "f32", one),), {r.var: L.add(k, L.Sym("i", "i32"))})[0].init
+            one = L.substitute_expr(one, {r.var: L.add(k, L.Sym("i", "i32"))})
             out.append(f"{pad}    " + fold[a.op].format(a=a.name, v=bare(one)))
         out.append(f"{pad}  }}")
     out.append(f"{pad}}}")
@@ -423,7 +423,7 @@ def _segment(m, g, lo, stmts, bare, pad, stride, frags):
     if avec is not None:                                 # 8 consecutive k per thread, 16-byte loads
         names = {x: f"{x.buf}8" for x in avec}
         one = L.rewrite_expr(m.act, lambda x: L.Sym(names[x] + "[i]", "f32") if x in names else None)
-        one = L.substitute((L.Declare("v", "f32", one),), {"k": L.add(K, L.Sym("i", "i32"))})[0].init
+        one = L.substitute_expr(one, {"k": L.add(K, L.Sym("i", "i32"))})
         lines = [f"float {', '.join(n + '[8]' for n in names.values())}, v[8];"]
         lines += [f"vf_load8f({n}, {x.buf} + {bare(x.index)});" for x, n in names.items()]
         lines += [f"for (int i = 0; i < 8; ++i) v[i] = {bare(one)};", "a_next[j] = vf_pack8(v);"]

@@ -127,7 +127,7 @@ def norm_after_dot(body):
                        for x in L.walk_stmts((s,)) for e in L.stmt_exprs(x)):
             continue
         k = L.Sym(fill.var, "i32")
-        v = L.substitute((L.Declare("v", acc.dtype, acc.value),), {red.var: k})[0].init
+        v = L.substitute_expr(acc.value, {red.var: k})
         hoisted = {b.init: L.Sym(b.name, b.dtype) for b in body[:f]       # the locals the simplifier hoisted
                    if isinstance(b, L.Declare) and b is not decl}          # out of the fill, read as the fill does
         one = replace(red, var=fill.var, accs=(replace(acc, value=L.rewrite_expr(v, hoisted.get)),),
