@@ -295,9 +295,11 @@ def _quantize(s, pad):
 
 
 def _quantize_stored(s, pad):
+    x = f"{s.src}, {s.scale}" if s.scale else s.src                 # the prelude's scaled overloads
+    q = f"{s.dst}, {s.sumsq}" if s.scale else s.dst
     if s.whole:
-        return [f"{pad}vf_quantize_own({s.src}, {s.dst}, {s.n}, {s.first}, {s.rows}, {s.trips});"]
-    return [f"{pad}vf_quantize_stored({s.src}, {s.dst}, {s.dst}_count, {s.n}, {s.first}, {s.rows}, {s.trips}, "
+        return [f"{pad}vf_quantize_own({x}, {q}, {s.n}, {s.first}, {s.rows}, {s.trips});"]
+    return [f"{pad}vf_quantize_stored({x}, {q}, {s.dst}_count, {s.n}, {s.first}, {s.rows}, {s.trips}, "
             f"{s.per_trip}, {s.done});"]
 
 

@@ -311,6 +311,8 @@ class QuantizeStored:
     done: str
     whole: bool = False      # every trip stores whole blocks (rows, first multiples of 32): each workgroup
                              # quantizes what it stored itself, with no arrivals (``vf_quantize_own``)
+    scale: str = ""          # the blocks are of src * scale (elementwise), and ...
+    sumsq: str = ""          # ... each block's sum of src * src goes to sumsq[block] (fusion.q8: a normalization's)
 
 
 @dataclass(frozen=True)
@@ -629,7 +631,8 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
         if isinstance(s, CopyF32):
             return CopyF32(name(s.dst), name(s.src), s.n)
         if isinstance(s, QuantizeStored):
-            return replace(s, src=name(s.src), dst=name(s.dst), done=name(s.done))
+            return replace(s, src=name(s.src), dst=name(s.dst), done=name(s.done),
+                           scale=name(s.scale) if s.scale else "", sumsq=name(s.sumsq) if s.sumsq else "")
         return s
     return tuple(st(s) for s in body)
 
@@ -1054,7 +1057,9 @@ def format_kernel(k: Kernel) -> str:
                 lines.append(f"{pad}{s.dst}[0:{s.n}] = {s.src}[0:{s.n}]  # 16 bytes at a time")
             elif isinstance(s, QuantizeStored):
                 how = "by its workgroup" if s.whole else "by arrival"
-                lines.append(f"{pad}{s.dst} = q8_1({s.src}[0:{s.n}]) {how} (rows {s.rows} per trip from "
+                x = f"{s.src}[0:{s.n}] * {s.scale}[0:{s.n}]" if s.scale else f"{s.src}[0:{s.n}]"
+                ss = f"; {s.sumsq}[b] = sum of {s.src}^2 over block b" if s.sumsq else ""
+                lines.append(f"{pad}{s.dst} = q8_1({x}){ss} {how} (rows {s.rows} per trip from "
                              f"{s.first}, {s.trips} trips)")
             elif isinstance(s, Attention):
                 lines.append(f"{pad}{s.out} = attention({s.q}, {s.k}, {s.v}, pos={format_expr(s.pos)}, "
@@ -1178,8 +1183,9 @@ def buffer_traffic(k: Kernel) -> dict:
             elif isinstance(s, (CopyQ8, CopyF32)):
                 touch(s.src, None)
             elif isinstance(s, QuantizeStored):
-                touch(s.src, None)
-                touch(s.dst, None)
+                for name in (s.src, s.dst, s.scale, s.sumsq):
+                    if name:
+                        touch(name, None)
             elif isinstance(s, Attention):
                 for name in (s.q, s.k, s.v, s.out):
                     touch(name, None)

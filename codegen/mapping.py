@@ -632,7 +632,7 @@ def _whole_trips(t: Target, info, per_cu: int):
     if "stored_q8" not in info or t.emulated_wave or not _whole_switch():
         return None
     rows = t.waves_per_block // info["split"] * info.get("rows_per_wave", 1)
-    srcs = {s.body[0].values[0].buf for s in info["stored_q8"]}
+    srcs = {_stored_parts(s)[0] for s in info["stored_q8"]}
     f = 32 // math.gcd(rows, 32)
     if f == 1 or any(info["stores"][b][0] % 32 for b in srcs) or t.block * f > min(1024, t.whole_block) or per_cu % f:
         return None
@@ -721,6 +721,9 @@ def _contract_rows(body, t, info):
             out.append(replace(s, dtype=dt, space="lds", align=16 if dt == "f32" else 0))
         elif isinstance(s, L.Loop):                            # a serial row loop (a matmul's rows)
             out.append(replace(s, body=_contract_rows(s.body, t, info) + (L.Barrier(),)))
+        elif isinstance(s, L.Reduce) and _short(s, t):          # each wave folds it alone: no LDS, no barrier;
+            at = len(out) - 1 if out and isinstance(out[-1], L.Barrier) else len(out)   # the fill's barrier after
+            out.insert(at, replace(s, map="lane"))              # it (its loads in flight with the fill's)
         elif isinstance(s, L.Reduce):
             out.append(_block_reduce(s))
         else:
@@ -728,6 +731,14 @@ def _contract_rows(body, t, info):
     if segs:
         out += early + _rows_of(segs, t, info)
     return tuple(out + comments)
+
+
+def _short(r: L.Reduce, t: Target) -> bool:
+    """Is ``r`` a sum of at most two steps a lane (the block sums of squares a normalizing GEMV reads,
+    ``fusion.q8``), which every wave folds alone rather than the workgroup together?"""
+    n = r.stop.value - r.start.value if isinstance(r.stop, L.Const) and isinstance(r.start, L.Const) else None
+    return (n is not None and n <= 2 * t.wave and not r.body
+            and all(a.op == "add" and a.dtype == "f32" for a in r.accs))
 
 
 def _rows_of(segs, t, info):
@@ -750,9 +761,25 @@ def _q8_source(fill):
 
 def _stored_q8(s) -> bool:
     """Is ``s`` the loop ``for b: dst.block[b] = q8_1(src[32 b .. 32 b + 31])`` that ``fusion.q8`` appends
-    to the GEMV storing ``src``?"""
-    return (isinstance(s, L.Loop) and not s.parallel and len(s.body) == 1 and isinstance(s.body[0], L.QuantizeQ8)
-            and len(s.body[0].values) == 32 and all(isinstance(v, L.Load) for v in s.body[0].values))
+    to the GEMV storing ``src`` (or of ``src * g``, each block's sum of squares of ``src`` stored beside)?"""
+    return _stored_parts(s) is not None
+
+
+def _stored_parts(s):
+    """``(src, g, ss)`` of a ``_stored_q8`` loop (``g`` and ``ss`` "" when it only quantizes ``src``), else None."""
+    if not (isinstance(s, L.Loop) and not s.parallel and 1 <= len(s.body) <= 2 and isinstance(s.body[0], L.QuantizeQ8)
+            and len(s.body[0].values) == 32):
+        return None
+    vals = s.body[0].values
+    if all(type(v) is L.Load for v in vals) and len(s.body) == 1:
+        return vals[0].buf, "", ""
+    scaled = all(isinstance(v, L.Bin) and v.op == "mul" and type(v.a) is L.Load and type(v.b) is L.Load
+                 and v.a.index == v.b.index for v in vals)
+    st = s.body[-1]
+    if not (scaled and len(s.body) == 2 and isinstance(st, L.Store) and st.index == L.Sym(s.var, "i32")
+            and len({(v.a.buf, v.b.buf) for v in vals}) == 1):
+        return None
+    return vals[0].a.buf, vals[0].b.buf, st.buf
 
 
 def _row_offsets(segs) -> dict:
@@ -775,8 +802,8 @@ def _quantize_stored(loop, t, info, grid):
     b stores the wave loop's rows (b + j grid) R .. + R - 1,
     R = the rows of the workgroup's waves (``rows_per_wave`` each, ``split`` waves sharing a row), and
     ``src`` lies at row ``off`` of them (``_rows_of``)."""
-    st = loop.body[0]
-    src, dst, n = st.values[0].buf, st.arr, 32 * loop.stop.value
+    src, scale, sumsq = _stored_parts(loop)
+    dst, n = loop.body[0].arr, 32 * loop.stop.value
     off, rows, total = info["stores"][src]
     first, trips, per_trip = -off, -(-total // (grid * rows)), 1
     for r in range(0, total, rows):                         # the most blocks one trip's rows touch
@@ -784,7 +811,7 @@ def _quantize_stored(loop, t, info, grid):
         if lo < hi:
             per_trip = max(per_trip, (hi - 1) // 32 - lo // 32 + 1)
     whole = rows % 32 == 0 and first % 32 == 0 and _whole_switch()
-    return L.QuantizeStored(src, dst, n, first, rows, trips, per_trip, "vf_done", whole)
+    return L.QuantizeStored(src, dst, n, first, rows, trips, per_trip, "vf_done", whole, scale, sumsq)
 
 
 def matmul_rows(s: L.Loop):

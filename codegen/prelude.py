@@ -670,6 +670,54 @@ __device__ __forceinline__ void vf_quantize_own(const float* x, vf_q8_1* __restr
     vf_quantize_q8_1(q, max(r, 0) / 4, v[0], v[1], v[2], v[3], active);
   }
 }
+// for a normalizing consumer (fusion/q8.py): the blocks of x * g, and each block's sum of x * x into ss[block];
+// 4 values of x at i, 8 threads a block, every thread of the wave taking part
+__device__ __forceinline__ void vf_quantize_scaled4(const float* __restrict__ g, vf_q8_1* __restrict__ q,
+                                                    float* __restrict__ ss, int i, const float* v, bool active) {
+  const float sum_sq = vf_sum8(v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]);
+  if (active && i % 32 == 0) ss[i / 32] = sum_sq;
+  const float* w = g + (active ? i : 0);
+  vf_quantize_q8_1(q, i / 4, v[0] * w[0], v[1] * w[1], v[2] * w[2], v[3] * w[3], active);
+}
+__device__ __forceinline__ void vf_quantize_stored(const float* x, const float* __restrict__ g, vf_q8_1* __restrict__ q,
+                                                   float* __restrict__ ss, unsigned int* count, int n, int first,
+                                                   int rows, int trips, int per_trip, int* done) {
+  __threadfence();
+  __syncthreads();
+  const int slots = trips * per_trip;
+  for (int i = threadIdx.x; i < slots; i += VF_BLOCK) {
+    const int r = first + ((int)blockIdx.x + i / per_trip * (int)gridDim.x) * rows;
+    const int lo = max(r, 0), hi = min(r + rows, n), b = lo / 32 + i % per_trip;
+    const int mine = min(hi, 32 * b + 32) - max(lo, 32 * b);
+    bool complete = mine == 32;
+    if (mine > 0 && mine < 32 && atomicAdd(count + b, (unsigned int)mine) + mine == 32) {
+      atomicExch(count + b, 0u);
+      complete = true;
+    }
+    done[i] = complete ? b : -1;
+  }
+  __syncthreads();
+  __threadfence();
+  for (int t = threadIdx.x; t < (8 * slots + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; t += VF_BLOCK) {
+    const int b = done[min(t / 8, slots - 1)];
+    const bool active = t < 8 * slots && b >= 0;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) vf_load_stored4(x + 32 * b + 4 * (t % 8), v);
+    vf_quantize_scaled4(g, q, ss, 32 * max(b, 0) + 4 * (t % 8), v, active);
+  }
+}
+__device__ __forceinline__ void vf_quantize_own(const float* x, const float* __restrict__ g, vf_q8_1* __restrict__ q,
+                                                float* __restrict__ ss, int n, int first, int rows, int trips) {
+  __syncthreads();
+  const int groups = trips * rows / 4;
+  for (int t = threadIdx.x; t < (groups + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; t += VF_BLOCK) {
+    const int r = first + ((int)blockIdx.x + t / (rows / 4) * (int)gridDim.x) * rows + 4 * (t % (rows / 4));
+    const bool active = t < groups && r >= 0 && r < n;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) vf_load_stored4(x + r, v);
+    vf_quantize_scaled4(g, q, ss, max(r, 0), v, active);
+  }
+}
 // the n q8_1 blocks that an earlier kernel wrote, copied into LDS by the threads of the workgroup 16 bytes at
 // a time (both arrays 16-byte aligned; an odd count of blocks leaves 8 bytes, copied by thread 0)
 __device__ __forceinline__ void vf_copy_q8_1(vf_q8_1* dst, const vf_q8_1* __restrict__ src, int n) {
@@ -697,6 +745,11 @@ __device__ __forceinline__ int vf_sum8(int v) {
   v += VF_DPP_I(v, 0x4E, 0xF);
   return v + VF_DPP_I(v, 0x141, 0xF);
 }
+__device__ __forceinline__ float vf_sum8(float v) {
+  v += VF_DPP(v, 0xB1, 0xF);
+  v += VF_DPP(v, 0x4E, 0xF);
+  return v + VF_DPP(v, 0x141, 0xF);
+}
 // 4 floats other workgroups of this launch stored, after a __threadfence (it invalidated this CU's cache)
 __device__ __forceinline__ void vf_load_stored4(const float* p, float* v) {
   const vf_float4 x = *(const vf_float4*)p;
@@ -721,6 +774,10 @@ __device__ __forceinline__ float vf_max8(float v) {
 }
 __device__ __forceinline__ int vf_sum8(int v) {
   for (int m = 1; m < 8; m <<= 1) v += vf_shfl_xor_i(v, m);
+  return v;
+}
+__device__ __forceinline__ float vf_sum8(float v) {
+  for (int m = 1; m < 8; m <<= 1) v += vf_shfl_xor(v, m);
   return v;
 }
 // 4 floats other workgroups of this launch stored: read from L2, past this SM's L1

@@ -287,6 +287,30 @@ def test_the_down_projection_reads_the_q8_1_blocks_the_gate_up_kernel_wrote(fmt,
         np.testing.assert_allclose(outs[on], want, rtol=0, atol=2e-2 * np.abs(want - x).max())
 
 
+@pytest.mark.parametrize("D,N", [(1536, 8960), (3584, 512), (576, 1536)])
+def test_a_normalizing_consumer_reads_the_blocks_its_producer_quantized(D, N, monkeypatch):
+    """fusion/q8.py: ``y = x + x W1^T``, then ``RMSNorm(y, g) W2^T``: the producer also writes the q8_1
+    blocks of ``y * g`` and each block's sum of ``y * y``, and the consumer copies them: the same result
+    over several launches, and the float64 interpreter's within the activation's quantization error, as
+    the consumer's own one-pass prologue (``VEGAFUSE_NORM_AT_PRODUCER=0``)."""
+    from tests.test_quant_kernels import quantized
+    x, g = randn(1, D), rng.uniform(0.5, 1.5, D).astype(np.float32)
+    w1, w2 = quantized((D, D), "q4_0", 0.05), quantized((N, D), "q4_0", 0.05)
+
+    def f(x, g, w1, w2):
+        return nn.linear(nn.rms_norm(x + nn.linear(x, w1), g, 1e-6), w2)
+    want = dsl.jit(f).lower(x, g, w1, w2).program.run(x, g, w1, w2, compute_dtype="f64")[0]
+    for on in ("1", "0"):
+        monkeypatch.setenv("VEGAFUSE_NORM_AT_PRODUCER", on)
+        jf = dsl.jit(f, backend="cuda")
+        up, down = [ck.hip.body for ck in jf.compile(x, g, w1, w2).kernels if ck.kernel.family == "contract"]
+        assert ("_ss[" in down and "vf_copy_q8_1(" in down) == (on == "1"), down
+        runs = [np.asarray(jf(x, g, w1, w2), np.float64) for _ in range(3)]
+        for r in runs[1:]:
+            np.testing.assert_array_equal(r, runs[0])
+        np.testing.assert_allclose(runs[0], want, rtol=0, atol=1e-2 * np.abs(want).max())
+
+
 def test_a_kernel_storing_two_int8_activations_quantizes_both(monkeypatch):
     """fusion/q8.py: one GEMV kernel stores a and b (two segments), each read by an int8 GEMV; both
     buffers' q8_1 blocks are quantized in that kernel (``tests/test_review12.py``): bit for bit

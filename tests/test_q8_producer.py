@@ -69,19 +69,47 @@ def test_the_plan_quantizes_the_down_projections_activation_in_the_gate_up_kerne
     assert quantize_at_producers(base, "q8_1r") is base
 
 
-def test_a_consumer_with_a_prologue_or_a_reader_besides_it_keeps_its_own_quantization():
-    """RMSNorm before the GEMV (a row reduction) and a buffer that is also a program output
-    (read back after the plan) are left alone."""
+def normed(x, g, w1, w2):
+    """A producer (a GEMV with a residual) whose output a second GEMV reads through RMSNorm."""
+    y = x + dsl.dot_t(x, w1)
+    return dsl.dot_t(rms_norm(y, g), w2)
+
+
+def normed_case(D=1088, N=40, fmt="q4_0"):
+    x = (rng.standard_normal((1, D)) * rng.uniform(0.5, 4)).astype(np.float32)
+    return (x, rng.uniform(0.5, 1.5, D).astype(np.float32), quantized((D, D), fmt, 0.05), quantized((N, D), fmt))
+
+
+def test_a_normalizing_consumer_reads_x_times_g_in_q8_1_blocks_and_the_block_sums_of_squares(monkeypatch):
+    """RMSNorm before the GEMV: the producer quantizes ``y * g`` and stores each block's sum of ``y * y``;
+    the consumer adds the sums, copies the blocks and no longer reads ``y`` or ``g``;
+    ``VEGAFUSE_NORM_AT_PRODUCER=0`` leaves the consumer's own prologue."""
+    args = normed_case()
+    plan = gpu_plan(normed, args)
+    up, down = plan.kernels
+    g = plan.inputs[1]
+    (q8,) = [p.name for p in up.params if p.dtype in L.ACT_Q8 and p.role == "out"]
+    (ss,) = [p.name for p in up.params if p.name.endswith("_ss") and p.role == "out"]
+    assert plan.buffers[ss][0] == (1088 // 32,) and g in {p.name for p in up.params}
+    names = {p.name for p in down.params}
+    assert {q8, ss} <= names and g not in names and not ({p.name for p in up.params if p.role == "out"} - {q8, ss}) & names
+    fills = [s for s in L.walk_stmts(down.body) if isinstance(s, L.Store) and isinstance(s.value, L.QLoad)]
+    assert len(fills) == 1 and fills[0].value.buf == q8
+    monkeypatch.setenv("VEGAFUSE_NORM_AT_PRODUCER", "0")
+    base = lower_program(dsl.jit(normed).lower(*args))
+    assert quantize_at_producers(base, "q8_1r") is base
+
+
+def test_a_consumer_with_another_norm_keeps_its_own_quantization():
+    """A norm whose reduction is not ``x * x`` (it adds ``|x|``): left alone."""
     x, g = rng.standard_normal((1, 64)).astype(np.float32), rng.uniform(0.5, 1.5, 64).astype(np.float32)
     w1, w2 = quantized((64, 64), "q4_0"), quantized((32, 64), "q4_0")
 
-    def f(x, g, w1, w2):
+    def absnorm(x, g, w1, w2):
         y = x + dsl.dot_t(x, w1)
-        return dsl.dot_t(rms_norm(y, g), w2)
-    plan = gpu_plan(f, (x, g, w1, w2))
+        return dsl.dot_t(y * dsl.rsqrt(dsl.sum(dsl.abs(y), axis=-1, keepdims=True) + 1.0) * g, w2)
+    plan = gpu_plan(absnorm, (x, g, w1, w2))
     assert not any(p.dtype in L.ACT_Q8 for k in plan.kernels for p in k.params)
-
-
 
 
 def emulate(k, target, arrays, tmp, reversed_=False):
@@ -178,6 +206,51 @@ def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(
         np.testing.assert_allclose(final, np.asarray(want[-1]).reshape(-1), rtol=0, atol=2e-3 * scale.max() + 1e-5)
 
 
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+@pytest.mark.parametrize("target", ["sm_90", "gfx906"])
+@pytest.mark.parametrize("D,whole,fmt", [(1088, "1", "q4_0"), (1088, "0", "q8_0"), (96, "1", "q4_0"), (1536, "1", "q8_0")])
+def test_the_producer_quantizes_the_normalized_input_of_its_consumer(target, D, whole, fmt, tmp_path_factory,
+                                                                    monkeypatch):
+    """``y = x + x W1^T`` then ``RMSNorm(y, g) W2^T``: the producer's q8_1 blocks are those of ``y * g``
+    bit for bit (the numpy model of the fill's arithmetic), its block sums of squares those of ``y``; the
+    consumer's output is the q8_1 GEMV of ``y * g`` times ``rsqrt(mean(y^2) + eps)`` and the float64
+    interpreter's within the activation's quantization error.  Whole trips or arrivals
+    (``VEGAFUSE_Q8_WHOLE=0``), workgroups in order and reversed, few compute units."""
+    if L.int8_activation() != "q8_1r":
+        pytest.skip("the residual plane is off")
+    monkeypatch.setenv("VEGAFUSE_Q8_WHOLE", whole)
+    t = get_target(target, compute_units=3)
+    tmp = str(tmp_path_factory.getbasetemp())
+    for run in range(2):
+        args = normed_case(D, 40, fmt)
+        prog = dsl.jit(normed).lower(*args)
+        plan = quantize_at_producers(lower_program(prog), "q8_1r")
+        named = {n: a.device_bytes() if isinstance(a, dsl.QArray) else a for n, a in zip(plan.inputs, args)}
+        bufs, texts = {}, []
+        for k in plan.kernels:
+            outs = {}
+            h = emulate(k, t, host_arrays(k, {**named, **bufs}, outs), tmp, reversed_=run == 1)
+            bufs.update(outs)
+            texts.append(h.body)
+        assert "vf_quantize_own(" in texts[0] or "vf_quantize_stored(" in texts[0]
+        assert "vf_copy_q8_1(" in texts[1] and "vf_quantize_q8_1(" not in texts[1]
+        (q8,) = [n for n in bufs if n.endswith("_q8")]
+        (ss,) = [n for n in bufs if n.endswith("_ss")]
+        y = bufs[q8[:-3]].reshape(-1)
+        g = args[1]
+        got, _, _ = q8_blocks(bufs[q8], D)
+        np.testing.assert_array_equal(got, q8_1(y * g), err_msg=f"{target} run {run}")
+        y64 = y.astype(np.float64)
+        np.testing.assert_allclose(bufs[ss], (y64 * y64).reshape(-1, 32).sum(axis=1), rtol=1e-5)
+        s = 1 / np.sqrt(np.mean(y64 * y64) + 1e-5)
+        deq = args[3].dequantize().astype(np.float64)
+        final = bufs[plan.outputs[-1][1]].reshape(-1)
+        mag = (np.abs(y64 * g) * s) @ np.abs(deq).T
+        np.testing.assert_allclose(final, (q8_1(y * g) @ deq.T) * s, rtol=0, atol=1e-5 * mag.max() + 1e-6)
+        want = np.asarray(prog.program.run(*args, compute_dtype="f64")[-1]).reshape(-1)
+        np.testing.assert_allclose(final, want, rtol=0, atol=2e-3 * mag.max() + 1e-5)
 
 
 @pytest.mark.skipif(bool(HIP), reason=f"gfx906 compile skipped: {HIP}")
