@@ -140,11 +140,12 @@ class Inspected:
         return counts(main_loop(self.isa()))
 
 
-def decode_plan(model=None, context=512, dtype="native", tokens=1):
+def decode_plan(model=None, context=512, dtype="native", tokens=1, target=None):
     """The fusion plan of one decode step of ``model`` (a GGUF or HF directory; default SmolLM2)
     with weights loaded as ``dtype`` ("native": a GGUF's quantized tensors as they are; "f16"):
-    the pipeline's passes up to rendering (``engine.pipeline.lower_program``); ``tokens`` > 1: the
-    prefill of that many tokens instead (its contractions: the matmul family)."""
+    the pipeline's passes up to rendering (``engine.pipeline.lower_program``) and the GPU plan step
+    for ``target`` (default gfx906); ``tokens`` > 1: the prefill of that many tokens instead (its
+    contractions: the matmul family)."""
     import numpy as np
 
     import dsl
@@ -164,15 +165,15 @@ def decode_plan(model=None, context=512, dtype="native", tokens=1):
     if tokens > context:
         raise ValueError(f"--prefill {tokens} does not fit the context of {context} positions")
     low = dsl.jit(step, donate_argnums=(4,)).lower(params, np.zeros(tokens, np.int32), 0, 0, cache)
-    return gpu_plan(lower_program(low))
+    return gpu_plan(lower_program(low), target or get_target("gfx906"))
 
 
-def gpu_plan(plan):
+def gpu_plan(plan, target=None):
     """``plan`` as a GPU with int8 dot products runs it (``fusion.q8``: activations quantized by
-    the kernels that produce them; ``VEGAFUSE_Q8_PRODUCER=0``: not)."""
+    the kernels that produce them, for ``target`` (a Target or None); ``VEGAFUSE_Q8_PRODUCER=0``: not)."""
     from codegen.loopir import int8_activation
     from fusion.q8 import quantize_at_producers
-    return quantize_at_producers(plan, int8_activation())
+    return quantize_at_producers(plan, int8_activation(), target)
 
 
 def widths(it) -> str:
@@ -268,7 +269,7 @@ def main(argv=None):
                              "(gfx906); the NVIDIA flavour runs with --backend cuda")
         if args.prefill < 1:
             raise ValueError(f"--prefill must be at least 1, got {args.prefill}")
-        kernels = decode_plan(args.model, args.context, args.dtype, args.prefill).kernels
+        kernels = decode_plan(args.model, args.context, args.dtype, args.prefill, target).kernels
         if args.kernel:
             match = [k for k in kernels if k.name == args.kernel] or [k for k in kernels if args.kernel in k.name]
             if len(match) != 1:

@@ -311,6 +311,8 @@ class QuantizeStored:
     done: str
     whole: bool = False      # every trip stores whole blocks (rows, first multiples of 32): each workgroup
                              # quantizes what it stored itself, with no arrivals (``vf_quantize_own``)
+    staged: str = ""         # whole: the LDS array that holds the values the workgroup's trips stored, trip
+                             # after trip (``rows`` each), read instead of src (``vf_quantize_staged``)
     scale: str = ""          # the blocks are of src * scale (elementwise), and ...
     sumsq: str = ""          # ... each block's sum of src * src goes to sumsq[block] (fusion.q8: a normalization's)
 
@@ -631,7 +633,7 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
         if isinstance(s, CopyF32):
             return CopyF32(name(s.dst), name(s.src), s.n)
         if isinstance(s, QuantizeStored):
-            return replace(s, src=name(s.src), dst=name(s.dst), done=name(s.done),
+            return replace(s, src=name(s.src), dst=name(s.dst), done=name(s.done), staged=name(s.staged) if s.staged else "",
                            scale=name(s.scale) if s.scale else "", sumsq=name(s.sumsq) if s.sumsq else "")
         return s
     return tuple(st(s) for s in body)
@@ -1056,7 +1058,7 @@ def format_kernel(k: Kernel) -> str:
             elif isinstance(s, CopyF32):
                 lines.append(f"{pad}{s.dst}[0:{s.n}] = {s.src}[0:{s.n}]  # 16 bytes at a time")
             elif isinstance(s, QuantizeStored):
-                how = "by its workgroup" if s.whole else "by arrival"
+                how = f"by its workgroup, from {s.staged}" if s.staged else "by its workgroup" if s.whole else "by arrival"
                 x = f"{s.src}[0:{s.n}] * {s.scale}[0:{s.n}]" if s.scale else f"{s.src}[0:{s.n}]"
                 ss = f"; {s.sumsq}[b] = sum of {s.src}^2 over block b" if s.sumsq else ""
                 lines.append(f"{pad}{s.dst} = q8_1({x}){ss} {how} (rows {s.rows} per trip from "

@@ -575,9 +575,13 @@ def _contract(body, t, lds_limit):
     stored = ""
     if "stored_q8" in info:                                # the trailing loops, now that the grid is known
         qs = {id(s): _quantize_stored(s, t, info, grid) for s in info["stored_q8"]}
+        staged = [q for q in qs.values() if q.whole and q.trips * q.rows <= STAGE_LIMIT and _stage_switch()]
+        qs = {i: replace(q, staged=f"{q.src}_rows") if q in staged else q for i, q in qs.items()}
         slots = [q.trips * q.per_trip for q in qs.values() if not q.whole]
         done = (L.Array("vf_done", "i32", max(slots), "lds"),) if slots else ()   # one list: each QuantizeStored
         body = done + tuple(qs.get(id(s), s) for s in body)                       # opens with a barrier
+        for q in staged:                                   # read back from LDS, not global memory
+            body = _staged(body, q)
         stored = "".join(f"; {q.src} also in q8_1 blocks ({q.dst}), "
                          + ("each quantized by the workgroup that stores it" if q.whole else
                             "each quantized by the workgroup that completes it")
@@ -638,6 +642,42 @@ def _whole_trips(t: Target, info, per_cu: int):
         return None
     return replace(t, block=t.block * f, blocks_per_cu=max(1, t.blocks_per_cu // f), int8_blocks_per_cu=per_cu // f,
                    int8_prologue_budget=0)
+
+
+STAGE_LIMIT = 2048      # values a workgroup keeps in LDS for its own q8_1 blocks (8 KiB)
+
+
+def _stage_switch() -> bool:
+    """``VEGAFUSE_Q8_STAGE=0``: a workgroup quantizing the blocks it stored reads them back from global
+    memory instead of from LDS (A/B)."""
+    return os.environ.get("VEGAFUSE_Q8_STAGE", "1") != "0"
+
+
+def _staged(body, q):
+    """``body`` with each store ``src[i] = v`` of the whole-trip ``QuantizeStored`` ``q`` also keeping
+    ``v`` in the LDS array ``{src}_rows`` (``q.trips * q.rows`` values, trip after trip): row i of the
+    loop's row space (``i - first``) at ``(i - first) % rows + rows * ((i - first) / (rows * grid))``."""
+    stage, count = f"{q.src}_rows", [0]
+
+    def st(s):
+        if isinstance(s, L.Store) and s.buf == q.src:
+            r = L.add(s.index, L.c(-q.first)) if q.first else s.index
+            at = L.Bin("mod", r, L.c(q.rows))
+            if q.trips > 1:
+                at = L.add(at, L.mul(L.c(q.rows), L.Bin("idiv", r, L.mul(L.c(q.rows), L.Hw("grid")))))
+            count[0] += 1
+            v = L.Sym(f"{q.src}_r{count[0] - 1}", "f32")
+            return (L.Declare(v.name, "f32", s.value), replace(s, value=v), L.Store(stage, at, v))
+        if isinstance(s, L.If):
+            return (L.If(s.cond, _flat(s.then, st), _flat(s.orelse, st)),)
+        if isinstance(s, L.Loop):
+            return (replace(s, body=_flat(s.body, st)),)
+        return (s,)
+    return (L.Array(stage, "f32", q.trips * q.rows, "lds"),) + _flat(body, st)
+
+
+def _flat(body, f):
+    return tuple(x for s in body for x in f(s))
 
 
 def _copy16() -> bool:
@@ -811,7 +851,7 @@ def _quantize_stored(loop, t, info, grid):
         if lo < hi:
             per_trip = max(per_trip, (hi - 1) // 32 - lo // 32 + 1)
     whole = rows % 32 == 0 and first % 32 == 0 and _whole_switch()
-    return L.QuantizeStored(src, dst, n, first, rows, trips, per_trip, "vf_done", whole, scale, sumsq)
+    return L.QuantizeStored(src, dst, n, first, rows, trips, per_trip, "vf_done", whole, scale=scale, sumsq=sumsq)
 
 
 def matmul_rows(s: L.Loop):

@@ -670,6 +670,19 @@ __device__ __forceinline__ void vf_quantize_own(const float* x, vf_q8_1* __restr
     vf_quantize_q8_1(q, max(r, 0) / 4, v[0], v[1], v[2], v[3], active);
   }
 }
+// the same from the LDS array the workgroup's trips also stored their values in, trip after trip (rows each):
+// no second read of global memory
+__device__ __forceinline__ void vf_quantize_staged(const float* stage, vf_q8_1* __restrict__ q, int n, int first,
+                                                   int rows, int trips) {
+  __syncthreads();
+  const int groups = trips * rows / 4;
+  for (int t = threadIdx.x; t < (groups + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; t += VF_BLOCK) {
+    const int r = first + ((int)blockIdx.x + t / (rows / 4) * (int)gridDim.x) * rows + 4 * (t % (rows / 4));
+    const bool active = t < groups && r >= 0 && r < n;
+    const float* v = stage + 4 * min(t, groups - 1);
+    vf_quantize_q8_1(q, max(r, 0) / 4, v[0], v[1], v[2], v[3], active);
+  }
+}
 // for a normalizing consumer (fusion/q8.py): the blocks of x * g, and each block's sum of x * x into ss[block];
 // 4 values of x at i, 8 threads a block, every thread of the wave taking part
 __device__ __forceinline__ void vf_quantize_scaled4(const float* __restrict__ g, vf_q8_1* __restrict__ q,
@@ -704,6 +717,17 @@ __device__ __forceinline__ void vf_quantize_stored(const float* x, const float* 
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (active) vf_load_stored4(x + 32 * b + 4 * (t % 8), v);
     vf_quantize_scaled4(g, q, ss, 32 * max(b, 0) + 4 * (t % 8), v, active);
+  }
+}
+__device__ __forceinline__ void vf_quantize_staged(const float* stage, const float* __restrict__ g,
+                                                   vf_q8_1* __restrict__ q, float* __restrict__ ss, int n, int first,
+                                                   int rows, int trips) {
+  __syncthreads();
+  const int groups = trips * rows / 4;
+  for (int t = threadIdx.x; t < (groups + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; t += VF_BLOCK) {
+    const int r = first + ((int)blockIdx.x + t / (rows / 4) * (int)gridDim.x) * rows + 4 * (t % (rows / 4));
+    const bool active = t < groups && r >= 0 && r < n;
+    vf_quantize_scaled4(g, q, ss, max(r, 0), stage + 4 * min(t, groups - 1), active);
   }
 }
 __device__ __forceinline__ void vf_quantize_own(const float* x, const float* __restrict__ g, vf_q8_1* __restrict__ q,

@@ -56,7 +56,7 @@ def for_device(plan, device):
         return plan
     from codegen.loopir import int8_activation
     from fusion.q8 import quantize_at_producers
-    return quantize_at_producers(plan, int8_activation())
+    return quantize_at_producers(plan, int8_activation(), target)
 
 
 def lower_program(traced, fusion=None):

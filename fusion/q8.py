@@ -152,10 +152,25 @@ def sum_of_squares(xs):
     return total
 
 
-def quantize_at_producers(plan, dtype: str):
+def _cheap(before: L.Kernel, after: L.Kernel, target) -> bool:
+    """Is the producer ``after`` (``before`` with a normalization's blocks to quantize), mapped for
+    ``target``, still as fast: each block quantized by the workgroup that stores it whole, with at least
+    half of ``before``'s workgroups (``codegen.mapping._whole_trips`` takes f times larger ones)?
+    Arrivals' fences and atomics, or a grid cut to a quarter, cost the producer more than the
+    consumer's one-pass prologue (on an H200, docs/performance.md: Qwen2.5-1.5B's down projection by
+    arrivals 9.6 against 7.1 us; Qwen2.5-7B's O projection as 112 workgroups instead of 448)."""
+    from codegen.mapping import map_kernel
+    m = map_kernel(after, target)
+    whole = all(s.whole for s in L.walk_stmts(m.body) if isinstance(s, L.QuantizeStored) and s.sumsq)
+    return whole and 2 * m.launch.grid >= map_kernel(before, target).launch.grid
+
+
+def quantize_at_producers(plan, dtype: str, target=None):
     """``plan`` (a ``fusion.Plan``, not changed) with each int8 GEMV activation that an earlier GEMV
     stores row by row quantized there once (see the module docstring); ``dtype``: the activation's
-    q8 dtype ("q8_1r" or "q8_1", ``codegen.loopir.int8_activation``).  Returns a new Plan."""
+    q8 dtype ("q8_1r" or "q8_1", ``codegen.loopir.int8_activation``); ``target`` (a
+    ``codegen.targets.Target``, or None: every such pair): a normalizing consumer's only where the
+    producer, mapped for it, stays as fast (``_cheap``).  Returns a new Plan."""
     if not enabled():
         return plan
     kernels = list(plan.kernels)
@@ -186,13 +201,13 @@ def quantize_at_producers(plan, dtype: str):
         key = (buf, g if normed else None)
         if key not in q8:
             name = fresh(f"{buf}_q8")
-            buffers[name] = ((int(K * L.ITEMSIZE[dtype]),), np.dtype(np.uint8))
+            new = {name: ((int(K * L.ITEMSIZE[dtype]),), np.dtype(np.uint8))}
             blk = L.Sym(f"{buf}_blk", "i32")
             xs = [L.Load(buf, L.add(L.mul(blk, L.c(32)), L.c(j)), "f32") for j in range(32)]
             params = (L.Param(name, dtype, shape=(K,), role="out"),)
             if normed:                               # x * g in q8_1 blocks, and each block's sum of x * x
                 ss = fresh(f"{buf}_ss")
-                buffers[ss] = ((K // 32,), np.dtype(np.float32))
+                new[ss] = ((K // 32,), np.dtype(np.float32))
                 gs = [L.Load(g, x.index, "f32") for x in xs]
                 quant = (L.QuantizeQ8(name, blk, tuple(L.Bin("mul", x, y) for x, y in zip(xs, gs)), L.Const(True, "bool")),
                          L.Store(ss, blk, sum_of_squares(xs)))
@@ -206,8 +221,13 @@ def quantize_at_producers(plan, dtype: str):
                 q8[key] = (name,)
             p = kernels[w[0]]
             extra = tuple(q for q in k.params if normed and q.name == g and g not in {r.name for r in p.params})
-            kernels[w[0]] = replace(p, params=p.params + extra + params,
-                                    body=p.body + (note, L.Loop(blk.name, L.c(0), L.c(K // 32), quant)))
+            before = p
+            p = replace(p, params=p.params + extra + params, body=p.body + (note, L.Loop(blk.name, L.c(0), L.c(K // 32), quant)))
+            if normed and target is not None and not _cheap(before, p, target):
+                del q8[key]
+                continue
+            kernels[w[0]] = p
+            buffers.update(new)
         names = q8[key]
         if normed:
             body = _consumer_of_norm(body, one, *names, dtype)

@@ -771,7 +771,7 @@ def _compile_gfx906(kernels):
     from codegen.inspect import gpu_plan
     from fusion.schedule import Plan
     compiler = compiler_for(get_target("gfx906"))
-    kernels = gpu_plan(Plan(list(kernels), {}, [], [], [])).kernels       # as a GPU runs them (fusion/q8.py)
+    kernels = gpu_plan(Plan(list(kernels), {}, [], [], []), get_target("gfx906")).kernels       # as a GPU runs them (fusion/q8.py)
     build(render(kernels, compiler), compiler)
 
 

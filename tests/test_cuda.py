@@ -274,7 +274,7 @@ def test_the_down_projection_reads_the_q8_1_blocks_the_gate_up_kernel_wrote(fmt,
         jf = dsl.jit(mlp, backend="cuda")
         c = jf.compile(x, g, wg, wu, wd)
         up, down = [ck.hip.body for ck in c.kernels if ck.kernel.family == "contract"]
-        assert (("vf_quantize_own(" in up or "vf_quantize_stored(" in up) and "vf_copy_q8_1(" in down) == (on == "1")
+        assert (("vf_quantize_staged(" in up or "vf_quantize_stored(" in up) and "vf_copy_q8_1(" in down) == (on == "1")
         runs = [np.asarray(jf(x, g, wg, wu, wd), np.float64) for _ in range(3)]
         for r in runs[1:]:
             np.testing.assert_array_equal(r, runs[0])
@@ -304,7 +304,8 @@ def test_a_normalizing_consumer_reads_the_blocks_its_producer_quantized(D, N, mo
         monkeypatch.setenv("VEGAFUSE_NORM_AT_PRODUCER", on)
         jf = dsl.jit(f, backend="cuda")
         up, down = [ck.hip.body for ck in jf.compile(x, g, w1, w2).kernels if ck.kernel.family == "contract"]
-        assert ("_ss[" in down and "vf_copy_q8_1(" in down) == (on == "1"), down
+        # on: where the producer quantizes whole blocks itself (fusion.q8._whole; Qwen2.5-1.5B's O projection at wave 32)
+        assert ("_ss[" in down) <= (on == "1") and ("_ss[" in down) == ("vf_copy_q8_1(" in down), down
         runs = [np.asarray(jf(x, g, w1, w2), np.float64) for _ in range(3)]
         for r in runs[1:]:
             np.testing.assert_array_equal(r, runs[0])
@@ -328,7 +329,7 @@ def test_a_kernel_storing_two_int8_activations_quantizes_both(monkeypatch):
         monkeypatch.setenv("VEGAFUSE_Q8_PRODUCER", on)
         jf = dsl.jit(f, backend="cuda")
         body = next(ck.hip.body for ck in jf.compile(x, *ws).kernels if ck.kernel.family == "contract")
-        assert body.count("vf_quantize_own(") + body.count("vf_quantize_stored(") == (2 if on == "1" else 0)
+        assert body.count("vf_quantize_staged(") + body.count("vf_quantize_stored(") == (2 if on == "1" else 0)
         runs = [[np.asarray(o, np.float64) for o in jf(x, *ws)] for _ in range(3)]
         for r in runs[1:]:
             for a, b in zip(r, runs[0]):

@@ -1,5 +1,5 @@
 """A GEMV activation quantized once, by the GEMV that produces it (``fusion/q8.py``; on GPUs): the plan
-step, the kernel text of the producer (whole blocks by their workgroup, ``vf_quantize_own``, or per-block
+step, the kernel text of the producer (whole blocks by their workgroup, ``vf_quantize_staged``, or per-block
 arrivals, ``vf_quantize_stored``) and of the consumer (its q8_1 blocks copied into LDS), run on the CPU
 through ``tests/gpu_emulation.h`` at wave 32 (sm_90's text) and 64 (gfx906's) against the q8_1
 arithmetic modelled in numpy and the float64 interpreter, and the gfx906 compile with its ISA gates.
@@ -159,12 +159,13 @@ def host_arrays(k, named, outputs):
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
 @pytest.mark.parametrize("target", ["sm_90", "gfx906"])
 @pytest.mark.parametrize("name", ["mlp", "two"])
-@pytest.mark.parametrize("whole", ["1", "0"])
-def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(name, target, whole, tmp_path_factory,
-                                                                               monkeypatch):
+@pytest.mark.parametrize("whole,stage", [("1", "1"), ("1", "0"), ("0", "1")])
+def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(name, target, whole, stage,
+                                                                               tmp_path_factory, monkeypatch):
     """Few compute units (workgroups take several trips, the last round ragged), run twice, the
     workgroups in order, then from the last to the first (a block completed early would show); the
-    blocks quantized by the workgroup whose trips store them whole (``vf_quantize_own``), or with
+    blocks quantized by the workgroup whose trips store them whole (from the values it also kept in
+    LDS, ``vf_quantize_staged``, or with ``VEGAFUSE_Q8_STAGE=0`` read back, ``vf_quantize_own``), or with
     ``VEGAFUSE_Q8_WHOLE=0`` by the last of the workgroups that store into them (the counts set back to
     zero for the second run): the producer's q8_1 blocks are the numpy model of the fill's arithmetic
     of its float output, bit for bit; the consumer's output is the q8_1 GEMV of them and the float64
@@ -172,6 +173,7 @@ def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(
     if L.int8_activation() != "q8_1r":
         pytest.skip("the residual plane is off")
     monkeypatch.setenv("VEGAFUSE_Q8_WHOLE", whole)
+    monkeypatch.setenv("VEGAFUSE_Q8_STAGE", stage)
     t = get_target(target, compute_units=3)
     tmp = str(tmp_path_factory.getbasetemp())
     for run in range(2):
@@ -189,7 +191,8 @@ def test_the_producer_writes_the_blocks_of_its_fill_and_the_consumer_reads_them(
             bufs.update(outs)
             if k is plan.kernels[0]:                   # "two" stores its buffer from row 48: not whole blocks
                 own = whole == "1" and name == "mlp"
-                assert ("vf_quantize_own(" if own else "vf_quantize_stored(") in h.body, h.kernel.launch.how
+                call = ("vf_quantize_staged(" if stage == "1" else "vf_quantize_own(") if own else "vf_quantize_stored("
+                assert call in h.body, h.kernel.launch.how
         q8name = next(n for n in bufs if n.endswith("_q8"))
         (src,) = [p.name for p in plan.kernels[0].params if p.role == "out" and p.dtype == "f32" and q8name == p.name + "_q8"]
         x = bufs[src].reshape(-1)
@@ -234,7 +237,7 @@ def test_the_producer_quantizes_the_normalized_input_of_its_consumer(target, D, 
             h = emulate(k, t, host_arrays(k, {**named, **bufs}, outs), tmp, reversed_=run == 1)
             bufs.update(outs)
             texts.append(h.body)
-        assert "vf_quantize_own(" in texts[0] or "vf_quantize_stored(" in texts[0]
+        assert ("vf_quantize_staged(" if whole == "1" else "vf_quantize_stored(") in texts[0]
         assert "vf_copy_q8_1(" in texts[1] and "vf_quantize_q8_1(" not in texts[1]
         (q8,) = [n for n in bufs if n.endswith("_q8")]
         (ss,) = [n for n in bufs if n.endswith("_ss")]
@@ -265,7 +268,7 @@ def test_producer_and_consumer_compile_for_gfx906_and_pass_the_isa_gates(fmt, wh
     ws = [quantized((18944, 3584), fmt, 0.05), quantized((18944, 3584), fmt, 0.05), quantized((3584, 18944), fmt, 0.05)]
     plan = gpu_plan(mlp, (x, g, *ws))
     up, down = plan.kernels
-    for k, text in ((up, "vf_quantize_own(" if whole == "1" else "vf_quantize_stored("), (down, "vf_copy_q8_1(")):
+    for k, text in ((up, "vf_quantize_staged(" if whole == "1" else "vf_quantize_stored("), (down, "vf_copy_q8_1(")):
         it = Inspected(k, get_target("gfx906"))
         isa, c = it.isa(), counts(main_loop(it.isa()))
         assert text in it.source, k.name

@@ -104,7 +104,7 @@ def test_a_producer_of_two_quantized_buffers_quantizes_both_by_arrival(target, t
 @pytest.mark.parametrize("whole", ["1", "0"])
 def test_a_producer_of_two_quantized_buffers_compiles_for_gfx906(whole, monkeypatch):
     """The two-buffer producer above at Qwen2.5-7B's widths: gfx906 compiles it with no scratch, at most
-    9 waves per SIMD, both buffers quantized by the workgroups that store them (vf_quantize_own), or by
+    9 waves per SIMD, both buffers quantized by the workgroups that store them (vf_quantize_staged), or by
     arrivals (vf_quantize_stored) with VEGAFUSE_Q8_WHOLE=0."""
     monkeypatch.setenv("VEGAFUSE_Q8_WHOLE", whole)
     from codegen.targets import get_target
@@ -120,7 +120,7 @@ def test_a_producer_of_two_quantized_buffers_compiles_for_gfx906(whole, monkeypa
             quantized((3584, 3584), "q4_0"), quantized((64, 512), "q4_0"), quantized((64, 3584), "q4_0"))
     plan = quantize_at_producers(lower_program(dsl.jit(two_buffers).lower(*args)), "q8_1r")
     it = Inspected(plan.kernels[0], get_target("gfx906"))
-    call = "vf_quantize_own(" if whole == "1" else "vf_quantize_stored("
+    call = "vf_quantize_staged(" if whole == "1" else "vf_quantize_stored("
     assert it.source.split('extern "C"')[1].count(call) == 2     # two calls in the kernel
     assert it.res["scratch_bytes"] == 0 and 1 <= it.res["waves_per_simd"] <= 9, it.res
 
