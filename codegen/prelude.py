@@ -627,11 +627,28 @@ __device__ __forceinline__ int vf_dot_q8(const int* n, const vf_q8_1& a) {
 _STORED = r"""// a GEMV activation quantized once, by the kernel that stores it (fusion/q8.py):
 // the q8_1 blocks of the n values x (n / 32 blocks) that a GEMV's workgroups store, trip j of workgroup b storing
 // x[first + (b + j gridDim.x) rows .. + rows) (clipped to [0, n)); every thread of the workgroup runs it after its
-// last store.  The workgroup adds the values each trip stored to their blocks' arrival counts, and quantizes the
+// last store.  For a normalizing consumer the blocks are of x * g, and each block's sum of x * x goes to ss[block];
+// the overloads without g and ss quantize x as it is (g and ss null: those branches fold away when inlined).
+// 4 values of x at i, 8 threads a block, every thread of the wave taking part (active false: it only helps)
+__device__ __forceinline__ void vf_quantize4(const float* __restrict__ g, vf_q8_1* __restrict__ q,
+                                             float* __restrict__ ss, int i, const float* v, bool active) {
+  if (ss) {
+    const float sum_sq = vf_sum8(v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]);
+    if (active && i % 32 == 0) ss[i / 32] = sum_sq;
+  }
+  if (!g) {
+    vf_quantize_q8_1(q, i / 4, v[0], v[1], v[2], v[3], active);
+    return;
+  }
+  const float* w = g + (active ? i : 0);
+  vf_quantize_q8_1(q, i / 4, v[0] * w[0], v[1] * w[1], v[2] * w[2], v[3] * w[3], active);
+}
+// by arrivals: the workgroup adds the values each trip stored to their blocks' arrival counts, and quantizes the
 // blocks it completes (one its trip stored whole at once); the one that completes a block sets its count back
 // to zero for the next launch.  done: LDS for trips * per_trip block numbers
-__device__ __forceinline__ void vf_quantize_stored(const float* x, vf_q8_1* __restrict__ q, unsigned int* count, int n,
-                                                   int first, int rows, int trips, int per_trip, int* done) {
+__device__ __forceinline__ void vf_quantize_stored(const float* x, const float* __restrict__ g, vf_q8_1* __restrict__ q,
+                                                   float* __restrict__ ss, unsigned int* count, int n, int first,
+                                                   int rows, int trips, int per_trip, int* done) {
   __threadfence();                       // this thread's stores reach the device before the counts below
   __syncthreads();
   const int slots = trips * per_trip;
@@ -648,77 +665,38 @@ __device__ __forceinline__ void vf_quantize_stored(const float* x, vf_q8_1* __re
   }
   __syncthreads();
   __threadfence();                       // the values other workgroups stored are seen after it
-  for (int g = threadIdx.x; g < (8 * slots + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; g += VF_BLOCK) {
-    const int b = done[min(g / 8, slots - 1)];
-    const bool active = g < 8 * slots && b >= 0;
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (active) vf_load_stored4(x + 32 * b + 4 * (g % 8), v);
-    vf_quantize_q8_1(q, 8 * max(b, 0) + g % 8, v[0], v[1], v[2], v[3], active);
-  }
-}
-// the same when every trip stores whole blocks (rows and first multiples of 32): the workgroup quantizes the
-// blocks it stored itself, once the barrier has made its threads' stores seen by all of them; no arrivals
-__device__ __forceinline__ void vf_quantize_own(const float* x, vf_q8_1* __restrict__ q, int n, int first, int rows,
-                                                int trips) {
-  __syncthreads();
-  const int groups = trips * rows / 4;   // 4 values a thread, 8 threads a block
-  for (int g = threadIdx.x; g < (groups + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; g += VF_BLOCK) {
-    const int r = first + ((int)blockIdx.x + g / (rows / 4) * (int)gridDim.x) * rows + 4 * (g % (rows / 4));
-    const bool active = g < groups && r >= 0 && r < n;                 // the same for a block's 8 threads
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (active) vf_load_stored4(x + r, v);
-    vf_quantize_q8_1(q, max(r, 0) / 4, v[0], v[1], v[2], v[3], active);
-  }
-}
-// the same from the LDS array the workgroup's trips also stored their values in, trip after trip (rows each):
-// no second read of global memory
-__device__ __forceinline__ void vf_quantize_staged(const float* stage, vf_q8_1* __restrict__ q, int n, int first,
-                                                   int rows, int trips) {
-  __syncthreads();
-  const int groups = trips * rows / 4;
-  for (int t = threadIdx.x; t < (groups + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; t += VF_BLOCK) {
-    const int r = first + ((int)blockIdx.x + t / (rows / 4) * (int)gridDim.x) * rows + 4 * (t % (rows / 4));
-    const bool active = t < groups && r >= 0 && r < n;
-    const float* v = stage + 4 * min(t, groups - 1);
-    vf_quantize_q8_1(q, max(r, 0) / 4, v[0], v[1], v[2], v[3], active);
-  }
-}
-// for a normalizing consumer (fusion/q8.py): the blocks of x * g, and each block's sum of x * x into ss[block];
-// 4 values of x at i, 8 threads a block, every thread of the wave taking part
-__device__ __forceinline__ void vf_quantize_scaled4(const float* __restrict__ g, vf_q8_1* __restrict__ q,
-                                                    float* __restrict__ ss, int i, const float* v, bool active) {
-  const float sum_sq = vf_sum8(v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]);
-  if (active && i % 32 == 0) ss[i / 32] = sum_sq;
-  const float* w = g + (active ? i : 0);
-  vf_quantize_q8_1(q, i / 4, v[0] * w[0], v[1] * w[1], v[2] * w[2], v[3] * w[3], active);
-}
-__device__ __forceinline__ void vf_quantize_stored(const float* x, const float* __restrict__ g, vf_q8_1* __restrict__ q,
-                                                   float* __restrict__ ss, unsigned int* count, int n, int first,
-                                                   int rows, int trips, int per_trip, int* done) {
-  __threadfence();
-  __syncthreads();
-  const int slots = trips * per_trip;
-  for (int i = threadIdx.x; i < slots; i += VF_BLOCK) {
-    const int r = first + ((int)blockIdx.x + i / per_trip * (int)gridDim.x) * rows;
-    const int lo = max(r, 0), hi = min(r + rows, n), b = lo / 32 + i % per_trip;
-    const int mine = min(hi, 32 * b + 32) - max(lo, 32 * b);
-    bool complete = mine == 32;
-    if (mine > 0 && mine < 32 && atomicAdd(count + b, (unsigned int)mine) + mine == 32) {
-      atomicExch(count + b, 0u);
-      complete = true;
-    }
-    done[i] = complete ? b : -1;
-  }
-  __syncthreads();
-  __threadfence();
   for (int t = threadIdx.x; t < (8 * slots + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; t += VF_BLOCK) {
     const int b = done[min(t / 8, slots - 1)];
     const bool active = t < 8 * slots && b >= 0;
     float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (active) vf_load_stored4(x + 32 * b + 4 * (t % 8), v);
-    vf_quantize_scaled4(g, q, ss, 32 * max(b, 0) + 4 * (t % 8), v, active);
+    vf_quantize4(g, q, ss, 32 * max(b, 0) + 4 * (t % 8), v, active);
   }
 }
+__device__ __forceinline__ void vf_quantize_stored(const float* x, vf_q8_1* __restrict__ q, unsigned int* count, int n,
+                                                   int first, int rows, int trips, int per_trip, int* done) {
+  vf_quantize_stored(x, nullptr, q, nullptr, count, n, first, rows, trips, per_trip, done);
+}
+// the same when every trip stores whole blocks (rows and first multiples of 32): the workgroup quantizes the
+// blocks it stored itself, once the barrier has made its threads' stores seen by all of them; no arrivals
+__device__ __forceinline__ void vf_quantize_own(const float* x, const float* __restrict__ g, vf_q8_1* __restrict__ q,
+                                                float* __restrict__ ss, int n, int first, int rows, int trips) {
+  __syncthreads();
+  const int groups = trips * rows / 4;   // 4 values a thread, 8 threads a block
+  for (int t = threadIdx.x; t < (groups + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; t += VF_BLOCK) {
+    const int r = first + ((int)blockIdx.x + t / (rows / 4) * (int)gridDim.x) * rows + 4 * (t % (rows / 4));
+    const bool active = t < groups && r >= 0 && r < n;                 // the same for a block's 8 threads
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) vf_load_stored4(x + r, v);
+    vf_quantize4(g, q, ss, max(r, 0), v, active);
+  }
+}
+__device__ __forceinline__ void vf_quantize_own(const float* x, vf_q8_1* __restrict__ q, int n, int first, int rows,
+                                                int trips) {
+  vf_quantize_own(x, nullptr, q, nullptr, n, first, rows, trips);
+}
+// the same from the LDS array the workgroup's trips also stored their values in, trip after trip (rows each):
+// no second read of global memory
 __device__ __forceinline__ void vf_quantize_staged(const float* stage, const float* __restrict__ g,
                                                    vf_q8_1* __restrict__ q, float* __restrict__ ss, int n, int first,
                                                    int rows, int trips) {
@@ -727,20 +705,12 @@ __device__ __forceinline__ void vf_quantize_staged(const float* stage, const flo
   for (int t = threadIdx.x; t < (groups + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; t += VF_BLOCK) {
     const int r = first + ((int)blockIdx.x + t / (rows / 4) * (int)gridDim.x) * rows + 4 * (t % (rows / 4));
     const bool active = t < groups && r >= 0 && r < n;
-    vf_quantize_scaled4(g, q, ss, max(r, 0), stage + 4 * min(t, groups - 1), active);
+    vf_quantize4(g, q, ss, max(r, 0), stage + 4 * min(t, groups - 1), active);
   }
 }
-__device__ __forceinline__ void vf_quantize_own(const float* x, const float* __restrict__ g, vf_q8_1* __restrict__ q,
-                                                float* __restrict__ ss, int n, int first, int rows, int trips) {
-  __syncthreads();
-  const int groups = trips * rows / 4;
-  for (int t = threadIdx.x; t < (groups + VF_BLOCK - 1) / VF_BLOCK * VF_BLOCK; t += VF_BLOCK) {
-    const int r = first + ((int)blockIdx.x + t / (rows / 4) * (int)gridDim.x) * rows + 4 * (t % (rows / 4));
-    const bool active = t < groups && r >= 0 && r < n;
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (active) vf_load_stored4(x + r, v);
-    vf_quantize_scaled4(g, q, ss, max(r, 0), v, active);
-  }
+__device__ __forceinline__ void vf_quantize_staged(const float* stage, vf_q8_1* __restrict__ q, int n, int first,
+                                                   int rows, int trips) {
+  vf_quantize_staged(stage, nullptr, q, nullptr, n, first, rows, trips);
 }
 // the n q8_1 blocks that an earlier kernel wrote, copied into LDS by the threads of the workgroup 16 bytes at
 // a time (both arrays 16-byte aligned; an odd count of blocks leaves 8 bytes, copied by thread 0)
