@@ -582,7 +582,8 @@ def _contract(body, t, lds_limit):
         body = done + tuple(qs.get(id(s), s) for s in body)                       # opens with a barrier
         for q in staged:                                   # read back from LDS, not global memory
             body = _staged(body, q)
-        stored = "".join(f"; {q.src} also in q8_1 blocks ({q.dst}), "
+        stored = "".join(f"; {q.src}{f' * {q.scale}' if q.scale else ''} also in q8_1 blocks ({q.dst})"
+                         + (f" with each block's sum of squares ({q.sumsq})" if q.sumsq else "") + ", "
                          + ("each quantized by the workgroup that stores it" if q.whole else
                             "each quantized by the workgroup that completes it")
                          + f" ({q.rows} rows a trip)" for q in qs.values())

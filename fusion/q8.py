@@ -66,7 +66,8 @@ def normed_fill(k: L.Kernel):
     (one,) = ones
     st, kk, K = one.body[0], L.Sym(one.var, "i32"), one.stop
     found = prologue.squared(one.accs[0].value, st.value)
-    if not found or st.index != kk or one.start != L.c(0) or not isinstance(K, L.Const) or K.value % 32:
+    if not found or st.index != kk or one.start != L.c(0) or not isinstance(K, L.Const) or K.value % 32 \
+            or K.value < 64:                         # (one block: nothing to share, and its loop is simplified away)
         return None
     x, g = found
     written = {p.name for p in k.params if p.role != "in"}
@@ -80,7 +81,7 @@ def normed_fill(k: L.Kernel):
     return body, one, x.buf, g.buf, K.value
 
 
-def _consumer_of_norm(body, one, q8, ss, dtype: str):
+def _consumer_of_norm(body, one, q8, ss, dtype: str, x: str, g: str):
     """The one-pass body of a normalizing GEMV with its loop ``one`` replaced by a reduction of the
     producer's block sums ``ss`` and a fill that reads the producer's q8_1 blocks ``q8``."""
     st, acc = one.body[0], one.accs[0]
@@ -94,8 +95,8 @@ def _consumer_of_norm(body, one, q8, ss, dtype: str):
             out += [fill, sums]                      # the copy's loads first, the sums' beside them
         elif isinstance(s, L.Comment) and s.text.startswith("one pass over the input"):
             scale = s.text.split(": ", 1)[1].split(" multiplies")[0]
-            out.append(L.Comment(f"the norm's input from its producer (fusion/q8.py): x * g in q8_1 blocks ({q8}), each "
-                                 f"block's sum of x * x ({ss}); {scale} multiplies each row's dot product"))
+            out.append(L.Comment(f"the norm's input from its producer (fusion/q8.py): {x} * {g} in q8_1 blocks ({q8}), "
+                                 f"each block's sum of {x} * {x} ({ss}); {scale} multiplies each row's dot product"))
         else:
             out.append(s)
     return tuple(out)
@@ -198,6 +199,8 @@ def quantize_at_producers(plan, dtype: str, target=None):
         w = writers.get(buf, [])
         if buf in plan.inputs or len(w) != 1 or w[0] >= c or not row_store(kernels[w[0]], buf, K):
             continue
+        if normed and any(i >= w[0] for i in writers.get(g, [])):     # g must be ready when the producer runs
+            continue
         key = (buf, g if normed else None)
         if key not in q8:
             name = fresh(f"{buf}_q8")
@@ -230,7 +233,7 @@ def quantize_at_producers(plan, dtype: str, target=None):
             buffers.update(new)
         names = q8[key]
         if normed:
-            body = _consumer_of_norm(body, one, *names, dtype)
+            body = _consumer_of_norm(body, one, *names, dtype, buf, g)
         else:
             value = L.QLoad(names[0], fill.body[0].index, "f32", dtype, K)
             body = tuple(replace(s, body=(replace(s.body[0], value=value),)) if s is fill else s for s in k.body)

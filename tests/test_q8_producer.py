@@ -100,6 +100,33 @@ def test_a_normalizing_consumer_reads_x_times_g_in_q8_1_blocks_and_the_block_sum
     assert quantize_at_producers(base, "q8_1r") is base
 
 
+def test_a_norm_weight_not_ready_before_the_producer_or_a_single_block_keeps_the_consumers_quantization():
+    """The norm weight ``g`` written by a later kernel or by the producer itself (the producer would read
+    it before it is stored), and a row of one block (K = 32): the consumer quantizes its own input; the
+    plan maps for both targets."""
+    def g_later(x, z, w1, wg, w2):
+        y = x + dsl.dot_t(x, w1)
+        g = dsl.dot_t(z, wg)
+        return dsl.dot_t(rms_norm(y, g), w2), g
+
+    def g_beside(x, z, w1, wg, w2):
+        y = x + dsl.dot_t(x, w1)
+        g = dsl.dot_t(x, wg)
+        return dsl.dot_t(rms_norm(y, g), w2), g
+    D = 1088
+    args = (rng.standard_normal((1, D)).astype(np.float32), rng.standard_normal((1, D)).astype(np.float32),
+            quantized((D, D), "q4_0"), quantized((D, D), "q4_0"), quantized((40, D), "q4_0"))
+    for f in (g_later, g_beside):
+        plan = gpu_plan(f, args)
+        assert not any(p.name.endswith("_ss") for k in plan.kernels for p in k.params), f.__name__
+    args = normed_case(32, 8)
+    for target in (None, get_target("sm_90"), get_target("gfx906")):
+        plan = quantize_at_producers(lower_program(dsl.jit(normed).lower(*args)), "q8_1r", target)
+        assert not any(p.name.endswith("_ss") for k in plan.kernels for p in k.params)
+        for k in plan.kernels:
+            render_hip(k, target or get_target("sm_90"))
+
+
 def test_a_consumer_with_another_norm_keeps_its_own_quantization():
     """A norm whose reduction is not ``x * x`` (it adds ``|x|``): left alone."""
     x, g = rng.standard_normal((1, 64)).astype(np.float32), rng.uniform(0.5, 1.5, 64).astype(np.float32)
