@@ -43,7 +43,7 @@ def _const(e: L.Const) -> str:
     return (s if ("." in s or "e" in s) else s + ".0") + "f" if e.dtype == "f32" else f"vf_f2h({s}f)"
 
 
-HW = {"lane": "vf_lane", "wave": "vf_wave", "thread": "threadIdx.x", "workgroup": "blockIdx.x", "grid": "gridDim.x"}
+HW = {"lane": "vf_lane", "wave": "vf_wave", "thread": "threadIdx.x", "grid": "gridDim.x"}
 
 
 # C precedence of the infix operators the op table spells as "({a} OP {b})"; bitwise and logical
@@ -295,10 +295,9 @@ def _quantize(s, pad):
 
 
 def _quantize_stored(s, pad):
-    x = f"{s.src}, {s.scale}" if s.scale else s.src                 # the prelude's scaled overloads
-    q = f"{s.dst}, {s.sumsq}" if s.scale else s.dst
+    src = s.staged or s.src                                         # staged: the workgroup's LDS copy
+    x, q = (f"{src}, {s.scale}", f"{s.dst}, {s.sumsq}") if s.scale else (src, s.dst)   # the scaled overloads
     if s.staged:
-        x = f"{s.staged}, {s.scale}" if s.scale else s.staged
         return [f"{pad}vf_quantize_staged({x}, {q}, {s.n}, {s.first}, {s.rows}, {s.trips});"]
     if s.whole:
         return [f"{pad}vf_quantize_own({x}, {q}, {s.n}, {s.first}, {s.rows}, {s.trips});"]

@@ -217,20 +217,18 @@ def quantize_at_producers(plan, dtype: str, target=None):
                 params += (L.Param(ss, "f32", shape=(K // 32,), role="out"),)
                 note = L.Comment(f"{buf} times {g} as q8_1 blocks and each block's sum of squares, for "
                                  f"{k.name}'s normalization")
-                q8[key] = (name, ss)
             else:
                 quant = (L.QuantizeQ8(name, blk, tuple(xs), L.Const(True, "bool")),)
                 note = L.Comment(f"{buf} as q8_1 blocks, for {k.name}")
-                q8[key] = (name,)
             p = kernels[w[0]]
             extra = tuple(q for q in k.params if normed and q.name == g and g not in {r.name for r in p.params})
             before = p
             p = replace(p, params=p.params + extra + params, body=p.body + (note, L.Loop(blk.name, L.c(0), L.c(K // 32), quant)))
             if normed and target is not None and not _cheap(before, p, target):
-                del q8[key]
                 continue
             kernels[w[0]] = p
             buffers.update(new)
+            q8[key] = tuple(new)                     # (the q8 buffer, and the block sums where normed)
         names = q8[key]
         if normed:
             body = _consumer_of_norm(body, one, *names, dtype, buf, g)
