@@ -358,7 +358,8 @@ def decode_tiles(a: L.Attention, t: Target):
     registers (``decode_vgprs``) fit ``t.attention_decode_vgprs`` or else ``t.attention_vgprs`` (sm_90:
     170, the most keys in flight that a long cache needs; gfx906: 128, two waves per SIMD and no
     scratch at any group size); ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
-    it, one head and one key in flight).  Splits: the chunk where ``t.attention_workgroups_per_cu``
+    it, one head and one key in flight).  ``t.attention_waves`` waves a workgroup (sm_90: 8, gfx906: 4;
+    ``VEGAFUSE_ATT_WAVES`` sets it: A/B).  Splits: the chunk where ``t.attention_workgroups_per_cu``
     workgroups per CU cover the full cache (sm_90: 2, gfx906: 1), in whole steps of the workgroup
     (``VEGAFUSE_ATT_CHUNK`` sets it: A/B); up to ``t.attention_short`` steps of keys, when that is
     more than the chunk, the first split reads the whole context and nothing is combined (``short``;
@@ -379,8 +380,9 @@ def decode_tiles(a: L.Attention, t: Target):
     for heads, unroll in choices:
         if heads * upl * per > DECODE_FLOATS:
             continue
-        threads = t.attention_waves * t.wave
-        step = t.attention_waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
+        waves = env_int("VEGAFUSE_ATT_WAVES", t.attention_waves)
+        threads = waves * t.wave
+        step = waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
         # the chunk where the target's workgroups per CU cover the full cache
         chunk = a.s * a.hkv * -(-group // heads) / (t.compute_units * t.attention_workgroups_per_cu)
         chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk

@@ -76,7 +76,8 @@ class Target:
                                  # latency-bound, so it takes as many loads in flight as a workgroup holds (0: block)
     attention_block: int = 256   # threads of an attention workgroup (codegen.mapping.attention_tiles)
     attention_lds: int = 32 * 1024  # LDS an attention workgroup may take (its tiles' size): two fit a gfx906 CU
-    attention_waves: int = 4     # waves of a decode attention workgroup (codegen.mapping.decode_tiles)
+    attention_waves: int = 4     # waves of a decode attention workgroup (codegen.mapping.decode_tiles;
+                                 # VEGAFUSE_ATT_WAVES sets it: A/B)
     attention_short: int = 0     # decode attention: up to this many steps of keys the first split reads the whole
                                  # context, no combine (codegen.mapping.decode_tiles; 0: the splits as they fall)
     attention_workgroups_per_cu: int = 1  # decode attention: workgroups per CU when the cache is full, which sets
@@ -157,6 +158,12 @@ TARGETS = {
                     # a workgroup.  On 2026-12-01, at 6 heads a workgroup, 64 positions was also best (then
                     # one workgroup per SM; 32 lost).  Other shapes not measured
                     attention_workgroups_per_cu=2,
+                    # 8 waves a decode attention workgroup: 64 keys a step, so a short context takes fewer
+                    # serial steps (Qwen2.5-1.5B at 32-160 positions: 3 steps or fewer instead of 5).  A/B/A on
+                    # an H200 (2026-12-03, VEGAFUSE_ATT_WAVES=8 as B against 4): 1.5B q4_0 1192.4 against
+                    # 1163.9/1170.0 tok/s, f16 732.6 against 729.0/720.3, f16 at position 4000 of 4200 655.1
+                    # against 651.9/648.0; 16 waves do not launch (126 registers x 512 threads).  7B not measured
+                    attention_waves=8,
                     # programmatic dependent launch, the trigger at exit and 4 MiB asked of L2 before the wait:
                     # on an H200 (2026-12-03, --ab VEGAFUSE_CUDA_PDL=1 before it was the default) Qwen2.5-1.5B
                     # q4_0 1041.9 against 1005.1/1004.0 tok/s, 1.5B f16 710.6 against 703.7/694.7, 7B q4_0

@@ -292,6 +292,9 @@ def main_gpu(args):
     print("\n".join(notes), flush=True)
     if args.profile is not None:
         profile(args, kept[0], f"{name} {args.dtype}")
+    if args.marginal:
+        from .profile import format_marginal, marginal_costs
+        print(format_marginal(marginal_costs(kept[0], 0, args.tokens, args.repeat)), flush=True)
     return 0
 
 
@@ -531,6 +534,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", nargs="?", const=".", metavar="DIR",
                    help="then profile --tokens decode steps: every kernel timed, gaps, regimes, the batch-1 "
                         "ceiling on stderr; profile.json and roofline.png in DIR (default: the current directory)")
+    p.add_argument("--marginal", action="store_true",
+                   help="then each kernel's cost inside the graph: the step with that kernel launched twice, "
+                        "A/B/A against the step as it is (cuda; engine.profile.marginal_costs)")
     p.add_argument("-n", "--tokens", type=int, default=None,
                    help="tokens to decode and time after the prefill's (default 64 cpu, 128 cuda)")
     p.add_argument("--reference-tokens", type=int, default=8, help="tokens for the slow interpreter (default 8)")
@@ -572,6 +578,10 @@ def parse_args(argv=None):
     if args.stream and (args.backend != "cuda" or args.random_weights or args.model in SHAPES or args.prefill):
         p.error("--stream times a real model's text with --backend cuda: give a model file or leave --model "
                 "out for the default SmolLM2 (no --random-weights, shape or --prefill)")
+    if args.marginal and (args.backend != "cuda" or args.prefill is not None or args.stream or args.capacity_check
+                          or args.ab):
+        p.error("--marginal times the decode step's graph: give --backend cuda, and leave out --prefill, "
+                "--stream, --capacity-check and --ab")
     if args.profile is not None and (args.prefill is not None or args.stream or args.capacity_check):
         p.error("--profile profiles the decode benchmark: leave out --prefill, --stream and --capacity-check")
     if args.prefill is not None and args.prefill < 1:

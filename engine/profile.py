@@ -399,6 +399,67 @@ def kernel_times(jitted, *args, steps=30, warmup=10) -> dict:
     return {"kernels": [(ck.kernel.name, float(t)) for ck, t in zip(ex.kernels, alone)], "plan_us": whole}
 
 
+def marginal_costs(model, token, steps=STEPS, repeat=3) -> list:
+    """What each kernel costs inside the step as it runs (a GPU's graph, back to back with its
+    neighbours): for each group of kernels (names equal up to their layer numbers), the step's plan
+    with every kernel of the group launched twice, timed over ``steps`` greedy decode steps after
+    ``token`` from the model's position, against the plan as it is, measured before and after it
+    (A/B/A, the median of ``repeat`` runs each).  The second launch reads what the first read, from
+    L2 where it fits, so its cost is the kernel's latency with its inputs ready: the chain inside
+    the kernel and the boundary to the next, not the time to stream its weights from memory.
+    Returns [(group, calls per step, µs per call, step µs of the plain plan)] in launch order.
+    The cache holds what the last (doubled) step wrote; a decode step's kernels write other buffers
+    than they read, so a second launch leaves the values as one would.  Raises ModelError on a
+    backend without a graph of kernels (the CPU's one native call)."""
+    from .errors import ModelError
+    dev = model.device
+    if dev is None or not hasattr(dev, "_event"):
+        raise ModelError(f"marginal costs time a GPU's graph: the {model.backend} backend has none; "
+                         "use --backend cuda or hip")
+    start = min(model.pos, model.context - positions_needed(steps))
+    model.pos = start
+    token = model.decode_greedy(token, 1)[0]                      # compiles and binds the step
+    ex = model.greedy_step.compile(model.params, np.zeros(1, np.int32), 0, 0, model.cache)
+    plan = ex._plan_run
+    names = [re.sub(r"\d+", "#", ck.kernel.name) for ck in ex.kernels]
+    if len(names) != len(plan.launches):
+        raise RuntimeError("the executable's kernels and its plan's launches disagree")
+
+    def step_us(p):
+        ex._plan_run = p
+        try:
+            times = []
+            for _ in range(repeat + 1):                           # the first run captures the graph
+                model.pos = start
+                dev.synchronize()
+                t0 = time.perf_counter()
+                model.decode_greedy(token, steps)
+                times.append((time.perf_counter() - t0) / steps * 1e6)
+            return float(np.median(times[1:]))
+        finally:
+            ex._plan_run = plan
+            model.pos = start
+
+    out = []
+    for group in dict.fromkeys(names):
+        twice = [x for name, launch in zip(names, plan.launches) for x in [launch] * (1 + (name == group))]
+        doubled = type(plan)(dev, twice, plan.slots, plan.graphs)
+        base, more, again = step_us(plan), step_us(doubled), step_us(plan)
+        calls = names.count(group)
+        out.append((group, calls, (more - (base + again) / 2) / calls, (base + again) / 2))
+    return out
+
+
+def format_marginal(rows) -> str:
+    """``marginal_costs``' rows as a table, with their sum per step against the step."""
+    lines = [f"{'kernel (in the graph, launched twice)':56} {'calls':>5} {'us/call':>8} {'us/step':>8}"]
+    for group, calls, us, _ in rows:
+        lines.append(f"{group[:56]:56} {calls:5d} {us:8.2f} {us * calls:8.1f}")
+    step = float(np.mean([r[3] for r in rows])) if rows else 0.0
+    lines.append(f"{'sum of the kernels / the step':56} {'':5} {'':8} {sum(r[1] * r[2] for r in rows):8.1f} / {step:.1f}")
+    return "\n".join(lines)
+
+
 def profile_model(model, token, steps=STEPS, out_dir=None, title=None, file=None) -> dict:
     """Profile ``steps`` decode steps of ``model`` (an ``engine.model.Model`` on a compiled backend)
     after ``token``: measure the ceilings, record, ``analyze``; print ``format_table`` to ``file``

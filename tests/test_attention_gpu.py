@@ -230,13 +230,13 @@ def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
 def test_decode_at_a_long_cache_of_two_workgroups_per_sm(tmp_path_factory):
     """sm_90's decode at Qwen2.5-1.5B's shape over a cache of 4200 positions: splits of 64 positions
     (two workgroups per SM at the full cache), 66 of them merged in blocks, the first split reading up
-    to 128 positions whole; past the short read and across ten splits, against the float64
+    to 256 positions whole (four steps of 64 keys: 8 waves); past the short read and across ten splits, against the float64
     interpreter on fresh random inputs."""
     v = (12, 2, 1, 4200, 128, "f2")
     k = attention_kernel(*v)
     _, m = tiles_of(k, "sm_90")
-    assert (m.chunk, m.splits, m.short) == (64, 66, 128), m
-    check_positions(k, "sm_90", v, (129, 600), str(tmp_path_factory.getbasetemp()), m)
+    assert (m.chunk, m.splits, m.short, m.threads) == (64, 66, 256, 256), m
+    check_positions(k, "sm_90", v, (257, 600), str(tmp_path_factory.getbasetemp()), m)
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
@@ -272,18 +272,18 @@ def test_a_forced_prefill_tile_is_checked(monkeypatch):
 
 
 def test_a_short_context_is_read_by_one_split(monkeypatch):
-    """Decode at Qwen2.5-1.5B's shape: up to four steps of keys (128 positions on sm_90, whose
-    workgroups of 3 query heads take steps of 32 keys and splits of 32 or 64 positions: two
+    """Decode at Qwen2.5-1.5B's shape: up to four steps of keys (256 positions on sm_90, whose
+    workgroups of 3 query heads and 8 waves take steps of 64 keys and splits of 64 positions: two
     workgroups per SM over the full cache) the first split reads the whole context, so nothing is
     combined; the text names the bound; ``VEGAFUSE_ATT_SHORT=0`` keeps the splits; where a split is
     that long already (256 positions of a cache of 16384), nothing changes; a cache no longer than the
     bound is one split; gfx906 (not measured) keeps its splits."""
-    for s, chunk, short in ((512, 32, 128), (4200, 64, 128), (16384, 256, 0)):
+    for s, chunk, short in ((512, 64, 256), (4200, 64, 256), (16384, 256, 0)):
         k = attention_kernel(12, 2, 1, s, 128, "f2")
         _, m = tiles_of(k, "sm_90")
-        assert (m.chunk, m.short, m.heads, m.keys) == (chunk, short, 3, 32), m
+        assert (m.chunk, m.short, m.heads, m.keys) == (chunk, short, 3, 64), m
         src = render_hip(k, "sm_90").source
-        assert ("SHORT = 128" in src and "const int ch = end <= SHORT ? SHORT : CH;" in src) == bool(short)
+        assert ("SHORT = 256" in src and "const int ch = end <= SHORT ? SHORT : CH;" in src) == bool(short)
     one = tiles_of(attention_kernel(12, 2, 1, 100, 128, "f2"), "sm_90")[1]
     assert (one.chunk, one.splits, one.short) == (128, 1, 0), one
     assert tiles_of(attention_kernel(12, 2, 1, 512, 128, "f2"), "gfx906")[1].short == 0
@@ -292,3 +292,7 @@ def test_a_short_context_is_read_by_one_split(monkeypatch):
     monkeypatch.setenv("VEGAFUSE_ATT_SHORT", "0")
     k = attention_kernel(12, 2, 1, 512, 128, "f2")
     assert tiles_of(k, "sm_90")[1].short == 0 and "SHORT" not in render_hip(k, "sm_90").source
+    monkeypatch.delenv("VEGAFUSE_ATT_SHORT")
+    monkeypatch.setenv("VEGAFUSE_ATT_WAVES", "4")         # the A/B side: 4 waves, steps of 32 keys
+    m = tiles_of(attention_kernel(12, 2, 1, 512, 128, "f2"), "sm_90")[1]
+    assert (m.chunk, m.short, m.keys, m.threads) == (32, 128, 32, 128), m

@@ -858,3 +858,28 @@ def test_integer_reductions_and_a_counted_search_on_one_workgroup():
     target = np.float32((cdf[j - 1] + cdf[j]) / 2)
     check(counted_search, p, target)
     assert int(np.asarray(dsl.jit(counted_search, backend="cuda")(p, target))) == j
+
+
+def test_marginal_costs_double_each_kernel_group_and_leave_the_ids_as_they_were():
+    """engine.profile.marginal_costs on random SmolLM2-135M weights: one row per kernel group, whose
+    calls add up to the step's kernels; the step with a group launched twice is slower in sum; the
+    greedy ids decoded afterwards from the same position are those decoded before (a second launch of
+    a decode kernel writes what the first wrote)."""
+    from engine.bench import SHAPES, random_params
+    from engine.executable import get_device
+    from engine.model import Model
+    from engine.profile import format_marginal, marginal_costs
+    from stdlib.config import LlamaConfig
+    dev = get_device("cuda")
+    cfg = LlamaConfig(**SHAPES["smollm2-135m"], max_seq_len=64, name="smollm2-135m")
+    m = Model(cfg, random_params(cfg, dev, "f16", seed=int(np.random.default_rng().integers(1 << 30))),
+              backend="cuda", context=64)
+    first = int(np.argmax(np.asarray(m.prefill([1, 2, 3, 4]))))
+    before = m.decode_greedy(first, 8)
+    rows = marginal_costs(m, first, steps=4, repeat=1)
+    ex = m.greedy_step.compile(m.params, np.zeros(1, np.int32), 0, 0, m.cache)
+    assert sum(r[1] for r in rows) == len(ex.kernels) and len({r[0] for r in rows}) == len(rows)
+    assert sum(r[1] * r[2] for r in rows) > 0 and all(r[3] > 0 for r in rows)
+    assert "layers_#_" in format_marginal(rows)
+    m.pos = 4
+    assert m.decode_greedy(first, 8) == before

@@ -265,6 +265,24 @@ def test_the_gpu_modes_on_the_cpu_device_with_host_time_events(tmp_path, monkeyp
     assert len(held) == profile.WARMUP + 3 and held[-1] >= 1
 
 
+def test_marginal_costs_need_a_gpu_graph_and_say_so_in_one_line(tmp_path):
+    """``marginal_costs`` on the CPU backend and ``engine.bench --marginal`` where it cannot work: one
+    line naming the problem (tests/test_cuda.py measures it on a GPU)."""
+    from engine.errors import ModelError
+    from engine.model import Model
+    from engine.profile import marginal_costs
+    from tests.test_weights import tiny_hf_weights, write_tiny_gguf
+    from engine.weights import load_model
+    cfg, params, _ = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", tiny_hf_weights()), "f32")
+    with pytest.raises(ModelError, match="marginal costs time a GPU's graph: the cpu backend has none"):
+        marginal_costs(Model(cfg, params, backend="cpu", context=32), 1, steps=2)
+    for args in (["--marginal", "--prefill", "8"], ["--marginal", "--backend", "cpu"]):
+        r = subprocess.run([sys.executable, "-m", "engine.bench", *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600, stdin=subprocess.DEVNULL)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "--marginal" in lines[0], r.stderr
+
+
 def test_kernel_times_times_each_kernel_of_a_jitted_function():
     """``kernel_times`` on the CPU: one median per kernel of the plan, in launch order, and the
     plan's own call; examples/bench_sampler.py prints them for the device sampler."""
