@@ -368,6 +368,10 @@ def decode_tiles(a: L.Attention, t: Target):
     if a.t != 1 or kd != vd or a.d * ITEMSIZE[kd] % t.load_bytes:
         return None
     group, per = a.hq // a.hkv, t.load_bytes // ITEMSIZE[kd]
+    waves, most = env_int("VEGAFUSE_ATT_WAVES", t.attention_waves), t.attention_block // t.wave
+    if not 1 <= waves <= most:
+        raise ValueError(f"VEGAFUSE_ATT_WAVES={waves}: a decode attention workgroup on {t.name} takes 1 to {most} "
+                         f"waves (its launch bound, VF_ATT_BLOCK, is {t.attention_block} threads); set one or unset it")
     units = a.d // per                                     # 16-byte loads per row
     lanes = min(t.wave, 1 << (units - 1).bit_length())
     upl = -(-units // lanes)
@@ -380,7 +384,6 @@ def decode_tiles(a: L.Attention, t: Target):
     for heads, unroll in choices:
         if heads * upl * per > DECODE_FLOATS:
             continue
-        waves = env_int("VEGAFUSE_ATT_WAVES", t.attention_waves)
         threads = waves * t.wave
         step = waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
         # the chunk where the target's workgroups per CU cover the full cache

@@ -162,7 +162,8 @@ TARGETS = {
                     # serial steps (Qwen2.5-1.5B at 32-160 positions: 3 steps or fewer instead of 5).  A/B/A on
                     # an H200 (2026-12-03, VEGAFUSE_ATT_WAVES=8 as B against 4): 1.5B q4_0 1192.4 against
                     # 1163.9/1170.0 tok/s, f16 732.6 against 729.0/720.3, f16 at position 4000 of 4200 655.1
-                    # against 651.9/648.0; 16 waves do not launch (126 registers x 512 threads).  7B not measured
+                    # against 651.9/648.0; 16 waves exceed the kernel's launch bound (attention_block).  7B not
+                    # measured
                     attention_waves=8,
                     # programmatic dependent launch, the trigger at exit and 4 MiB asked of L2 before the wait:
                     # on an H200 (2026-12-03, --ab VEGAFUSE_CUDA_PDL=1 before it was the default) Qwen2.5-1.5B

@@ -294,7 +294,8 @@ def main_gpu(args):
         profile(args, kept[0], f"{name} {args.dtype}")
     if args.marginal:
         from .profile import format_marginal, marginal_costs
-        print(format_marginal(marginal_costs(kept[0], 0, args.tokens, args.repeat)), flush=True)
+        start = 32 if args.position is None else args.position          # where the decode above was timed
+        print(format_marginal(marginal_costs(kept[0], 0, args.tokens, args.repeat, start)), flush=True)
     return 0
 
 
@@ -535,7 +536,7 @@ def parse_args(argv=None):
                    help="then profile --tokens decode steps: every kernel timed, gaps, regimes, the batch-1 "
                         "ceiling on stderr; profile.json and roofline.png in DIR (default: the current directory)")
     p.add_argument("--marginal", action="store_true",
-                   help="then each kernel's cost inside the graph: the step with that kernel launched twice, "
+                   help="then each kernel's cost inside the step (its graph, unless --no-graphs): the step with that kernel launched twice, "
                         "A/B/A against the step as it is (cuda; engine.profile.marginal_costs)")
     p.add_argument("-n", "--tokens", type=int, default=None,
                    help="tokens to decode and time after the prefill's (default 64 cpu, 128 cuda)")

@@ -399,24 +399,29 @@ def kernel_times(jitted, *args, steps=30, warmup=10) -> dict:
     return {"kernels": [(ck.kernel.name, float(t)) for ck, t in zip(ex.kernels, alone)], "plan_us": whole}
 
 
-def marginal_costs(model, token, steps=STEPS, repeat=3) -> list:
+def marginal_costs(model, token, steps=STEPS, repeat=3, position=None) -> list:
     """What each kernel costs inside the step as it runs (a GPU's graph, back to back with its
     neighbours): for each group of kernels (names equal up to their layer numbers), the step's plan
     with every kernel of the group launched twice, timed over ``steps`` greedy decode steps after
-    ``token`` from the model's position, against the plan as it is, measured before and after it
-    (A/B/A, the median of ``repeat`` runs each).  The second launch reads what the first read, from
+    ``token`` from cache position ``position`` (default: the model's), against the plan as it is,
+    measured before and after it (A/B/A, the median of ``repeat`` runs each).  The second launch reads what the first read, from
     L2 where it fits, so its cost is the kernel's latency with its inputs ready: the chain inside
     the kernel and the boundary to the next, not the time to stream its weights from memory.
     Returns [(group, calls per step, µs per call, step µs of the plain plan)] in launch order.
     The cache holds what the last (doubled) step wrote; a decode step's kernels write other buffers
     than they read, so a second launch leaves the values as one would.  Raises ModelError on a
-    backend without a graph of kernels (the CPU's one native call)."""
+    backend without a graph of kernels (the CPU's one native call), or where ``steps`` steps from
+    ``position`` do not fit the cache."""
     from .errors import ModelError
     dev = model.device
     if dev is None or not hasattr(dev, "_event"):
         raise ModelError(f"marginal costs time a GPU's graph: the {model.backend} backend has none; "
-                         "use --backend cuda or hip")
-    start = min(model.pos, model.context - positions_needed(steps))
+                         "use a model on the cuda or hip backend")
+    start = model.pos if position is None else position
+    if not (isinstance(steps, int) and steps >= 1 and 0 <= start and start + steps <= model.context):
+        raise ModelError(f"marginal costs of {steps!r} decode steps from position {start} need positions "
+                         f"{start} to {start + steps if isinstance(steps, int) else '?'} of the cache, which holds "
+                         f"{model.context}: raise --context or time fewer --tokens")
     model.pos = start
     token = model.decode_greedy(token, 1)[0]                      # compiles and binds the step
     ex = model.greedy_step.compile(model.params, np.zeros(1, np.int32), 0, 0, model.cache)

@@ -296,3 +296,8 @@ def test_a_short_context_is_read_by_one_split(monkeypatch):
     monkeypatch.setenv("VEGAFUSE_ATT_WAVES", "4")         # the A/B side: 4 waves, steps of 32 keys
     m = tiles_of(attention_kernel(12, 2, 1, 512, 128, "f2"), "sm_90")[1]
     assert (m.chunk, m.short, m.keys, m.threads) == (32, 128, 32, 128), m
+    for bad, target in (("0", "sm_90"), ("-1", "sm_90"), ("9", "sm_90"), ("5", "gfx906")):   # past the launch bound
+        monkeypatch.setenv("VEGAFUSE_ATT_WAVES", bad)
+        with pytest.raises(ValueError, match=rf"^VEGAFUSE_ATT_WAVES={bad}: a decode attention workgroup on {target} "
+                                             r"takes 1 to \d+ waves"):
+            tiles_of(attention_kernel(12, 2, 1, 512, 128, "f2"), target)

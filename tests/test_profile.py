@@ -276,6 +276,11 @@ def test_marginal_costs_need_a_gpu_graph_and_say_so_in_one_line(tmp_path):
     cfg, params, _ = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", tiny_hf_weights()), "f32")
     with pytest.raises(ModelError, match="marginal costs time a GPU's graph: the cpu backend has none"):
         marginal_costs(Model(cfg, params, backend="cpu", context=32), 1, steps=2)
+    import types
+    gpu = types.SimpleNamespace(device=types.SimpleNamespace(_event=None), backend="cuda", pos=24, context=32)
+    for steps, position in ((10, None), (4, -1), (0, 0), (33, 0)):        # past the cache, before it, no step
+        with pytest.raises(ModelError, match=r"^marginal costs of .* decode steps from position .* raise --context"):
+            marginal_costs(gpu, 1, steps=steps, position=position)
     for args in (["--marginal", "--prefill", "8"], ["--marginal", "--backend", "cpu"]):
         r = subprocess.run([sys.executable, "-m", "engine.bench", *args], cwd=ROOT, capture_output=True, text=True,
                            timeout=600, stdin=subprocess.DEVNULL)
