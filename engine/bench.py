@@ -536,8 +536,9 @@ def parse_args(argv=None):
                    help="then profile --tokens decode steps: every kernel timed, gaps, regimes, the batch-1 "
                         "ceiling on stderr; profile.json and roofline.png in DIR (default: the current directory)")
     p.add_argument("--marginal", action="store_true",
-                   help="then each kernel's cost inside the step (its graph, unless --no-graphs): the step with that kernel launched twice, "
-                        "A/B/A against the step as it is (cuda; engine.profile.marginal_costs)")
+                   help="then each kernel's cost inside the step (its graph, unless --no-graphs): the step "
+                        "with that kernel launched twice, A/B/A against the step as it is (cuda; "
+                        "engine.profile.marginal_costs)")
     p.add_argument("-n", "--tokens", type=int, default=None,
                    help="tokens to decode and time after the prefill's (default 64 cpu, 128 cuda)")
     p.add_argument("--reference-tokens", type=int, default=8, help="tokens for the slow interpreter (default 8)")

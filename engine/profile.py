@@ -404,9 +404,10 @@ def marginal_costs(model, token, steps=STEPS, repeat=3, position=None) -> list:
     neighbours): for each group of kernels (names equal up to their layer numbers), the step's plan
     with every kernel of the group launched twice, timed over ``steps`` greedy decode steps after
     ``token`` from cache position ``position`` (default: the model's), against the plan as it is,
-    measured before and after it (A/B/A, the median of ``repeat`` runs each).  The second launch reads what the first read, from
-    L2 where it fits, so its cost is the kernel's latency with its inputs ready: the chain inside
-    the kernel and the boundary to the next, not the time to stream its weights from memory.
+    measured before and after it (A/B/A, the median of ``repeat`` runs each; one group's after is
+    the next one's before).  The second launch reads what the first read, from L2 where it fits, so
+    its cost is the kernel's latency with its inputs ready: the chain inside the kernel and the
+    boundary to the next, not the time to stream its weights from memory.
     Returns [(group, calls per step, µs per call, step µs of the plain plan)] in launch order.
     The cache holds what the last (doubled) step wrote; a decode step's kernels write other buffers
     than they read, so a second launch leaves the values as one would.  Raises ModelError on a
@@ -445,13 +446,13 @@ def marginal_costs(model, token, steps=STEPS, repeat=3, position=None) -> list:
             ex._plan_run = plan
             model.pos = start
 
-    out = []
+    out, before = [], step_us(plan)
     for group in dict.fromkeys(names):
         twice = [x for name, launch in zip(names, plan.launches) for x in [launch] * (1 + (name == group))]
-        doubled = type(plan)(dev, twice, plan.slots, plan.graphs)
-        base, more, again = step_us(plan), step_us(doubled), step_us(plan)
-        calls = names.count(group)
-        out.append((group, calls, (more - (base + again) / 2) / calls, (base + again) / 2))
+        more, after = step_us(type(plan)(dev, twice, plan.slots, plan.graphs)), step_us(plan)
+        calls, plain = names.count(group), (before + after) / 2
+        out.append((group, calls, (more - plain) / calls, plain))
+        before = after
     return out
 
 
