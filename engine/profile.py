@@ -78,6 +78,12 @@ def _pct(value, ceiling):
 
 
 # ------------------------------------------------------------------------------ arithmetic
+def kernel_group(name: str) -> str:
+    """The group a kernel is reported in: its name with every number as ``#`` (the layers' kernels,
+    ``layers_#_linear_wo_add``, one row)."""
+    return re.sub(r"\d+", "#", name)
+
+
 def analyze(launches, kernel_us, token_us, ceilings, gap_us=None, plan_us=None) -> dict:
     """The profile's figures from the recorded times (pure arithmetic, no device).
 
@@ -101,7 +107,7 @@ def analyze(launches, kernel_us, token_us, ceilings, gap_us=None, plan_us=None) 
     gap = float(np.mean(gap_us)) if gap_us is not None else token - float(mean_us.sum())
     groups = {}
     for i, launch in enumerate(launches):
-        groups.setdefault(re.sub(r"\d+", "#", launch["name"]), []).append(i)
+        groups.setdefault(kernel_group(launch["name"]), []).append(i)
     rows = []
     for name, idx in groups.items():
         us, calls = float(mean_us[idx].sum()), len(idx)
@@ -427,7 +433,7 @@ def marginal_costs(model, token, steps=STEPS, repeat=3, position=None) -> list:
     token = model.decode_greedy(token, 1)[0]                      # compiles and binds the step
     ex = model.greedy_step.compile(model.params, np.zeros(1, np.int32), 0, 0, model.cache)
     plan = ex._plan_run
-    names = [re.sub(r"\d+", "#", ck.kernel.name) for ck in ex.kernels]
+    names = [kernel_group(ck.kernel.name) for ck in ex.kernels]
     if len(names) != len(plan.launches):
         raise RuntimeError("the executable's kernels and its plan's launches disagree")
 

@@ -230,8 +230,8 @@ def test_the_decode_text_computes_attention(v, target, tmp_path_factory):
 def test_decode_at_a_long_cache_of_two_workgroups_per_sm(tmp_path_factory):
     """sm_90's decode at Qwen2.5-1.5B's shape over a cache of 4200 positions: splits of 64 positions
     (two workgroups per SM at the full cache), 66 of them merged in blocks, the first split reading up
-    to 256 positions whole (four steps of 64 keys: 8 waves); past the short read and across ten splits, against the float64
-    interpreter on fresh random inputs."""
+    to 256 positions whole (four steps of 64 keys: 8 waves); past the short read and across ten
+    splits, against the float64 interpreter on fresh random inputs."""
     v = (12, 2, 1, 4200, 128, "f2")
     k = attention_kernel(*v)
     _, m = tiles_of(k, "sm_90")
