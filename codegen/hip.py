@@ -43,7 +43,7 @@ def _const(e: L.Const) -> str:
     return (s if ("." in s or "e" in s) else s + ".0") + "f" if e.dtype == "f32" else f"vf_f2h({s}f)"
 
 
-HW = {"lane": "vf_lane", "wave": "vf_wave", "thread": "threadIdx.x", "grid": "gridDim.x"}
+HW = {"lane": "vf_lane", "wave": "vf_wave", "thread": "threadIdx.x", "workgroup": "blockIdx.x", "grid": "gridDim.x"}
 
 
 # C precedence of the infix operators the op table spells as "({a} OP {b})"; bitwise and logical
@@ -280,6 +280,8 @@ def _if(s, pad):
 
 
 def _array(s, pad):
+    if s.space == "device":                        # file scope: zero when the module loads
+        return [f"__device__ {CTYPE[s.dtype]} {s.name}[{s.size}];"]
     shared = "__shared__ " if s.space == "lds" else ""
     if s.dtype in L.ACT_Q8:                        # one vf_q8_1 per block of 32
         what = "q8_1 blocks with a residual plane" if s.dtype == "q8_1r" else "q8_1 blocks"
@@ -314,6 +316,8 @@ STMT = {
     L.Array: _array,
     L.Store: lambda s, pad: [f"{pad}{s.buf}[{bare(s.index)}] = {bare(s.value)};"],
     L.Barrier: lambda s, pad: [f"{pad}__syncthreads();"],
+    L.Arrive: lambda s, pad: [f"{pad}if (!vf_last_to_arrive((unsigned int*){s.count}, {s.parts}, &vf_flag)) return;"
+                              "  // all but the last workgroup end here"],
     L.Comment: lambda s, pad: [f"{pad}// {s.text}".rstrip()],
     L.Attention: lambda s, pad: _attention(s, pad),
     L.QuantizeQ8: _quantize,
@@ -415,9 +419,15 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=()) -> str:
     lines += [x for s in k.body if isinstance(s, L.Attention) for x in attention.globals_of(s)]
     lines += [f"__device__ unsigned int {s.dst}_count[{s.n // 32}];   // arrivals per q8_1 block of {s.src}, zero "
               "between launches" for s in k.body if isinstance(s, L.QuantizeStored) and not s.whole]
+    device = [s for s in k.body if isinstance(s, L.Array) and s.space == "device"]
+    if device:
+        lines += ["// each workgroup's partial result, and how many have arrived (the last sets it back to zero)"]
+        lines += stmts(device, "")
     lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
-    arrays = [s for s in k.body if isinstance(s, L.Array)]
+    arrays = [s for s in k.body if isinstance(s, L.Array) and s.space != "device"]
     lines += stmts(arrays)
+    if any(isinstance(s, L.Arrive) for s in L.walk_stmts(k.body)):
+        lines.append("  __shared__ int vf_flag;")
     if _uses_waves(k.body):
         lines.append("  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;")
     lines += _prefetch(weights, prefetch)
@@ -437,11 +447,12 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     q8 = next((p.dtype for p in k.params if p.dtype in L.ACT_Q8), None)          # a producer's q8_1 blocks
     quant = q8 is not None or any(p.dtype in L.QUANT_DTYPES for p in k.params)
     att = any(isinstance(s, L.Attention) for s in m.body)
+    arrive = any(isinstance(s, L.Arrive) for s in m.body)
     tiled = any(isinstance(s, mma.MatmulTiles) for s in m.body)
     # VF_BLOCK is the launch's workgroup size (a balanced GEMV takes its own, codegen.mapping._balanced)
     own = replace(t, block=m.launch.block) if m.launch.bounds == "VF_BLOCK" else t
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
-            + prelude(own, m.launch.act, quant, att, tiled, q8))
+            + prelude(own, m.launch.act, quant, att, tiled, q8, arrive))
     prefetch = t.pdl_prefetch if t.pdl else 0
     src = head + "\n" + render_kernel(m, prefetch, _weights(clear_of_templates(k)) if prefetch else ())
     lds = occupancy_lds(t, m.launch.lds, m.launch.block)

@@ -211,7 +211,7 @@ class Cast:
 @dataclass(frozen=True)
 class Hw:
     """A hardware index of a mapped GPU kernel: "lane" (in its wave), "wave" (in its workgroup),
-    "thread" (in its workgroup)."""
+    "thread" (in its workgroup), "workgroup" (in the grid), "grid" (the grid's workgroups)."""
     name: str
     dtype: str = "i32"
 
@@ -255,7 +255,8 @@ class Array:
     name: str
     dtype: str
     size: int
-    space: str = "local"          # "local" | "lds"
+    space: str = "local"          # "local" | "lds" | "device": one per module, zero when it loads (a split
+                                  # reduction's partials, ``Arrive``)
     align: int = 0                # bytes its start is aligned to beyond its element's (0: the element's)
 
 
@@ -437,8 +438,17 @@ class AttentionTiles:
                                   # (its chunk is this long then), so no split's rows need combining
 
 
+@dataclass(frozen=True)
+class Arrive:
+    """GPU, made by the mapping: the workgroup counts itself in the "device" array ``count`` (one
+    counter); all but the last of the ``parts`` workgroups to arrive end here, and the last one sees
+    every other's global writes from before its arrival (and sets the counter back to zero)."""
+    count: str
+    parts: int
+
+
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8,
-             CopyQ8, CopyF32, QuantizeStored]
+             CopyQ8, CopyF32, QuantizeStored, Arrive]
 
 
 @dataclass(frozen=True)
@@ -1042,8 +1052,10 @@ def format_kernel(k: Kernel) -> str:
             elif isinstance(s, Assign):
                 lines.append(f"{pad}{s.name} = {format_expr(s.value)}")
             elif isinstance(s, Array):
-                space = " lds" if s.space == "lds" else ""
+                space = {"lds": " lds", "device": " device"}.get(s.space, "")
                 lines.append(f"{pad}{s.dtype}{space} {s.name}[{s.size}]")
+            elif isinstance(s, Arrive):
+                lines.append(f"{pad}arrive {s.count} of {s.parts}: the last goes on")
             elif isinstance(s, Store):
                 lines.append(f"{pad}{s.buf}[{format_expr(s.index)}] = {format_expr(s.value)}")
             elif isinstance(s, Barrier):

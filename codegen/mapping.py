@@ -135,6 +135,11 @@ def _generic(body, t):
     if single:
         body = _cooperative(body)
         grid, how, block = 1, "one workgroup: reductions block-wide, results stored by thread 0", one_workgroup_block(t)
+        across = _across(body, t, block)
+        if across:
+            body, grid = across
+            how = (f"{grid} workgroups: each folds a chunk of the reduction block-wide and stores its partial; "
+                   "the last to arrive folds the partials and stores the result")
     else:
         out, grid, block = [], 1, t.block
         for s in body:
@@ -156,6 +161,61 @@ def _generic(body, t):
             block = one_workgroup_block(t)         # one row (a decode step's argmax), or few long ones
     body = _scratch(body, t, block) + body
     return body, L.Launch(min(grid, MAX_GRID), block, "VF_BLOCK", how, _lds_bytes(body))
+
+
+def _across(body, t: Target, block: int):
+    """``(body, parts)`` for a kernel that is one long block-wide reduction and thread 0's stores of
+    its result (a decode step's argmax over the vocabulary): the range split into ``parts``
+    contiguous chunks, a workgroup each, about 8 elements a thread (their loads unrolled, in flight
+    together); each workgroup stores its partial (and, for an argmax, its index) in a "device" array,
+    and the last to arrive (``Arrive``) folds the partials in chunk order, so an argmax keeps the
+    first of equal maxima.  One workgroup read 608 KB of logits at about 60 GB/s on an H200 (10.7 µs);
+    19 took 6 (docs/performance.md).  None where the body is not of that form, the range gives fewer
+    than 2 parts, or ``VEGAFUSE_REDUCE_ACROSS=0`` (A/B)."""
+    reds = [s for s in body if isinstance(s, L.Reduce)]
+    rest = [s for s in body if not isinstance(s, (L.Comment, L.Reduce))]
+    if len(reds) != 1 or len(rest) != 1 or not isinstance(rest[0], L.If) or rest[0].orelse \
+            or os.environ.get("VEGAFUSE_REDUCE_ACROSS", "1") == "0":
+        return None
+    r, then = reds[0], rest[0]
+    if r.body or len(r.accs) != 1 or r.accs[0].op not in ("add", "max", "argmax") \
+            or not (isinstance(r.start, L.Const) and isinstance(r.stop, L.Const)) or body.index(r) > body.index(then):
+        return None
+    a, n = r.accs[0], r.stop.value - r.start.value
+    parts = min(t.compute_units, -(-n // (8 * block)))
+    stores = [s for s in then.then if isinstance(s, L.Store)]
+    if parts < 2 or len(stores) != len(then.then):
+        return None
+    chunk = -(-n // parts)
+    first = L.Declare(_suffixed(r.var, "first"), "i32", L.add(r.start, L.mul(L.Hw("workgroup"), L.c(chunk))))
+    lo = L.Sym(first.name, "i32")
+    out = stores[0].buf
+    part, arg, count = f"{out}_part", f"{out}_part_arg", f"{out}_arrived"
+    arrays = [L.Array(part, a.dtype, parts, "device")]
+    keep = [L.Store(part, L.Hw("workgroup"), L.Sym(a.name, a.dtype))]
+    if a.arg:
+        arrays.append(L.Array(arg, "i32", parts, "device"))
+        keep.append(L.Store(arg, L.Hw("workgroup"), L.Sym(a.arg, "i32")))
+    arrays.append(L.Array(count, "i32", 1, "device"))
+    g = L.Sym(_suffixed(r.var, "part"), "i32")
+    total = replace(a, name=_suffixed(a.name, "all"), arg=_suffixed(a.arg, "all") if a.arg else "",
+                    value=L.Load(part, g, a.dtype))
+    fold = replace(r, var=g.name, start=L.c(0), stop=L.c(parts), accs=(total,))
+    result = {a.name: L.Sym(total.name, a.dtype)}
+    if a.arg:                                          # the winning part's own index
+        result[a.arg] = L.Load(arg, L.Sym(total.arg, "i32"), "i32")
+    before = [s for s in body if s is not r and s is not then]
+    body = tuple(arrays + before) + (first, replace(r, start=lo, stop=L.Bin("min", L.add(lo, L.c(chunk)), r.stop),
+                                                    unroll=t.prologue_unroll),   # a thread's loads in flight together
+                                    L.If(then.cond, tuple(keep)), L.Arrive(count, parts), fold,
+                                    L.substitute((then,), result)[0])
+    return body, parts
+
+
+def _suffixed(name: str, word: str) -> str:
+    """``best_111`` -> ``best_all_111``: a new name that keeps the numbering ``tidy_names`` drops."""
+    base, num = re.fullmatch(r"(.*?)(_\d+)?", name).groups()
+    return f"{base}_{word}{num or ''}"
 
 
 def _few_long_rows(body, rows, t) -> bool:

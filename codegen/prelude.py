@@ -839,7 +839,9 @@ __device__ __forceinline__ float vf_group_sum(float v, int n) {
   for (int m = n / 2; m > 0; m >>= 1) v += vf_shfl_xor(v, m);
   return v;
 }
-// the last of n workgroups to arrive at *count (zero before the first) gets true and sets it back to zero
+"""
+
+_ARRIVE = r"""// the last of n workgroups to arrive at *count (zero before the first) gets true and sets it back to zero
 // for the next launch; the global writes of every workgroup before its arrival are seen by the last one
 // after it (each thread fences its own writes, thread 0 counts, the last workgroup fences again)
 __device__ __forceinline__ bool vf_last_to_arrive(unsigned int* count, int n, int* flag) {
@@ -856,6 +858,8 @@ __device__ __forceinline__ bool vf_last_to_arrive(unsigned int* count, int n, in
   return last;
 }
 """
+
+_ATTENTION += _ARRIVE                      # the splits of a decode attention combine by arrival
 
 _AMD_ATTENTION = r"""typedef unsigned int vf_vec16 __attribute__((ext_vector_type(4)));    // 16 bytes: global_load_dwordx4
 __device__ __forceinline__ vf_vec16 vf_zero16() { return (vf_vec16)(0u); }
@@ -961,12 +965,13 @@ def nv_int8() -> str:
 
 
 def prelude(t: Target, act: str | None = None, quant: bool = False, attention: bool = False, mma: bool = False,
-            q8: str | None = None) -> str:
+            q8: str | None = None, arrive: bool = False) -> str:
     """Everything target-specific in a kernel's source, from the target table
     (``act``: the GEMV activation dtype in LDS, see ``act_dtype``; ``quant``: the kernel reads
     quantized weights, so the helpers that read them are included; ``attention``: the helpers of
     the attention template; ``mma``: the tiled matmul's fragment helpers; ``q8``: the dtype of q8_1
-    buffers the kernel reads or writes, "q8_1r" or "q8_1", when its own activation is not one)."""
+    buffers the kernel reads or writes, "q8_1r" or "q8_1", when its own activation is not one;
+    ``arrive``: the last-to-arrive count of a reduction split over workgroups, which attention has too)."""
     act, int8 = (act_dtype(t, 0), act) if act in (None, "q8_1", "q8_1r") else (act, q8)
     if t.vendor == "amd":
         head = _AMD.format(name=t.name, wave=t.wave, dot2="on" if t.dot2 else "off")
@@ -980,6 +985,8 @@ def prelude(t: Target, act: str | None = None, quant: bool = False, attention: b
             + _QUANT.format(activation=activation, stored=_STORED)) if quant else ""
     if attention:
         tail += (_AMD_ATTENTION if t.vendor == "amd" else _NV_ATTENTION) + _ATTENTION
+    elif arrive:
+        tail += _ARRIVE
     if mma:
         tail += (_MMA_AMD if t.vendor == "amd" else _mma_nv(t)) + (_DEQUANT8 if quant else "")
     return _DEFINES.format(wave=t.wave, block=t.block, att=t.attention_block, unroll=t.unroll) + head + _COMMON.format() + tail
