@@ -638,6 +638,8 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
             return replace(s, q=name(s.q), k=name(s.k), v=name(s.v), out=name(s.out), pos=ex(s.pos))
         if isinstance(s, QuantizeQ8):
             return QuantizeQ8(name(s.arr), ex(s.group), tuple(ex(v) for v in s.values), ex(s.active))
+        if isinstance(s, Arrive):
+            return Arrive(name(s.count), s.parts)
         if isinstance(s, CopyQ8):
             return CopyQ8(name(s.dst), name(s.src), s.blocks)
         if isinstance(s, CopyF32):

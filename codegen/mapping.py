@@ -190,7 +190,7 @@ def _across(body, t: Target, block: int):
     first = L.Declare(_suffixed(r.var, "first"), "i32", L.add(r.start, L.mul(L.Hw("workgroup"), L.c(chunk))))
     lo = L.Sym(first.name, "i32")
     out = stores[0].buf
-    part, arg, count = f"{out}_part", f"{out}_part_arg", f"{out}_arrived"
+    part, arg, count = f"vf_{out}_part", f"vf_{out}_part_arg", f"vf_{out}_arrived"   # vf_: never a user's name
     arrays = [L.Array(part, a.dtype, parts, "device")]
     keep = [L.Store(part, L.Hw("workgroup"), L.Sym(a.name, a.dtype))]
     if a.arg:

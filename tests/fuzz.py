@@ -1,6 +1,6 @@
 """Random DSL programs against the float64 reference interpreter.
 
-    python -m tests.fuzz -n 10000 --seed S [--jobs 2] [--backend cpu|cpu+gfx906]
+    python -m tests.fuzz -n 10000 --seed S [--jobs 2] [--backend cpu|cpu+gfx906|emu]
 
 A program is a list of ops whose parameters are *relative* (fractions in [0, 1)
 that pick axes, sizes, operands): they are resolved against the shapes at hand
@@ -721,6 +721,9 @@ def run_source(src, backend="cpu"):
         opts = src.split("jf = dsl.jit(f", 1)[1].split("\n", 1)[0][:-1]
         gfx906 = backend.endswith("+gfx906")               # also compile every kernel for gfx906
         backend = backend.removesuffix("+gfx906")
+        if backend == "emu":                               # the sm_90 kernel text on the CPU (tests/emu_device.py)
+            from tests.emu_device import emu_backend
+            backend = emu_backend()
         jf = eval(f"dsl.jit(ns_f{opts}, backend={backend!r})", {"dsl": dsl, "ns_f": ns["f"]})
         args = ns["args"]
         low = jf.lower(*args)
@@ -1009,7 +1012,8 @@ def main(argv=None):
     ap.add_argument("--start", type=int, default=0, help="index of the first program")
     ap.add_argument("--jobs", type=int, default=2, help="child processes")
     ap.add_argument("--backend", default="cpu", help="backend the programs run on (default cpu; cpu+gfx906: "
-                    "also compile every kernel for gfx906 through hiprtc)")
+                    "also compile every kernel for gfx906 through hiprtc; emu: the GPU path, each kernel's "
+                    "sm_90 text run on the CPU by tests/emu_device.py)")
     ap.add_argument("--batch", type=int, default=50, help="programs per child process")
     ap.add_argument("--no-shrink", action="store_true", help="print failures as generated")
     ap.add_argument("--time-limit", type=float, default=TIME_LIMIT,

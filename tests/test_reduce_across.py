@@ -69,3 +69,14 @@ def test_the_split_is_a_switch_and_short_reductions_keep_one_workgroup(monkeypat
     monkeypatch.delenv("VEGAFUSE_REDUCE_ACROSS")
     (short,) = lower_program(dsl.jit(dsl.argmax).lower(x[:4096])).kernels
     assert render_hip(short, "sm_90").grid[0] == 1
+
+
+@needs_gxx
+def test_an_input_named_like_the_partials_keeps_its_own_values(tmp_path_factory):
+    """The partials' arrays are named with the codegen's ``vf_`` prefix, never a user's buffer."""
+    x = rng.standard_normal(N).astype(np.float32)
+
+    def f(sum_part):
+        return sum_part.sum()
+    got, h = _run(f, x, "sm_90", str(tmp_path_factory.mktemp("across")), False)
+    assert abs(got - np.sum(x, dtype=np.float64)) <= 1e-5 * np.abs(x).sum() and h.grid[0] > 1

@@ -1,0 +1,58 @@
+"""The GPU path end to end without a GPU (``tests/emu_device.py``): plans, buffers and launches of
+the engine, each kernel's sm_90 text run by the CPU emulation, against the float64 interpreter and
+against the CPU backend on a small Qwen2-shaped model."""
+import numpy as np
+import pytest
+
+import dsl
+from stdlib import nn
+from tests.emulation import GXX
+
+pytestmark = pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+rng = np.random.default_rng()
+
+
+def test_a_quantized_mlp_and_a_long_argmax_match_the_float64_interpreter():
+    from tests.emu_device import emu_backend
+    from tests.test_quant_kernels import quantized
+    D, F, V = 128, 256, 12000
+    x, g = rng.standard_normal((1, D)).astype(np.float32), rng.uniform(0.5, 1.5, D).astype(np.float32)
+    wg, wu, wd, head = (quantized(s, "q4_0", 0.05) for s in ((F, D), (F, D), (D, F), (V, D)))
+
+    def step(x, g, wg, wu, wd, head):
+        x = x + nn.linear(nn.silu(nn.linear(nn.rms_norm(x, g, 1e-5), wg)) * nn.linear(nn.rms_norm(x, g, 1e-5), wu), wd)
+        logits = nn.linear(x, head).reshape(-1)
+        return x, dsl.argmax(logits)
+    jf = dsl.jit(step, backend=emu_backend())
+    args = (x, g, wg, wu, wd, head)
+    want_x, _ = jf.lower(*args).program.run(*args, compute_dtype="f64")
+    got_x, got_id = jf(*args)
+    np.testing.assert_allclose(np.asarray(got_x, np.float64), want_x, rtol=0, atol=2e-2 * np.abs(want_x).max())
+    logits = np.asarray(dsl.jit(lambda *a: nn.linear(step(*a)[0], a[-1]).reshape(-1))(*args), np.float64)
+    assert logits[int(np.asarray(got_id))] >= logits.max() - 2e-2 * np.abs(logits).max()   # within the q8_1 error
+    (argmax,) = [ck for ck in jf.compile(*args).kernels if ck.kernel.name == "argmax"]
+    assert "if (!vf_last_to_arrive(" in argmax.hip                    # over workgroups (codegen.mapping._across)
+
+
+def test_a_small_qwen2_prefills_and_decodes_as_on_the_cpu():
+    from engine.model import Model
+    from stdlib.config import LlamaConfig
+    from tests.emu_device import emu_backend
+    cfg = LlamaConfig(vocab_size=320, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, head_dim=16,
+                      rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True, arch="qwen2",
+                      max_seq_len=16, name="tiny-qwen2")
+    D, hd, F = cfg.dim, cfg.head_dim, cfg.ffn_dim
+    mat = lambda n, k: (rng.standard_normal((n, k)) * 0.05).astype(np.float16)      # noqa: E731
+    vec = lambda n, shift=0.0: (shift + 0.05 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    layers = [{"attn_norm": vec(D, 1.0), "ffn_norm": vec(D, 1.0), "wq": mat(4 * hd, D), "wk": mat(2 * hd, D),
+               "wv": mat(2 * hd, D), "wo": mat(D, 4 * hd), "w_gate": mat(F, D), "w_up": mat(F, D), "w_down": mat(D, F),
+               "bq": vec(4 * hd), "bk": vec(2 * hd), "bv": vec(2 * hd)} for _ in range(cfg.n_layers)]
+    params = {"embed": mat(cfg.vocab_size, D), "layers": layers, "norm": vec(D, 1.0)}
+    runs = {}
+    for backend in ("cpu", emu_backend()):
+        m = Model(cfg, params, backend=backend, context=16)
+        logits = np.asarray(m.prefill([1, 2, 3]), np.float64)
+        runs[backend] = logits, m.decode_greedy(int(np.argmax(logits)), 2)
+    (cpu_logits, cpu_ids), (emu_logits, emu_ids) = runs["cpu"], runs["emu"]
+    np.testing.assert_allclose(emu_logits, cpu_logits, rtol=0, atol=1e-2 * np.abs(cpu_logits).max())
+    assert emu_ids == cpu_ids
