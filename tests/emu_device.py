@@ -2,7 +2,7 @@
 (``tests/gpu_emulation.h``: a std::thread per GPU thread, the workgroups in turn), behind the
 engine's own GPU path (``engine.devices.gpu.GPUDevice``: render, build, buffers, plans, launches).
 So whole programs run through the GPU mapping and its text on a machine with g++ only: the fuzzer's
-``cpu+emu`` backend (``tests/fuzz.py``) and tests.  Device memory is host memory; a stream is the
+``emu`` backend (``tests/fuzz.py``) and tests.  Device memory is host memory; a stream is the
 calling thread.
 
     from tests.emu_device import emu_backend
@@ -13,26 +13,20 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import subprocess
 import tempfile
 import time
 
 import numpy as np
 
 from codegen import prelude
-from codegen.hip import CTYPE, render_hip
+from codegen.hip import render_hip
 from codegen.targets import get_target
 from engine.build import Compiler
 from engine.devices.gpu import GPUDevice
-from tests.emulation import GXX, HEADER
+from tests.emulation import HEADER, compile_shared, emulation_source
 from tests.test_gemv_gpu import DOT8
+from tests.test_review13 import DOT4
 
-# the plain C++ parts of the prelude every kernel may call (the target-specific ones are the header's)
-DOT4 = """static inline float vf_dot4_f(float acc, const float* w, const vf_act_t* a) {
-  for (int i = 0; i < 4; ++i) acc += a[i] * w[i];
-  return acc;
-}
-"""
 
 
 def helpers() -> str:
@@ -64,20 +58,13 @@ class EmuCompiler(Compiler):
         defines = "".join(line + "\n" for line in h.source[:h.body_start].splitlines()
                           if re.match(r"#define VF_(BLOCK|WAVES|ATT_WAVES) ", line))
         defines += f"#define VF_ATT_BLOCK {h.block[0]}\n#define VF_UNROLL_K\n"
-        args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]"
-                         for i, p in enumerate(h.kernel.params))
-        text = (f"#define VF_WAVE {self.target.wave}\n" + defines + open(HEADER).read() + helpers()
-                + h.body.replace('extern "C" __global__ void', "static void")
-                + f"\nVF_EMULATE({h.kernel.name}, {args})\n"
-                + f"// launch {h.grid[0]} {h.block[0]}\n")
-        return text
+        return emulation_source(h, defines, helpers()) + f"// launch {h.grid[0]} {h.block[0]}\n"
 
     def compile(self, source, name):
         with tempfile.TemporaryDirectory() as d:
             cpp, so = os.path.join(d, "k.cpp"), os.path.join(d, "k.so")
             open(cpp, "w").write(source)
-            r = subprocess.run([GXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", cpp, "-o", so],
-                               capture_output=True, text=True)
+            r = compile_shared(cpp, so)
             if r.returncode:
                 raise EmuError(f"kernel {name}: g++ failed: {r.stderr[:2000]}")
             return open(so, "rb").read()
@@ -119,10 +106,7 @@ class EmuDevice(GPUDevice):
     def _htod_async(self, dst, src, n, stream=None):
         ctypes.memmove(int(dst), int(src), n)
 
-    def _htod(self, dst, src, n):
-        ctypes.memmove(int(dst), int(src), n)
-
-    _dtoh = _dtod_async = _dtoh_async = _htod
+    _htod = _dtoh = _dtod_async = _dtoh_async = _htod_async
 
     def _sync(self, what, kernel=None):
         pass

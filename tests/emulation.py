@@ -29,17 +29,28 @@ def emulated(h, tmp: str, defines: str = "", helpers: str = "") -> ctypes.CDLL:
     """The kernel text of ``h`` (a ``codegen.hip.HipKernel``) compiled for the CPU with the emulation
     header, ``defines`` before it and ``helpers`` (plain C++ parts of the prelude) after it, cached in
     ``tmp`` by its source.  The library's ``emulate(args, grid)`` runs ``grid`` workgroups."""
-    args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
-    src = (f"#define VF_WAVE {h.target.wave}\n" + defines + open(HEADER).read() + helpers
-           + h.body.replace('extern "C" __global__ void', "static void") + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
+    src = emulation_source(h, defines, helpers)
     name = os.path.join(tmp, hashlib.sha1(src.encode()).hexdigest()[:16])
     if not os.path.exists(name + ".so"):
         with open(name + ".cpp", "w") as f:
             f.write(src)
-        r = subprocess.run([GXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", name + ".cpp", "-o", name + ".so"],
-                           capture_output=True, text=True)
+        r = compile_shared(name + ".cpp", name + ".so")
         assert r.returncode == 0, r.stderr[:3000]
     return ctypes.CDLL(name + ".so")
+
+
+def emulation_source(h, defines: str = "", helpers: str = "") -> str:
+    """The C++ of ``h``'s kernel for the emulation: ``defines``, the header, ``helpers``, the kernel
+    text and its ``emulate(args, grid)`` entry."""
+    args = ", ".join(f"({'int' if p.kind == 'scalar' else CTYPE[p.dtype]}*)a[{i}]" for i, p in enumerate(h.kernel.params))
+    return (f"#define VF_WAVE {h.target.wave}\n" + defines + open(HEADER).read() + helpers
+            + h.body.replace('extern "C" __global__ void', "static void") + f"\nVF_EMULATE({h.kernel.name}, {args})\n")
+
+
+def compile_shared(cpp: str, so: str) -> subprocess.CompletedProcess:
+    """g++ ``cpp`` into the shared object ``so`` (C++20, threads)."""
+    return subprocess.run([GXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", cpp, "-o", so],
+                          capture_output=True, text=True)
 
 
 def launch(lib, h, arrays, reversed_=False):
