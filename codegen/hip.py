@@ -316,7 +316,7 @@ STMT = {
     L.Array: _array,
     L.Store: lambda s, pad: [f"{pad}{s.buf}[{bare(s.index)}] = {bare(s.value)};"],
     L.Barrier: lambda s, pad: [f"{pad}__syncthreads();"],
-    L.Arrive: lambda s, pad: [f"{pad}if (!vf_last_to_arrive((unsigned int*){s.count}, {s.parts}, &vf_flag)) return;"
+    L.Arrive: lambda s, pad: [f"{pad}if (!vf_last_to_arrive({s.count}, {s.parts}, &vf_flag)) return;"
                               "  // all but the last workgroup end here"],
     L.Comment: lambda s, pad: [f"{pad}// {s.text}".rstrip()],
     L.Attention: lambda s, pad: _attention(s, pad),
@@ -422,7 +422,9 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=()) -> str:
     device = [s for s in k.body if isinstance(s, L.Array) and s.space == "device"]
     if device:
         lines += ["// each workgroup's partial result, and how many have arrived (the last sets it back to zero)"]
-        lines += stmts(device, "")
+        counts = {s.count for s in L.walk_stmts(k.body) if isinstance(s, L.Arrive)}
+        lines += [f"__device__ unsigned int {s.name}[{s.size}];" if s.name in counts else _array(s, "")[0]
+                  for s in device]
     lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
     arrays = [s for s in k.body if isinstance(s, L.Array) and s.space != "device"]
     lines += stmts(arrays)
