@@ -12,13 +12,12 @@ prints one line ``error: ...`` and exits with status 2.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import numpy as np
 
-from .errors import ModelError, run_cli
+from .errors import ModelError, Parser, run_cli
 
 
 def positions_needed(n_ids: int) -> int:
@@ -100,15 +99,19 @@ def evaluate(model, ids, reference_logits=None) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m engine.perplexity", description=__doc__.split("\n")[0])
+    """The options of ``engine.perplexity`` (argparse.Namespace), as ``engine.generate`` names them; a
+    bad option prints one line ``error: ...`` and exits with status 2."""
+    p = Parser("engine.perplexity", __doc__.split("\n")[0])
     p.add_argument("file", help="a UTF-8 text file")
-    p.add_argument("--model", help="a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("-m", "--model", help="a GGUF file, a Hugging Face directory, or the id of a Hugging Face repo "
+                                         "in the local cache (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "hip", "reference"],
                    help="where kernels run (default cpu)")
-    p.add_argument("--dtype", default=None,
-                   help="weights in memory: native, f16 or f32, as load_model takes them (default: native for a GGUF on the cpu, "
-                        "else f16, as engine.generate)")
-    p.add_argument("--quant", default=None, help="quantize float weights at load (q4_0, q4_1, q8_0)")
+    p.add_argument("--dtype", default=None, choices=["native", "f16", "f32"],
+                   help="weights in memory: native keeps a GGUF's q4_0/q4_1/q8_0 tensors quantized, f16/f32 "
+                        "dequantize (default native for a GGUF on the cpu, else f16, as engine.generate)")
+    p.add_argument("--quant", default=None, choices=["q4_0", "q4_1", "q8_0"],
+                   help="quantize every weight matrix and the embedding to this format at load")
     p.add_argument("--tokens", type=int, default=None, help="evaluate the first N tokens (default: all)")
     return p.parse_args(argv)
 
@@ -130,11 +133,12 @@ def read_text(path: str) -> str:
 
 def run(args):
     from .model import Model
-    from .weights import default_dtype, default_model_path, format_resident, load_model
+    from .models import resolve_model
+    from .weights import default_dtype, format_resident, load_model
     if args.tokens is not None and args.tokens < 2:
         raise ModelError(f"--tokens must be at least 2, got {args.tokens}")
     text = read_text(args.file)
-    path = args.model or default_model_path()
+    path = resolve_model(args.model)
     dtype = args.dtype or default_dtype(path, args.backend)
     cfg, params, tok = load_model(path, dtype, quant=args.quant)
     ids = tok.encode(text)[:args.tokens]

@@ -135,7 +135,7 @@ def test_cli_prints_the_perplexity_of_evaluate(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_hf_weights(seed=seed))
     text = tmp_path / "text.txt"
     text.write_text("ab c ab ab c c ab c ab c ab ab c ab c c c ab ab c ab c", encoding="utf-8")
-    r = cli("--model", path, "--dtype", "f32", "--tokens", "16", str(text))
+    r = cli("-m", path, "--dtype", "f32", "--tokens", "16", str(text))      # -m, as engine.generate takes it
     assert r.returncode == 0, r.stderr
     m = re.fullmatch(r"perplexity (\S+) over 15 predicted tokens \(mean NLL \S+\); (\S+) tokens/s; "
                      r"backend cpu; weights: f32 \S+ kB\n", r.stdout)
@@ -158,6 +158,8 @@ def test_cli_bad_input_is_one_line(tmp_path):
     one_line(cli("--tokens", "1", TEXT), "--tokens")
     one_line(cli("--model", str(tmp_path / "none.gguf"), TEXT), "none.gguf")
     one_line(cli("--dtype", "f8", "--tokens", "4", TEXT), "f8")
+    one_line(cli("--quant", "q2_k", "--tokens", "4", TEXT), "q2_k")
+    one_line(cli("-m", "nobody/no-such-model", TEXT), "nobody/no-such-model")    # a repo id not in the cache
 
 
 # --------------------------------------------------------------------------- issue 8's acceptance check
