@@ -520,8 +520,8 @@ def parse_args(argv=None):
                                          f"SmolLM2-135M-Instruct); with --backend cuda also a shape: {', '.join(SHAPES)}")
     p.add_argument("--random-weights", action="store_true", help="real shapes, random values (cuda)")
     p.add_argument("--dtype", default=None, choices=["native", "f16", "f32", *QUANT_DTYPES],
-                   help="weights: native keeps a GGUF's q4_0/q4_1/q8_0 tensors quantized (default on the cpu "
-                        "for a GGUF), f16/f32 dequantize (default f16 with cuda), q4_0/q4_1/q8_0 quantize "
+                   help="weights: native keeps a GGUF's q4_0/q4_1/q8_0 tensors quantized (default for a GGUF), "
+                        "f16/f32 dequantize (default f16 for random weights on cuda), q4_0/q4_1/q8_0 quantize "
                         "every weight matrix (random weights on cuda; a file: as --quant)")
     p.add_argument("--quant", default=None, choices=list(QUANT_DTYPES),
                    help="quantize every weight matrix and the embedding to this format at load")
@@ -611,7 +611,11 @@ def run(args):
         random = args.random_weights or (args.model or "smollm2-135m") in SHAPES
         if random and args.dtype == "native":
             raise ModelError("random weights are f16, f32, q4_0, q4_1 or q8_0: pick one with --dtype")
-        args.dtype = (args.quant if random else None) or args.dtype or "f16"
+        if not args.dtype:                              # a file: as engine.generate loads it
+            from .weights import default_dtype
+            args.dtype = args.quant if random and args.quant else "f16" if random else default_dtype(args.model, "cuda")
+        elif random and args.quant:
+            args.dtype = args.quant
     if args.ab or args.decode_rates:
         from .ab import decode_rates, main_ab
         return decode_rates(args) if args.decode_rates else main_ab(args, args.argv)

@@ -177,7 +177,7 @@ def parse_args(argv=None):
     p.add_argument("-c", "--context", type=int, default=None, help="KV-cache positions (default min(model, 2048))")
     p.add_argument("--dtype", default=None, choices=["native", "f16", "f32"],
                    help="weights in memory: native keeps a GGUF's q4_0/q4_1/q8_0 tensors quantized, f16/f32 "
-                        "dequantize (default native for a GGUF on the cpu, else f16)")
+                        "dequantize (default native for a GGUF or a GPTQ directory, else f16)")
     p.add_argument("--quant", default=None, choices=["q4_0", "q4_1", "q8_0"],
                    help="quantize every weight matrix and the embedding to this format at load")
     p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],

@@ -109,7 +109,7 @@ def parse_args(argv=None):
                    help="where kernels run (default cpu)")
     p.add_argument("--dtype", default=None, choices=["native", "f16", "f32"],
                    help="weights in memory: native keeps a GGUF's q4_0/q4_1/q8_0 tensors quantized, f16/f32 "
-                        "dequantize (default native for a GGUF on the cpu, else f16, as engine.generate)")
+                        "dequantize (default native for a GGUF or a GPTQ directory, else f16, as engine.generate)")
     p.add_argument("--quant", default=None, choices=["q4_0", "q4_1", "q8_0"],
                    help="quantize every weight matrix and the embedding to this format at load")
     p.add_argument("--tokens", type=int, default=None, help="evaluate the first N tokens (default: all)")

@@ -312,7 +312,7 @@ def parse_args(argv=None):
                    help="where kernels run (default cpu; hip is untested on hardware)")
     p.add_argument("--context", type=int, default=None, help="KV-cache positions (default min(model, 2048))")
     p.add_argument("--dtype", default=None, choices=["native", "f16", "f32"],
-                   help="weights in memory (default native for a GGUF on the cpu, else f16)")
+                   help="weights in memory (default native for a GGUF or a GPTQ directory, else f16)")
     p.add_argument("--quant", default=None, choices=["q4_0", "q4_1", "q8_0"],
                    help="quantize every weight matrix and the embedding to this format at load")
     p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="KV-cache element type (default f16)")

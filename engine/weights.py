@@ -855,12 +855,13 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
 # --------------------------------------------------------------------------- public
 def default_dtype(path: str, backend: str = "cpu") -> str:
     """The dtype ``engine.generate`` and ``engine.bench`` load with when ``--dtype`` is not
-    given: "native" (quantized tensors stay quantized) for a GGUF file on the CPU and for a GPTQ
-    directory, else "f16"."""
+    given: "native" (quantized tensors stay quantized: the int8 GEMVs on every backend) for a GGUF
+    file and for a GPTQ directory, else "f16".  ``backend`` is accepted for the callers' sake; every
+    backend runs quantized weights."""
     path = os.fspath(path)
     if os.path.isdir(path):
         return "native" if gptq.is_gptq_dir(path) else "f16"
-    return "native" if backend == "cpu" else "f16"
+    return "native"
 
 
 def load_model(path: str, dtype: str = "f16", quant: str | None = None):

@@ -281,7 +281,7 @@ def test_error_quant_of_a_non_finite_weight(tmp_path):
 
 def test_default_dtype(path, tmp_path):
     assert default_dtype(path, "cpu") == "native"
-    assert default_dtype(path, "cuda") == "f16"
+    assert default_dtype(path, "cuda") == "native" and default_dtype(path, "hip") == "native"   # loaded as stored
     assert default_dtype(str(tmp_path), "cpu") == "f16"                    # a Hugging Face directory
 
 
