@@ -14,7 +14,9 @@ The comparison is made at the buffer's dtype, because a check catches only what 
 float64 reference is rounded to the buffer's dtype (an f16 KV cache is compared as f16), integers
 must be equal, and a q8_1 activation that a GPU producer writes beside its float buffer
 (``fusion/q8.py``, ``{buf}_q8``) is decoded from its bytes (quants, residuals, scale) and compared
-with the reference of that float buffer.  A kernel without equations that writes a buffer (the copy
+with the reference of that float buffer, times the next normalization's weight where the producer
+quantizes ``x * g`` for it; the block sums of squares it writes then (``{buf}_ss``) are compared
+with those of the float buffer's reference.  A kernel without equations that writes a buffer (the copy
 before an update that cannot run in place) must copy its one input bit for bit.
 
 **Tolerance.**  Element i fails when
@@ -130,9 +132,10 @@ class KernelCheck:
     each output, its reduction length, the activation's quantization error ``u_act``, the q8_1
     buffers it writes (name -> format) and, for a copy, the buffer it copies."""
 
-    def __init__(self, kernel, program, sources, outputs, length, u_act, q8, copy_of, scratch):
+    def __init__(self, kernel, program, sources, outputs, length, u_act, q8, copy_of, scratch, blocks=None):
         self.kernel, self.program, self.sources, self.outputs = kernel, program, sources, outputs
         self.length, self.u_act, self.q8, self.copy_of, self.scratch = length, u_act, q8, copy_of, scratch
+        self.blocks = blocks or {}        # q8 buffer -> (x, its norm weight g, the block sums' buffer) (q8_producers)
 
     def tolerance(self) -> float:
         return SAFETY * (U_F32 * math.sqrt(self.length) + self.u_act)
@@ -148,10 +151,14 @@ class KernelCheck:
         tol, ref = self.tolerance(), []
         for (name, v), o in zip(self.outputs, outs):
             ref.append((name, np.asarray(o).astype(NP_DTYPES[v.dtype]), tol))
+        values = {name: np.asarray(o, np.float64) for (name, _), o in zip(self.outputs, outs)}
         for name, fmt in self.q8.items():
-            base = name.removesuffix("_q8")
-            want = next(w for n, w, _ in ref if n == base)
-            ref.append((name, want.astype(np.float32), tol + SAFETY * U_ACT[fmt]))
+            base, g, ss = self.blocks[name]
+            x = values[base]
+            if g is not None:                  # x * g in blocks, and each block's sum of x * x
+                ref.append((ss, (x.reshape(-1, 32) ** 2).sum(-1).astype(np.float32), 2 * tol))
+                x = x * np.asarray(read(ex, g, by_name), np.float64).reshape(x.shape)
+            ref.append((name, x.astype(np.float32), tol + SAFETY * U_ACT[fmt]))
         return ref
 
 
@@ -186,9 +193,11 @@ def kernel_checks(ex) -> list:
         written = [p for p in k.params if p.kind == "buffer" and p.role != "in"]
         names = {p.name for p in written}        # a buffer written twice holds its last value
         outputs = list({where[e.out]: e.out for e in eqns if where.get(e.out) in names}.items())
-        q8 = {p.name: p.dtype for p in written if p.dtype in ACT_Q8 and p.name.removesuffix("_q8") in
+        blocks = q8_producers(k)
+        q8 = {p.name: p.dtype for p in written if p.dtype in ACT_Q8 and blocks.get(p.name, ("",))[0] in
               {n for n, _ in outputs}}
-        rest = {p.name for p in written} - {n for n, _ in outputs} - set(q8)
+        blocks = {n: b for n, b in blocks.items() if n in q8}
+        rest = {p.name for p in written} - {n for n, _ in outputs} - set(q8) - {ss for _, _, ss in blocks.values()}
         inputs = [p.name for p in k.params if p.kind == "buffer" and p.role == "in"]
         copy_of = None
         if not eqns and len(rest) == 1 and len(inputs) == 1:
@@ -198,8 +207,26 @@ def kernel_checks(ex) -> list:
             e.prim.name == "dot" for e in eqns) else 0.0
         u_act = max(u_act, U_HALF if _half_operands(ck) else 0.0)
         program = Program(ins, eqns, [v for _, v in outputs])
-        checks.append(KernelCheck(k, program, sources, outputs, reduction_length(eqns), u_act, q8, copy_of, rest))
+        checks.append(KernelCheck(k, program, sources, outputs, reduction_length(eqns), u_act, q8, copy_of, rest,
+                                  blocks))
     return checks
+
+
+def q8_producers(k) -> dict:
+    """Each q8_1 buffer kernel ``k`` fills (``fusion.q8``: a trailing loop over blocks) -> ``(x, g, ss)``:
+    the blocks are of buffer ``x``, or of ``x * g`` with each block's sum of ``x * x`` in ``ss`` (a
+    normalization's input quantized by its producer; else g and ss are None)."""
+    from codegen import loopir as L
+    out = {}
+    for s in L.walk_stmts(k.body):
+        if isinstance(s, L.Loop) and s.body and isinstance(s.body[0], L.QuantizeQ8):
+            v = s.body[0].values[0]
+            sums = [t.buf for t in s.body[1:] if isinstance(t, L.Store)]
+            if isinstance(v, L.Load):
+                out[s.body[0].arr] = (v.buf, None, None)
+            elif isinstance(v, L.Bin) and v.op == "mul" and isinstance(v.a, L.Load) and isinstance(v.b, L.Load) and sums:
+                out[s.body[0].arr] = (v.a.buf, v.b.buf, sums[0])
+    return out
 
 
 def _half_operands(ck) -> bool:

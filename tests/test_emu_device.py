@@ -56,3 +56,32 @@ def test_a_small_qwen2_prefills_and_decodes_as_on_the_cpu():
     (cpu_logits, cpu_ids), (emu_logits, emu_ids) = runs["cpu"], runs["emu"]
     np.testing.assert_allclose(emu_logits, cpu_logits, rtol=0, atol=1e-2 * np.abs(cpu_logits).max())
     assert emu_ids == cpu_ids
+
+
+def test_verify_checks_the_blocks_a_producer_quantizes_for_the_next_normalization():
+    """--verify's checks on the GPU path (engine/verify.py) with q4_0 weights: a GEMV that stores the
+    residual x also writes the q8_1 blocks of x * g and their block sums of x * x for the next
+    RMSNorm (fusion.q8); both are compared with x's reference (times g, and summed by blocks), and a
+    decode of two tokens passes.  Before, the blocks were compared with x alone and failed."""
+    from engine.model import Model
+    from engine.verify import checking, kernel_checks
+    from stdlib.config import LlamaConfig
+    from tests.emu_device import emu_backend
+    from tests.test_quant_kernels import quantized
+    cfg = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, head_dim=32,
+                      rope_theta=1e4, norm_eps=1e-5, tie_embeddings=True, max_seq_len=16, name="tiny-q4_0")
+    D, hd, F = cfg.dim, cfg.head_dim, cfg.ffn_dim
+    mat = lambda n, k: quantized((n, k), "q4_0", 0.05)                                   # noqa: E731
+    vec = lambda n: rng.uniform(0.5, 1.5, n).astype(np.float32)                           # noqa: E731
+    layers = [{"attn_norm": vec(D), "ffn_norm": vec(D), "wq": mat(4 * hd, D), "wk": mat(2 * hd, D),
+               "wv": mat(2 * hd, D), "wo": mat(D, 4 * hd), "w_gate": mat(F, D), "w_up": mat(F, D),
+               "w_down": mat(D, F)} for _ in range(cfg.n_layers)]
+    params = {"embed": mat(cfg.vocab_size, D), "layers": layers, "norm": vec(D)}
+    m = Model(cfg, params, backend=emu_backend(), context=16)
+    normed = [c for c in kernel_checks(m.compile()) for b in c.blocks.values() if b[1]]
+    assert normed, "no producer quantizes x * g: the check below would not meet one"
+    with checking() as v:
+        logits = m.prefill([3, 1, 4])
+        for _ in range(2):                     # the decode step, kernel by kernel
+            logits = m.decode(int(np.argmax(np.asarray(logits))))
+    assert v.calls == 3 and "within tolerance" in v.summary(), v.summary()
