@@ -85,6 +85,19 @@ def _blocks(fmt, data):
     return np.ascontiguousarray(data, np.uint8).reshape(-1, f.block_bytes)
 
 
+def first_bad_scale(fmt: str, data: np.ndarray) -> int:
+    """The index of the first block of GGUF blocks ``data`` (uint8, ``fmt`` q4_0 / q4_1 / q8_0) whose
+    f16 scale (``d``, and ``m`` for q4_1) is NaN or infinite, or -1 when every one is finite.  The
+    scales are read in place, a strided view of the bytes (no copy of the quants)."""
+    f = FORMATS[fmt]
+    block = np.dtype([("scales", "<u2", (f.scale_bytes // 2,)), ("quants", f"V{f.quant_bytes}")])
+    halves = np.asarray(data).reshape(-1).view(np.uint8).view(block)["scales"]   # GGUF blocks open with them
+    bad = (halves & 0x7C00) == 0x7C00                          # exponent all ones: inf or NaN
+    if not bad.any():
+        return -1
+    return int(np.flatnonzero(bad.reshape(len(halves), -1).any(axis=1))[0])
+
+
 def dequantize_blocks(fmt: str, data: np.ndarray) -> np.ndarray:
     """float32 [n_blocks * 32] values of GGUF blocks ``data`` (uint8, any shape, n_blocks *
     block_bytes bytes), equal bit for bit to ``gguf.quants.dequantize`` (for gptq_int4, to

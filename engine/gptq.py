@@ -128,6 +128,9 @@ def load_gptq_tensors(handles: dict, qcfg: GPTQConfig | None) -> dict:
         path = next(p[1] for p in parts.values() if p is not None)
         for s, p in parts.items():
             if p is None:
+                if s == ".g_idx" and qcfg.desc_act:
+                    raise ModelError(f"{path}: layer {x} has no {x}.g_idx, but {qcfg.source} says desc_act: the "
+                                     "column order is lost; re-download the checkpoint")
                 if s == ".g_idx":
                     continue
                 raise ModelError(f"{path}: layer {x} has no {x}{s}; a GPTQ layer needs qweight, qzeros "
@@ -137,11 +140,18 @@ def load_gptq_tensors(handles: dict, qcfg: GPTQConfig | None) -> dict:
                 raise ModelError(f"{p[1]}: tensor {x}{s} has dtype {dt}, a GPTQ checkpoint stores it as "
                                  f"{' or '.join(_DTYPES[s])}; re-download or re-quantize the checkpoint")
         get = {s: None if p is None else p[0].get_tensor(x + s) for s, p in parts.items()}
+        bad = np.argwhere(~np.isfinite(get[".scales"]))
+        if len(bad):
+            raise ModelError(f"{path}: tensor {x}.scales holds a NaN or infinite scale at {list(map(int, bad[0]))} "
+                             "(group, column); the checkpoint is damaged, re-download or re-quantize it")
         try:
             w, perm = from_gptq(get[".qweight"].view(np.int32), get[".qzeros"].view(np.int32), get[".scales"],
                                 get[".g_idx"], bits=4, sym=qcfg.sym, checkpoint_format=qcfg.checkpoint_format)
         except ValueError as e:
             raise ModelError(f"{path}: GPTQ layer {x}: {e}") from None
+        if x + ".weight" in handles:
+            raise ModelError(f"{path}: layer {x} is stored twice, as {x}.weight (in {handles[x + '.weight'][1]}) "
+                             f"and as the GPTQ tensors {x}.qweight...; remove one")
         out[x + ".weight"] = (w, perm)
         handles[x + ".weight"] = (None, path, w.shape)
     return out

@@ -40,7 +40,7 @@ import sys
 import numpy as np
 
 from dsl import quant as dsl_quant
-from dsl.quant import QArray
+from dsl.quant import QArray, first_bad_scale
 
 from stdlib.config import LlamaConfig
 
@@ -439,9 +439,9 @@ class _GGUFFile:
             o += 12
             infos.append((name.decode("utf-8"), dims, gguf.GGMLQuantizationType(kind), offset))
         align = self.fields["general.alignment"].raw if "general.alignment" in self.fields else 32
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
             raise ValueError(f"general.alignment = {align!r} is not a power of two")
-        start = -(-o // align) * align
+        start, expect = -(-o // align) * align, 0
         for name, dims, kind, offset in infos:
             if name in names:
                 raise ValueError(f"tensor {name} appears twice")
@@ -454,7 +454,12 @@ class _GGUFFile:
                 raise ValueError(f"tensor {name} has dimensions {list(dims)}, {n} elements: not a real tensor")
             if n % block or (dims and dims[0] % block):
                 raise ValueError(f"tensor {name} {list(dims)} is not whole {kind.name} blocks")
+            if offset != expect:     # gguf.md: each tensor's data follows the one before, aligned
+                raise ValueError(f"tensor {name} starts at data offset {offset} where the tensors before it end "
+                                 f"at {expect} (aligned to {align}): its offset or an earlier tensor's type or "
+                                 "shape is damaged")
             self.tensors.append(_GGUFTensor(name, dims, kind, start + offset, n // block * block_bytes))
+            expect = -(-(offset + n // block * block_bytes) // align) * align
 
     def map_tensors(self):
         """Set every tensor's ``data`` to its view of the file map."""
@@ -622,10 +627,17 @@ def _load_gguf(path: str, dtype: str, quant=None):
         if t is None:
             return None
         shape, kind = tuple(int(n) for n in reversed(t.shape)), t.tensor_type.name
+        if kind in _GGUF_QUANTS:
+            bad = first_bad_scale(_GGUF_QUANTS[kind], t.data)
+            if bad >= 0:
+                raise ModelError(f"{path}: tensor {name} {list(shape)}: block {bad} (row {bad * 32 // shape[-1]}) "
+                                 "has a NaN or infinite scale; the file is damaged, re-download or re-convert it")
         if kind in _GGUF_QUANTS and (dtype == "native" or quant):
             return QArray(t.data, shape, _GGUF_QUANTS[kind])
         if kind in ("F32", "F16"):
             return np.asarray(t.data).reshape(shape)
+        if kind == "F64":
+            return np.asarray(t.data, np.float32).reshape(shape)
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -815,6 +827,10 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
                     raise ModelError(f"{d}: tensor {k} is stored twice, in {handles[k][1]} and in "
                                      f"{path}; remove the stale shard so that each tensor is in "
                                      "exactly one *.safetensors file")
+                if qcfg is None and k.endswith(gptq.PACKED) and dt not in _ST_FLOAT_DTYPES:
+                    raise ModelError(f"{d}: tensor {k} is a GPTQ layer's, but neither config.json's "
+                                     "quantization_config nor quantize_config.json says how it was "
+                                     "quantized; add quantize_config.json from the checkpoint")
                 if dt not in _ST_FLOAT_DTYPES and not gptq.is_packed(qcfg, k):
                     kind = ("FP8, which is not supported" if dt.startswith("F8")
                             else "not floating point" if dt[0] in "IUB" else "not supported")

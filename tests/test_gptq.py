@@ -313,3 +313,37 @@ def test_gptq_settings_and_tensors_are_checked(smol_hf, tmp_path):
     save_file(layers, str(qdir / "model-00002.safetensors"))
     with pytest.raises(ModelError, match=r"layer model.layers.1.mlp.up_proj has no model.layers.1.mlp.up_proj.qzeros"):
         load_model(str(qdir), "f32")
+
+
+def test_damaged_or_ambiguous_gptq_layers_are_one_line(smol_hf, tmp_path):
+    """Each would load and decode wrongly without a word: a desc_act checkpoint without g_idx (its
+    columns in the wrong order), a layer stored both as float and as GPTQ tensors, a NaN scale, and GPTQ
+    tensors with no quantization settings at all."""
+    def rewrite(qdir, change):
+        path = str(qdir / "model-00002.safetensors")
+        with safe_open(path, framework="numpy") as f:
+            layers = {k: f.get_tensor(k) for k in f.keys()}
+        change(layers)
+        os.remove(path)
+        save_file(layers, path)
+        return qdir
+
+    x = "model.layers.0.mlp.gate_proj"
+
+    def nan_scale(t):
+        s = t[x + ".scales"].copy()
+        s[0, int(rng.integers(s.shape[1]))] = np.float16(np.nan)
+        t[x + ".scales"] = s
+    cases = [(True, lambda t: [t.pop(k) for k in list(t) if k.endswith(".g_idx")], r"g_idx, but \S*quantize_config.json says desc_act"),
+             (False, lambda t: t.__setitem__(x + ".weight", smol_hf[1][x + ".weight"]), "stored twice"),
+             (False, nan_scale, "NaN or infinite scale")]
+    for i, (desc_act, change, needle) in enumerate(cases):
+        qdir, _ = gptq_checkpoint(smol_hf, tmp_path / f"case{i}", True, desc_act, "gptq", "quantize_config.json")
+        with pytest.raises(ModelError, match=needle) as e:
+            load_model(str(rewrite(qdir, change)), "f32")
+        assert "\n" not in str(e.value)
+    qdir, _ = gptq_checkpoint(smol_hf, tmp_path / "nosettings", True, False, "gptq", "quantize_config.json")
+    os.remove(qdir / "quantize_config.json")
+    with pytest.raises(ModelError, match="quantize_config.json") as e:
+        load_model(str(qdir), "f32")
+    assert "is a GPTQ layer's" in str(e.value)

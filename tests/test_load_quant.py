@@ -2,6 +2,7 @@
 file map (dtype "native"), --quant q4_0/q4_1/q8_0 at load, resident bytes, errors, the CLI."""
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from engine.weights import (default_dtype, default_model_path, export_hf_dir, fo
                             load_model, resident_bytes, unpermute_qk)
 from tests.test_weights import one_line_error, tiny_hf_weights, write_tiny_gguf
 
+rng = np.random.default_rng()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = gguf.GGMLQuantizationType
 GGUF_TYPE = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q8_0": T.Q8_0}
@@ -369,3 +371,68 @@ def test_header_reader_cut_anywhere_is_one_line(tmp_path):
         bad.write_bytes(data[:cut])
         msg = one_line_error(bad, "cut.gguf", "re-download")
         assert "truncated" in msg or "corrupt" in msg, (cut, msg)
+
+
+# --------------------------------------------------------------------------- damaged files
+def _q4_0_file(tmp_path, seed):
+    w = tiny_hf_weights("llama", D=64, Hq=4, Hkv=2, hd=16, F=256, V=8, tied=False, seed=seed)
+    path = write_tiny_gguf(tmp_path / "q.gguf", w, D=64, Hq=4, Hkv=2, F=256,
+                           types={k: T.Q4_0 for k, v in w.items() if v.ndim == 2})
+    return path, {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def _edited(path, name, edit):
+    b = bytearray(open(path, "rb").read())
+    edit(b)
+    out = os.path.join(os.path.dirname(path), name)
+    with open(out, "wb") as fh:
+        fh.write(b)
+    return out
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_a_block_scale_that_is_not_finite_is_one_line_naming_tensor_and_block(tmp_path, value):
+    """A damaged quant block (its f16 d NaN or infinite) would make every logit NaN, and greedy
+    decoding stop at once with no error: the loader names the tensor, the block and its row, for every
+    dtype (native keeps the blocks; f16 / f32 would dequantize NaN)."""
+    seed = int(rng.integers(1 << 30))
+    path, t = _q4_0_file(tmp_path, seed)
+    gate = t["blk.0.ffn_gate.weight"]
+    block = int(rng.integers(1, gate.n_bytes // 18))
+    at = int(gate.data_offset) + 18 * block
+    bad = _edited(path, "bad.gguf", lambda b: b.__setitem__(slice(at, at + 2), np.float16(value).tobytes()))
+    for dtype in ("native", "f16"):
+        one_line_error(bad, "blk.0.ffn_gate.weight", f"block {block} ", f"row {block * 32 // 64}", "NaN or infinite",
+                       dtype=dtype)
+    assert load_model(path, "native")[1]["layers"][0]["w_gate"].dtype == "q4_0"     # the undamaged file loads
+
+
+def test_tensor_offsets_out_of_order_or_overlapping_are_one_line(tmp_path):
+    """gguf.md: each tensor's data follows the one before it, aligned.  Offsets swapped in the header (or
+    one tensor pointed at another's data, or misaligned) would load the wrong weights silently."""
+    path, t = _q4_0_file(tmp_path, int(rng.integers(1 << 30)))
+    gate, up = t["blk.0.ffn_gate.weight"], t["blk.0.ffn_up.weight"]
+    base = min(int(x.data_offset) for x in t.values())
+    header = open(path, "rb").read()[:base]
+
+    def field(name):                    # the byte offset of the tensor's data-offset field in the header
+        return header.index(name.encode()) + len(name) + 4 + 8 * 2 + 4
+
+    og, ou = int(gate.data_offset) - base, int(up.data_offset) - base
+    swapped = _edited(path, "swapped.gguf", lambda b: (struct.pack_into("<Q", b, field(gate.name), ou),
+                                                       struct.pack_into("<Q", b, field(up.name), og)))
+    overlapping = _edited(path, "overlap.gguf", lambda b: struct.pack_into("<Q", b, field(up.name), og))
+    shifted = _edited(path, "shifted.gguf", lambda b: struct.pack_into("<Q", b, field(up.name), ou + 32))
+    for bad in (swapped, overlapping, shifted):
+        one_line_error(bad, "starts at data offset", "damaged", dtype="native")
+
+
+def test_alignment_written_as_a_bool_is_refused_and_f64_weights_load(tmp_path):
+    w = tiny_hf_weights(seed=int(rng.integers(1 << 30)))
+    bad = write_tiny_gguf(tmp_path / "align.gguf", w, meta={"general.alignment": (True, gguf.GGUFValueType.BOOL)})
+    one_line_error(bad, "general.alignment")
+    f64 = write_tiny_gguf(tmp_path / "f64.gguf", {**w, "blk.0.ffn_up.weight": w["blk.0.ffn_up.weight"].astype(np.float64)})
+    assert {t.name: t.tensor_type for t in gguf.GGUFReader(f64).tensors}["blk.0.ffn_up.weight"] == T.F64
+    cfg, params, _ = load_model(f64, "f32")
+    want = load_model(write_tiny_gguf(tmp_path / "f32.gguf", w), "f32")[1]
+    np.testing.assert_array_equal(params["layers"][0]["w_up"], want["layers"][0]["w_up"])
