@@ -124,8 +124,15 @@ def random_blocks(fmt, rng, nb):
 
 @pytest.mark.parametrize("fmt", GGUF_FORMATS)
 def test_dequantize_equals_gguf_bit_for_bit(fmt):
-    rng = np.random.default_rng(14)
-    data = random_blocks(fmt, rng, 4000)
+    import gguf
+    rng = np.random.default_rng()
+    data = random_blocks(fmt, rng, 4000).reshape(4000, -1)
+    q = FORMATS[fmt].scale_bytes
+    same = rng.random(4000) < 0.1                          # blocks whose quants are all one byte
+    data[same, q:] = rng.integers(0, 256, (int(same.sum()), 1), dtype=np.uint8)
+    consts = np.repeat(np.array([0.0, 1.0, -3.5, 1e-8, -6e4, rng.standard_normal()], np.float32), 32).reshape(-1, 32)
+    constant = gguf.quants.quantize(consts, getattr(gguf.GGMLQuantizationType, fmt.upper()))   # constant inputs
+    data = np.concatenate([data, constant.reshape(len(consts), -1)]).reshape(-1)
     with np.errstate(all="ignore"):
         ours = dequantize_blocks(fmt, data)
     ref = gguf_dequantize(fmt, data)

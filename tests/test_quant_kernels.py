@@ -254,6 +254,7 @@ def test_gfx906_quantized_gemv_isa_gates(fmt):
         assert it.res["scratch_bytes"] == 0 and it.res["vgpr_spills"] == 0, where
         assert 1 <= it.res["waves_per_simd"] <= 9, (where, it.res)
         assert c["lds_per_byte"] <= 0.056, (where, c)
+        assert "ds_bpermute" not in isa and "_dpp" in isa, where  # wave reductions through DPP (issue 8)
 
 
 # ------------------------------------------------------------------------------ the q8_1 path's arithmetic
