@@ -184,6 +184,9 @@ def _reduce_update(s, a, pad):
     """One iteration's update of accumulator ``a`` of ``s``."""
     if s.vector > 1:                              # act[k] * w[row * K + k], checked by the mapping
         w, act = (x.x if isinstance(x, L.Cast) else x for x in (a.value.b, a.value.a))
+        if isinstance(w, L.QLoad):                # 8 quantized weights dequantized together
+            weights = f"vf_dequant8f_{w.fmt}({w.buf}, {bare(w.index)}, {w.count // 32})"
+            return [f"{pad}{a.name} = vf_dot8_w({a.name}, {weights}, {act.buf} + {bare(act.index)});"]
         return [f"{pad}{a.name} = {VECTOR_DOT[w.dtype]}({a.name}, {w.buf} + {bare(w.index)}, {act.buf} + {bare(act.index)});"]
     v = bare(a.value)
     if a.op == "add":

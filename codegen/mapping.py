@@ -505,7 +505,9 @@ def _attention(body, t):
 def vector_width(r: L.Reduce, act: str, t: Target) -> int:
     """Elements per 16-byte weight load for the lane reduction ``r`` of a GEMV, or 1.  Every
     accumulator must be ``act[k] * w[row * m + k]`` with ``w`` a buffer of f16 (8 per load) or f32
-    (4), ``m`` and the k range multiples of that (so each load is aligned) and ``row`` free of k."""
+    (4), or a quantized weight's elements (``QLoad``: 8 at a time, dequantized together,
+    ``vf_dequant8f_*``), ``m`` and the k range multiples of that (so each load is aligned) and ``row``
+    free of k."""
     k = L.Sym(r.var, "i32")
     widths = set()
     for a in r.accs:
@@ -514,9 +516,9 @@ def vector_width(r: L.Reduce, act: str, t: Target) -> int:
                 and (v.a.index == k or _row_offset(v.a.index, k) is not None)):
             return 1
         w = v.b.x if isinstance(v.b, L.Cast) and v.b.dtype == "f32" else v.b
-        if not (type(w) is L.Load and w.dtype in ("f16", "f32")):
+        if not (type(w) is L.Load and w.dtype in ("f16", "f32") or type(w) is L.QLoad):
             return 1
-        per = t.load_bytes // ITEMSIZE[w.dtype]
+        per = 8 if type(w) is L.QLoad else t.load_bytes // ITEMSIZE[w.dtype]
         i = w.index
         ok = (isinstance(i, L.Bin) and i.op == "add" and i.b == k and isinstance(i.a, L.Bin) and i.a.op == "mul"
               and isinstance(i.a.b, L.Const) and i.a.b.value % per == 0
@@ -660,7 +662,9 @@ def _contract(body, t, lds_limit):
                f"(16-byte loads, int8 dot products){stored}")
         return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info["act_dtype"])
     how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
-           f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
+           f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 and not info.get("dequant8")
+                                                  else f"{vec} elements at a time, each 8 quantized weights dequantized "
+                                                  "together" if vec > 1 else "one at a time"))
     if matmul:
         G = info["group"]
         rows = "one activation row" if G == 1 else f"{G} activation rows"
@@ -1286,6 +1290,8 @@ def _wave_loop(segs, t, info):
     sizes = [s.stop.value for _, s in segs]
     vecs = [vector_width(s.body[0], info["act"], t) for _, s in segs]
     vec = min(vecs)                        # a split needs every segment's slices whole vectors
+    info["dequant8"] = vec > 1 and any(isinstance(x, L.QLoad) for _, s in segs for a in s.body[0].accs
+                                       for x in L.walk_exprs(a.value))
     ks = ksplit(t, sizes, info["K"], max(vecs) if vec > 1 else 1)
     info.update(split=ks, total=sum(sizes), vec=vec)
     row = L.Sym("row_0", "i32")

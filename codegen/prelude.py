@@ -470,44 +470,65 @@ __device__ __forceinline__ float vf_dequant_q8_0(const vf_byte* __restrict__ w, 
 }
 """
 
-_DEQUANT8 = r"""// 8 consecutive elements i .. i + 7 of a quantized weight (i a multiple of 8) as halves, for the tiled
-// matmul's weight tiles: one 8-byte load of quants (q4: bytes 0-7 or 8-15 of the block, low nibbles for elements
-// 0-15, high for 16-31) and the block's scales
+_DEQUANT8F = r"""// 8 consecutive elements i .. i + 7 of a quantized weight (i a multiple of 8) as floats: one 8-byte load of
+// quants (q4: bytes 0-7 or 8-15 of the block, low nibbles for elements 0-15, high for 16-31) and the block's scales
+struct vf_f8 { float v[8]; };
 __device__ __forceinline__ unsigned long long vf_q4_nibbles8(const vf_byte* __restrict__ w, int i) {
   const int b = i / 32, p = i % 32 / 8;
   return *(const unsigned long long*)(w + 16 * b + 8 * (p % 2)) >> (p / 2 * 4);
 }
-__device__ __forceinline__ vf_h8 vf_dequant8_q4_0(const vf_byte* __restrict__ w, int i, int nb) {
+__device__ __forceinline__ vf_f8 vf_dequant8f_q4_0(const vf_byte* __restrict__ w, int i, int nb) {
   const unsigned long long q = vf_q4_nibbles8(w, i);
   const float d = vf_h2f(((const vf_half*)(w + 16 * nb))[i / 32]);
-  float v[8];
-  for (int j = 0; j < 8; ++j) v[j] = d * (float)((int)(q >> 8 * j & 15) - 8);
-  return vf_pack8(v);
+  vf_f8 r;
+  for (int j = 0; j < 8; ++j) r.v[j] = d * (float)((int)(q >> 8 * j & 15) - 8);
+  return r;
 }
-__device__ __forceinline__ vf_h8 vf_dequant8_q4_1(const vf_byte* __restrict__ w, int i, int nb) {
+__device__ __forceinline__ vf_f8 vf_dequant8f_q4_1(const vf_byte* __restrict__ w, int i, int nb) {
   const unsigned long long q = vf_q4_nibbles8(w, i);
   const vf_half* dm = (const vf_half*)(w + 16 * nb) + 2 * (i / 32);
   const float d = vf_h2f(dm[0]), m = vf_h2f(dm[1]);
-  float v[8];
-  for (int j = 0; j < 8; ++j) v[j] = d * (float)(int)(q >> 8 * j & 15) + m;
-  return vf_pack8(v);
+  vf_f8 r;
+  for (int j = 0; j < 8; ++j) r.v[j] = d * (float)(int)(q >> 8 * j & 15) + m;
+  return r;
 }
-__device__ __forceinline__ vf_h8 vf_dequant8_gptq_int4(const vf_byte* __restrict__ w, int i, int nb) {
+__device__ __forceinline__ vf_f8 vf_dequant8f_gptq_int4(const vf_byte* __restrict__ w, int i, int nb) {
   const unsigned long long q = vf_q4_nibbles8(w, i);
   const vf_half* dz = (const vf_half*)(w + 16 * nb) + 2 * (i / 32);
   const float d = vf_h2f(dz[0]), z = vf_h2f(dz[1]);
-  float v[8];
-  for (int j = 0; j < 8; ++j) v[j] = d * ((float)(int)(q >> 8 * j & 15) - z);
-  return vf_pack8(v);
+  vf_f8 r;
+  for (int j = 0; j < 8; ++j) r.v[j] = d * ((float)(int)(q >> 8 * j & 15) - z);
+  return r;
 }
-__device__ __forceinline__ vf_h8 vf_dequant8_q8_0(const vf_byte* __restrict__ w, int i, int nb) {
+__device__ __forceinline__ vf_f8 vf_dequant8f_q8_0(const vf_byte* __restrict__ w, int i, int nb) {
   const unsigned long long q = *(const unsigned long long*)(w + i);
   const float d = vf_h2f(((const vf_half*)(w + 32 * nb))[i / 32]);
-  float v[8];
-  for (int j = 0; j < 8; ++j) v[j] = d * (float)(signed char)(q >> 8 * j & 255);
-  return vf_pack8(v);
+  vf_f8 r;
+  for (int j = 0; j < 8; ++j) r.v[j] = d * (float)(signed char)(q >> 8 * j & 255);
+  return r;
 }
 """
+# the float GEMV over quantized weights (VEGAFUSE_QUANT_ACT=float): 8 dequantized weights times 8 activations
+# from LDS; where the activation is f16 on gfx906, the weights rounded to f16 pairs and v_dot2_f32_f16
+_DOT8_W = r"""__device__ __forceinline__ float vf_dot8_w(float acc, vf_f8 w, const vf_act_t* a) {
+  for (int i = 0; i < 8; ++i) acc = fmaf(vf_from_act(a[i]), w.v[i], acc);
+  return acc;
+}
+"""
+_DOT8_W_DOT2 = r"""__device__ __forceinline__ float vf_dot8_w(float acc, vf_f8 w, const vf_act_t* a) {
+  const vf_half8 av = *(const vf_half8*)a;          // one 16-byte LDS read
+  vf_half8 wv;
+  for (int i = 0; i < 8; ++i) wv[i] = (vf_half)w.v[i];
+  acc = __builtin_amdgcn_fdot2(av.s01, wv.s01, acc, false);
+  acc = __builtin_amdgcn_fdot2(av.s23, wv.s23, acc, false);
+  acc = __builtin_amdgcn_fdot2(av.s45, wv.s45, acc, false);
+  return __builtin_amdgcn_fdot2(av.s67, wv.s67, acc, false);
+}
+"""
+# the same elements as halves, for the tiled matmul's weight tiles
+_DEQUANT8 = "".join(f"__device__ __forceinline__ vf_h8 vf_dequant8_{f}(const vf_byte* __restrict__ w, int i, int nb) {{ "
+                    f"return vf_pack8(vf_dequant8f_{f}(w, i, nb).v); }}\n" for f in ("q4_0", "q4_1", "gptq_int4", "q8_0"))
+
 
 _QUANT = r"""{activation}{stored}// the 32 nibbles n of a q4 block (one 16-byte load): element j of nibble word i is byte j of
 // (w[i] & 0x0F0F0F0F), element 16 + j of ((w[i] >> 4) & 0x0F0F0F0F)
@@ -981,7 +1002,8 @@ def prelude(t: Target, act: str | None = None, quant: bool = False, attention: b
                               pdl=_nv_pdl(t)) + _NV_WAVE_SUM
         head += _NVIDIA_F16ACT if act == "f16" else _NVIDIA_F32ACT
     activation = _OVER_STEP + (_Q8_1 if int8 == "q8_1" else _Q8_1R)   # the int8 GEMV's activation blocks
-    tail = ((_AMD_INT8 if t.vendor == "amd" else nv_int8()) + _DEQUANT
+    dot8 = _DOT8_W_DOT2 if t.vendor == "amd" and act == "f16" else _DOT8_W
+    tail = ((_AMD_INT8 if t.vendor == "amd" else nv_int8()) + _DEQUANT + _DEQUANT8F + dot8
             + _QUANT.format(activation=activation, stored=_STORED)) if quant else ""
     if attention:
         tail += (_AMD_ATTENTION if t.vendor == "amd" else _NV_ATTENTION) + _ATTENTION

@@ -280,9 +280,17 @@ class QArray:
         return nbytes(self.dtype, self.size)
 
     @classmethod
-    def quantize(cls, x, fmt: str) -> "QArray":
-        """``quantize(fmt, x)``: float array ``x`` quantized to ``fmt``, bytes equal to gguf's."""
-        return quantize(fmt, x)
+    def quantize(cls, x, fmt: str, sym: bool = True) -> "QArray":
+        """``quantize(fmt, x)``: float array ``x`` quantized to ``fmt``, bytes equal to gguf's.  For
+        "gptq_int4", a GPTQ checkpoint of ``x`` [N, K] by round to nearest (``gptq_quantize``: groups of
+        32 in order, symmetric or not by ``sym``; rows padded to GPTQ's multiple of 8, then dropped),
+        repacked by ``from_gptq``: for tests and examples, not quality."""
+        if fmt != "gptq_int4":
+            return quantize(fmt, x)
+        x = np.asarray(x, np.float32)
+        n = x.shape[0]
+        parts = gptq_quantize(np.pad(x, ((0, -n % 8), (0, 0))), 32, sym=sym)
+        return from_gptq(*parts, sym=sym)[0].take_rows(np.arange(n))
 
     def dequantize(self) -> np.ndarray:
         """float32 values of ``shape`` (bit for bit ``gguf.quants.dequantize``)."""

@@ -34,7 +34,7 @@ def helpers() -> str:
     attention, the tiled matmul's dequantization) with the float GEMV's dots in plain C++."""
     act = prelude._OVER_STEP + prelude._Q8_1R
     return (prelude._NV_WAVE_SUM + prelude._COMMON.format() + DOT8 + DOT4 + prelude.nv_int8()
-            + prelude._DEQUANT + prelude._DEQUANT8 + prelude._QUANT.format(activation=act, stored=prelude._STORED)
+            + prelude._DEQUANT + prelude._DEQUANT8F + prelude._DOT8_W + prelude._DEQUANT8 + prelude._QUANT.format(activation=act, stored=prelude._STORED)
             + prelude._ATTENTION)
 
 

@@ -70,6 +70,10 @@ OPS = (list(UNARY) + list(BINARY) * 2 +
        ["gather", "gather", "at", "at", "selfupdate"]          # indexing: traced indices, .at[], in place
        + ["scan", "fori", "vmap"])             # control flow (tests/fuzz.py's control-flow block)
 QUANT = ("q4_0", "q4_1", "q8_0")
+WEIGHT_QUANT = QUANT + ("gptq_int4",)   # the formats a contraction's weights take (gptq_int4: a GPTQ checkpoint's)
+# a quantized GEMV's activation: at times any floats, which int8 dot products round to q8_1 blocks (within
+# 2^-16 of each block's largest value: ACT_TOL), else values q8_1 holds exactly
+ACT_TOL = 2.0 ** -9
 # layout: a GEMV through one expert's weights picked by a runtime id (the MoE gather), (N, K) or (K, N)
 OPS += ["expert", "expert"]
 # attention over a KV cache, f16 (mostly) or f32, written at a runtime position first (issue 10)
@@ -154,6 +158,9 @@ class Writer:
             cols = f"np.arange({shape[-1]}) % 32 == {at}"
             make = f"(rng.integers({-lim}, {lim + 1}, {shape}) * np.where({cols}, 0, 1) + np.where({cols}, 127, 0)).astype('f4') * 2.0 ** -{e}"
             make = make if kind == "q8small" else f"dsl.QArray.quantize({make}, 'q8_0')"
+        elif dtype == "gptq_int4":            # a GPTQ checkpoint by round to nearest, symmetric or not
+            make = (f"dsl.QArray.quantize(rng.standard_normal({shape}).astype('f4') * 0.5, 'gptq_int4', "
+                    f"sym={bool(len(self.args) % 2)})")
         elif dtype in QUANT:                  # weights quantized by our quantizer
             make = f"dsl.QArray.quantize(rng.standard_normal({shape}).astype('f4') * 0.5, '{dtype}')"
         elif kind == "q8":
@@ -283,7 +290,7 @@ class Writer:
             w = self.new_input((k, n), wd)
             return self.emit(f"({an} @ {w}) * {round(1 / np.sqrt(k), 4)}")
         if name in ("qmatmul", "qtake"):
-            fmt = QUANT[int(p[1] * len(QUANT))]
+            fmt = (QUANT if name == "qtake" else WEIGHT_QUANT)[int(p[1] * len(QUANT if name == "qtake" else WEIGHT_QUANT))]
             k = 32 * (1 + int(p[2] * 3))
             if name == "qtake":
                 emb = self.new_input((3 + int(p[0] * 40), k), fmt)
@@ -291,7 +298,7 @@ class Writer:
                 return self.emit(f"dsl.take({emb}, {ids})")
             n = [1, 3, 8, 16, 40][int(p[0] * 5)]
             rows = tuple(av.shape[:-1]) if av.ndim >= 2 and int(np.prod(av.shape[:-1])) <= 8 else (1,)
-            xq = self.new_input(rows + (k,), "f32", "q8")
+            xq = self.new_input(rows + (k,), "f32", "q8" if p[3] < 0.5 else "normal")
             w = self.new_input((n, k), fmt)
             return self.emit(f"dsl.dot_t({xq}, {w}) * {round(1 / np.sqrt(k), 4)}")
         if name == "qchain":            # xq @ w1 is exact (small integers times 2^-13), so the clipped rows are too
@@ -310,8 +317,8 @@ class Writer:
             return self.emit(out)
         if name == "rows_matmul":
             T = [4, 5, 17, 40][int(p[0] * 4)]
-            fmt = (["f16", "f32"] + list(QUANT))[int(p[1] * (2 + len(QUANT)))]
-            k = 32 * (1 + int(p[2] * 3)) if fmt in QUANT else [7, 16, 48][int(p[2] * 3)]
+            fmt = (["f16", "f32"] + list(WEIGHT_QUANT))[int(p[1] * (2 + len(WEIGHT_QUANT)))]
+            k = 32 * (1 + int(p[2] * 3)) if fmt in WEIGHT_QUANT else [7, 16, 48][int(p[2] * 3)]
             n = [1, 3, 8, 40][int(p[3] * 4)]
             x = self.new_input((T, k), "f32")
             w = self.new_input((n, k), fmt)
@@ -406,16 +413,16 @@ class Writer:
     def tiled(self, av, an, pk, p):
         """``epilogue(dot_t(prologue(x), w))`` of T rows (15 to 100: the tiled matmul's rule takes 16 or
         more), K and N at and around its chunk (32) and tile (64) edges; see ``OPS``."""
-        fmt = (["f16", "f16", "f32"] + list(QUANT))[int(p[1] * (3 + len(QUANT)))]
+        fmt = (["f16", "f16", "f32"] + list(WEIGHT_QUANT))[int(p[1] * (3 + len(WEIGHT_QUANT)))]
         f = lambda x, m: int((x * m * 7.31) % 1 * m)                # noqa: E731  (another choice from one fraction)
-        if av.ndim == 2 and av.shape[0] >= 15 and av.shape[1] >= 32 and fmt not in QUANT and pk[1] < 0.5:
+        if av.ndim == 2 and av.shape[0] >= 15 and av.shape[1] >= 32 and fmt not in WEIGHT_QUANT and pk[1] < 0.5:
             x, (T, k) = an, av.shape
         else:
             T = [15, 16, 17, 33, 64, 65, 100][int(p[0] * 7)]
-            k = 32 * (1 + int(p[2] * 4)) if fmt in QUANT else [32, 33, 40, 64, 96, 130][int(p[2] * 6)]
+            k = 32 * (1 + int(p[2] * 4)) if fmt in WEIGHT_QUANT else [32, 33, 40, 64, 96, 130][int(p[2] * 6)]
             x = self.new_input((T, k), "f16" if pk[2] < 0.25 else "f32")
         n = [1, 7, 8, 24, 65, 72][int(p[3] * 6)]
-        extra = 0 if fmt in QUANT else [0, 0, 4, 12][f(p[1], 4)]     # at times the first k columns of a wider weight
+        extra = 0 if fmt in WEIGHT_QUANT else [0, 0, 4, 12][f(p[1], 4)]     # at times the first k columns of a wider weight
         w = self.new_input((n, k + extra), fmt)
         w = f"{w}[:, :{k}]" if extra else w
         pro = [x, f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5) * {self.new_input((k,), 'f32')})",
@@ -749,17 +756,19 @@ def run_source(src, backend="cpu"):
         return "ok", "ill-conditioned (non-finite in stored dtypes)"
     native, peak = native
     nops = len(low.program.eqns)
+    prims = {e.prim.name for e in low.program.eqns}
+    act = ACT_TOL if {"dequantize", "dot"} <= prims else 0.0     # an int8 GEMV's activation in q8_1 blocks
     values = list(low.program.inputs) + [e.out for e in low.program.eqns]
     low_precision = "f16" if any(v.dtype == "f16" for v in values) else "f32"
     producer = {e.out: e for e in low.program.eqns}
     for i, (g, w, n, v) in enumerate(zip(got, want, native, low.program.outputs)):
         e = producer.get(v)
         if e is not None and e.prim.name == "argmax":          # ties: any index of a maximal value
-            bad = _argmax_ties(low.program, e, args, np.asarray(g), FLOAT_TOL[low_precision] * (2 + nops), peak)
+            bad = _argmax_ties(low.program, e, args, np.asarray(g), FLOAT_TOL[low_precision] * (2 + nops) + act, peak)
             if bad:
                 return "mismatch", f"output {i} (argmax {list(v.shape)}): {bad}"
             continue
-        bad = _compare(np.asarray(g), w, n, v.dtype if v.dtype not in FLOAT_TOL else low_precision, nops, peak)
+        bad = _compare(np.asarray(g), w, n, v.dtype if v.dtype not in FLOAT_TOL else low_precision, nops, peak, act)
         if bad:
             return "mismatch", f"output {i} ({v.dtype}{list(v.shape)}): {bad}"
     return "ok", ""
@@ -781,7 +790,7 @@ def _compile_gfx906(kernels):
 def _run_native(prog, args):
     """The interpreter in the stored dtypes; None when some value is not finite or beyond f16 range."""
     from dsl.core import NP_DTYPES, Lit
-    env = {v: a if v.dtype in QUANT else np.asarray(a).astype(NP_DTYPES[v.dtype]) for v, a in zip(prog.inputs, args)}
+    env = {v: a if v.dtype in WEIGHT_QUANT else np.asarray(a).astype(NP_DTYPES[v.dtype]) for v, a in zip(prog.inputs, args)}
     peak = 1.0
     read = lambda a: np.asarray(a.value, NP_DTYPES[a.dtype]) if isinstance(a, Lit) else env[a]  # noqa: E731
     with np.errstate(all="ignore"):
@@ -809,16 +818,17 @@ def _argmax_ties(prog, e, args, g, eps, peak):
     return ""
 
 
-def _compare(g, want, native, dtype, nops, peak):
+def _compare(g, want, native, dtype, nops, peak, act=0.0):
     """'' when ``g`` agrees with the f64 reference or the stored-dtype run, else what differs.
 
     The tolerance is relative, plus an absolute part that scales with the largest value the
-    program computes (``peak``: rounding there reaches the output); both grow with the op count."""
+    program computes (``peak``: rounding there reaches the output); both grow with the op count, and
+    ``act`` is added where int8 dot products rounded an activation (``ACT_TOL``)."""
     if dtype in ("i32", "bool"):
         if np.array_equal(g, want.astype(g.dtype)) or np.array_equal(g, native):
             return ""
         return f"{int(np.sum(g != want))} of {g.size} differ"
-    eps = FLOAT_TOL[dtype] * (2 + nops)
+    eps = FLOAT_TOL[dtype] * (2 + nops) + act
     g = g.astype(np.float64)
     scale = max(float(np.max(np.abs(want))) if want.size else 0.0, peak, 1.0)
     for ref in (want.astype(np.float64), native.astype(np.float64)):

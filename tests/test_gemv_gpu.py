@@ -21,6 +21,7 @@ rng = np.random.default_rng()
 # the float GEMV's dot product in plain C++ (the prelude's versions use CUDA's half2 or clang's vector types)
 DOT8 = """#define VF_UNROLL_K
 typedef float vf_act_t;
+static inline float vf_from_act(vf_act_t x) { return x; }
 static inline float vf_dot8_h(float acc, const vf_half* w, const vf_act_t* a) {
   for (int i = 0; i < 8; ++i) acc += a[i] * vf_h2f(w[i]);
   return acc;

@@ -58,7 +58,7 @@ def emulate(k, target, arrays, tmp):
     ``arrays``: numpy arrays in the order of the parameters."""
     h = render_hip(k, target)
     defines = f"#define VF_BLOCK {h.block[0]}\n#define VF_WAVES (VF_BLOCK / VF_WAVE)\n#define VF_ATT_BLOCK VF_BLOCK\n"
-    helpers = prelude._NV_WAVE_SUM + prelude._COMMON.format() + prelude._DEQUANT + prelude._DEQUANT8
+    helpers = prelude._NV_WAVE_SUM + prelude._COMMON.format() + prelude._DEQUANT + prelude._DEQUANT8F + prelude._DEQUANT8
     launch(emulated(h, tmp, defines, helpers), h, arrays)
 
 

@@ -137,6 +137,30 @@ def test_the_float_activation_switch_matches_the_float64_interpreter(monkeypatch
         check(lambda x, w: dsl.dot_t(x, w), x, w)
 
 
+def test_the_float_activation_switch_on_gpus_dequantizes_8_weights_then_v_dot2(monkeypatch):
+    """``VEGAFUSE_QUANT_ACT=float`` on GPUs (issue 8's f16-activation path for A/B): each lane takes 8
+    weights at a time, dequantized together (``vf_dequant8f_*``), against the activation in LDS; on gfx906
+    (f16 activation) through ``v_dot2_f32_f16``.  The sm_90 text, run by the CPU emulation on the
+    engine's GPU path, matches the float64 interpreter."""
+    from tests.emu_device import emu_backend
+    from tests.emulation import GXX
+    monkeypatch.setenv("VEGAFUSE_QUANT_ACT", "float")
+    for fmt in FORMATS:
+        x, g = rng.standard_normal((1, 192)).astype(np.float32), rng.uniform(0.5, 1.5, 192).astype(np.float32)
+        w = quantized((72, 192), fmt)
+        f = lambda x, g, w: dsl.dot_t(rms_norm(x, g), w)                          # noqa: E731
+        if GXX:
+            want = dsl.jit(f).lower(x, g, w).program.run(x, g, w, compute_dtype="f64")[0]
+            got = np.asarray(dsl.jit(f, backend=emu_backend())(x, g, w), np.float64)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        if _have_gfx906():
+            from codegen.inspect import Inspected
+            from codegen.targets import get_target
+            (kern,) = lower_program(dsl.jit(f).lower(x, g, w)).kernels
+            it = Inspected(kern, get_target("gfx906"))
+            assert f"vf_dequant8f_{fmt}(" in it.source and "v_dot2_f32_f16" in it.isa(), fmt
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gate_and_up_siblings_share_one_kernel(fmt):
     x, g = rng.standard_normal((1, 192)).astype(np.float32), rng.uniform(0.5, 1.5, 192).astype(np.float32)
@@ -216,6 +240,15 @@ def _gfx906():
         find_hiprtc()
     except HipUnavailable as e:                                    # pragma: no cover - depends on the host
         pytest.skip(f"gfx906 tests skipped: {e}")
+
+
+def _have_gfx906() -> bool:
+    from engine.devices.rocm import HipUnavailable, find_hiprtc
+    try:
+        find_hiprtc()
+        return True
+    except HipUnavailable:                                         # pragma: no cover - depends on the host
+        return False
 
 
 def quant_gemv_kernels(fmt):
