@@ -238,6 +238,8 @@ class QArray:
     def __init__(self, data, shape, dtype):
         if dtype not in FORMATS:
             raise ValueError(f"unknown quantized format {dtype!r}; use one of {', '.join(FORMATS)}")
+        if any(int(d) != d or d < 0 for d in shape):
+            raise ValueError(f"a {dtype} array's shape must be whole non-negative sizes, got {list(shape)}")
         shape = tuple(int(d) for d in shape)
         if not shape or shape[-1] % BLOCK:
             raise ValueError(f"a {dtype} array needs a last axis that is a multiple of {BLOCK}, got shape {list(shape)}")
@@ -305,7 +307,11 @@ class QArray:
     def take_rows(self, rows) -> "QArray":
         """Rows ``rows`` of the leading axis (e.g. a permutation), still quantized."""
         per_row = nbytes(self.dtype, self.size // self.shape[0])
-        data = np.asarray(self.data).reshape(self.shape[0], per_row)[np.asarray(rows)]
+        rows = np.asarray(rows)
+        if rows.size and (rows.min() < -self.shape[0] or rows.max() >= self.shape[0]):
+            raise IndexError(f"take_rows: rows {rows.min()}..{rows.max()} are outside the {self.shape[0]} rows of "
+                             f"this {self.dtype}{list(self.shape)}")
+        data = np.asarray(self.data).reshape(self.shape[0], per_row)[rows]
         return QArray(data.reshape(-1), (len(rows),) + self.shape[1:], self.dtype)
 
     def __repr__(self):
@@ -361,7 +367,7 @@ def _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format):
     zero int32 [G, N] (the zero point itself, whatever the checkpoint format), scales f16 [G, N],
     g_idx int64 [K]."""
     if bits not in (2, 4, 8):
-        raise ValueError(f"GPTQ bits must be 2, 4 or 8 (fields that tile an int32), got {bits}")
+        raise ValueError(f"GPTQ bits must be 2, 4 or 8 (fields that tile an int32), got {bits!r}")
     if checkpoint_format not in GPTQ_FORMATS:
         raise ValueError(f"unknown GPTQ checkpoint_format {checkpoint_format!r}; use 'gptq' or 'gptq_v2'")
     qweight, qzeros, scales = (np.asarray(a) for a in (qweight, qzeros, scales))
@@ -369,6 +375,8 @@ def _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format):
     for name, a in (("qweight", qweight), ("qzeros", qzeros)):
         if a.ndim != 2 or a.dtype not in (np.int32, np.uint32):
             raise ValueError(f"GPTQ {name} must be a 2-D int32 array, got {a.dtype}{list(a.shape)}")
+    if scales.dtype != np.float16:                 # a checkpoint's scales are f16; others would round silently
+        raise ValueError(f"GPTQ scales must be float16, as checkpoints store them, got {scales.dtype}")
     K, N = qweight.shape[0] * per, qweight.shape[1]
     G = scales.shape[0] if scales.ndim == 2 else -1
     g_idx = np.arange(K) * G // K if g_idx is None else np.asarray(g_idx)       # None: groups in order
@@ -445,7 +453,7 @@ def from_gptq(qweight, qzeros, scales, g_idx, bits=4, sym=True, checkpoint_forma
     Raises ValueError as ``gptq_dequantize`` does, for bits other than 4, and for a group whose
     size is not a multiple of 32 (a block must not span two groups)."""
     if bits != 4:
-        raise ValueError(f"gptq_int4 holds 4-bit GPTQ weights, got bits = {bits}; only 4-bit checkpoints run quantized")
+        raise ValueError(f"gptq_int4 holds 4-bit GPTQ weights, got bits = {bits!r}; only 4-bit checkpoints run quantized")
     qweight, zero, scales, g = _gptq_fields(qweight, qzeros, scales, g_idx, bits, sym, checkpoint_format)
     K, N = qweight.shape[0] * 8, qweight.shape[1]
     counts = np.bincount(g, minlength=scales.shape[0])

@@ -8,7 +8,7 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from dsl.quant import (BLOCK, FORMATS, GGUF_FORMATS, QArray, dequantize_blocks, from_device_layout,
+from dsl.quant import (BLOCK, FORMATS, GGUF_FORMATS, QArray, dequantize_blocks, from_device_layout, from_gptq,
                        gptq_dequantize, gptq_quantize, quantize, to_device_layout)
 
 GGML = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
@@ -301,3 +301,18 @@ def test_gptq_errors():
         gptq_quantize(w, 32)
     with pytest.raises(ValueError, match="perm must be a permutation"):
         gptq_quantize(w, 16, desc_act=True, perm=np.zeros(48, int))
+
+
+def test_qarray_and_gptq_arguments_are_checked():
+    """The Python API's bad arguments are one clear error, not a wrong array or a numpy traceback."""
+    q = quantize("q4_0", np.random.default_rng().standard_normal((4, 64)).astype(np.float32))
+    with pytest.raises(IndexError, match="outside the 4 rows"):
+        q.take_rows([1, 99])
+    for shape in ((-1, 32), (1.5, 32)):
+        with pytest.raises(ValueError, match="whole non-negative sizes"):
+            QArray(np.zeros(36, np.uint8), shape, "q4_0")
+    qweight, qzeros, scales, g_idx = gptq_quantize(np.random.default_rng().standard_normal((8, 64)).astype(np.float32), 32)
+    with pytest.raises(ValueError, match="scales must be float16"):
+        from_gptq(qweight, qzeros, scales.astype(np.float32), g_idx)
+    with pytest.raises(ValueError, match="bits = '4'"):
+        from_gptq(qweight, qzeros, scales, g_idx, bits="4")
