@@ -257,8 +257,11 @@ def test_quantized_at_load_from_f16_matches_its_f32(quant, quantized, f16_model_
     assert_close_to(quantized(quant)[2], f16_model_f32)
 
 
-def test_q4_0_kernels_match_the_f32_run_of_the_same_weights(quantized, text_ids):
-    cfg, params, res = quantized("q4_0")
+@pytest.mark.parametrize("quant", ["q4_0", "q8_0"])
+def test_quantized_kernels_match_the_f32_run_of_the_same_weights(quant, quantized, text_ids):
+    """Issue 8's gate read as its first case reads it, against the dequantized-f32 path of the very
+    weights the kernels hold: for --quant q4_0 and q8_0 from the f16 model."""
+    cfg, params, res = quantized(quant)
     ref = run_text(cfg, as_f32(params), text_ids)
     agreement = top1_agreement(res["argmax"], ref["argmax"])
     assert abs(res["perplexity"] / ref["perplexity"] - 1) < 0.01 and agreement >= 0.98, (
