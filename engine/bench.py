@@ -611,11 +611,11 @@ def run(args):
         random = args.random_weights or (args.model or "smollm2-135m") in SHAPES
         if random and args.dtype == "native":
             raise ModelError("random weights are f16, f32, q4_0, q4_1 or q8_0: pick one with --dtype")
-        if not args.dtype:                              # a file: as engine.generate loads it
-            from .weights import default_dtype
-            args.dtype = args.quant if random and args.quant else "f16" if random else default_dtype(args.model, "cuda")
-        elif random and args.quant:
+        if random and args.quant:
             args.dtype = args.quant
+        elif not args.dtype:                            # a file: as engine.generate loads it
+            from .weights import default_dtype
+            args.dtype = "f16" if random else default_dtype(args.model, "cuda")
     if args.ab or args.decode_rates:
         from .ab import decode_rates, main_ab
         return decode_rates(args) if args.decode_rates else main_ab(args, args.argv)

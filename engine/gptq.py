@@ -126,6 +126,9 @@ def load_gptq_tensors(handles: dict, qcfg: GPTQConfig | None) -> dict:
     for x in layers:
         parts = {s: handles.pop(x + s, None) for s in PACKED}
         path = next(p[1] for p in parts.values() if p is not None)
+        if x + ".weight" in handles:
+            raise ModelError(f"{path}: layer {x} is stored twice, as {x}.weight (in {handles[x + '.weight'][1]}) "
+                             f"and as the GPTQ tensors {x}.qweight...; remove one")
         for s, p in parts.items():
             if p is None:
                 if s == ".g_idx" and qcfg.desc_act:
@@ -149,9 +152,6 @@ def load_gptq_tensors(handles: dict, qcfg: GPTQConfig | None) -> dict:
                                 get[".g_idx"], bits=4, sym=qcfg.sym, checkpoint_format=qcfg.checkpoint_format)
         except ValueError as e:
             raise ModelError(f"{path}: GPTQ layer {x}: {e}") from None
-        if x + ".weight" in handles:
-            raise ModelError(f"{path}: layer {x} is stored twice, as {x}.weight (in {handles[x + '.weight'][1]}) "
-                             f"and as the GPTQ tensors {x}.qweight...; remove one")
         out[x + ".weight"] = (w, perm)
         handles[x + ".weight"] = (None, path, w.shape)
     return out
