@@ -439,10 +439,18 @@ class _GGUFFile:
             o += 12
             infos.append((name.decode("utf-8"), dims, gguf.GGMLQuantizationType(kind), offset))
         align = self.fields["general.alignment"].raw if "general.alignment" in self.fields else 32
-        if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+        if isinstance(align, bool) or not isinstance(align, int):
+            raise ValueError(f"general.alignment = {align!r} is a {type(align).__name__}; gguf.md stores it as a UINT32")
+        if align <= 0 or align & (align - 1):
             raise ValueError(f"general.alignment = {align!r} is not a power of two")
         start, expect = -(-o // align) * align, 0
+        if any(self.map[o:min(start, self.size)]):         # gguf.md: zeros pad the header to the alignment
+            raise ValueError(f"the bytes after the {n_tensors} tensor entries are not padding: the header's tensor "
+                             "count is damaged")
         for name, dims, kind, offset in infos:
+            if not name:
+                raise ValueError(f"a tensor entry has no name: the header's tensor count ({n_tensors}) is more "
+                                 "than the entries it holds")
             if name in names:
                 raise ValueError(f"tensor {name} appears twice")
             names.add(name)
@@ -534,8 +542,9 @@ def _open_gguf(path: str):
     size = os.path.getsize(path)
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise ModelError(f"{path}: truncated GGUF file (tensor {t.name} ends at byte "
-                             f"{t.data_offset + t.n_bytes}, file has {size}); re-download the model")
+            raise ModelError(f"{path}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, but the file has "
+                             f"{size}: it is truncated, or the header's type or shape of a tensor is damaged; "
+                             "re-download the model")
     reader.map_tensors()
     return reader
 
@@ -630,14 +639,15 @@ def _load_gguf(path: str, dtype: str, quant=None):
         if kind in _GGUF_QUANTS:
             bad = first_bad_scale(_GGUF_QUANTS[kind], t.data)
             if bad >= 0:
+                what = "scale or minimum" if kind == "Q4_1" else "scale"
                 raise ModelError(f"{path}: tensor {name} {list(shape)}: block {bad} (row {bad * 32 // shape[-1]}) "
-                                 "has a NaN or infinite scale; the file is damaged, re-download or re-convert it")
+                                 f"has a NaN or infinite {what}; the file is damaged, re-download or re-convert it")
         if kind in _GGUF_QUANTS and (dtype == "native" or quant):
             return QArray(t.data, shape, _GGUF_QUANTS[kind])
         if kind in ("F32", "F16"):
-            return np.asarray(t.data).reshape(shape)
+            return _finite(np.asarray(t.data), path, name).reshape(shape)
         if kind == "F64":
-            return np.asarray(t.data, np.float32).reshape(shape)
+            return _finite(np.asarray(t.data), path, name).astype(np.float32).reshape(shape)
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -847,8 +857,8 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
                 return None
             h, path, _ = handles[name]
             if h.get_slice(name).get_dtype() == "BF16":
-                return _read_bf16(path, name)
-            return h.get_tensor(name).astype(np.float32, copy=False)
+                return _finite(_read_bf16(path, name), path, name)
+            return _finite(h.get_tensor(name), path, name).astype(np.float32, copy=False)
 
         spare_head = cfg.tie_embeddings and "lm_head.weight" in handles
         _check_tensor_names(
@@ -866,6 +876,21 @@ def _load_hf_dir(d: str, dtype: str, quant=None):
                                  f"lm_head.weight {tuple(head.shape)} that differs from "
                                  "model.embed_tokens.weight; set tie_word_embeddings to false")
     return cfg, params, tok
+
+
+def _finite(w: np.ndarray, where: str, name: str) -> np.ndarray:
+    """``w`` (a float weight as stored), or ModelError naming the first NaN or infinite element: a
+    damaged file would otherwise decode to NaN logits without a word.  Reads the exponent bits."""
+    bits = {2: (np.uint16, 0x7C00), 4: (np.uint32, 0x7F800000), 8: (np.uint64, 0x7FF0000000000000)}.get(w.dtype.itemsize)
+    if bits is None or w.dtype.kind != "f":
+        return w
+    u, e = bits
+    bad = (np.ascontiguousarray(w).view(u) & u(e)) == u(e)
+    if bad.any():
+        at = [int(i) for i in np.unravel_index(int(np.flatnonzero(bad)[0]), w.shape)]
+        raise ModelError(f"{where}: tensor {name} {list(w.shape)} holds a NaN or infinite value at {at}; the file "
+                         "is damaged, re-download or re-convert it")
+    return w
 
 
 # --------------------------------------------------------------------------- public

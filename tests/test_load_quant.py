@@ -274,11 +274,11 @@ def test_error_quant_of_a_non_finite_weight(tmp_path):
     w = tiny(seed=7)
     w["blk.1.ffn_up.weight"][5, 40] = np.inf
     path = write(tmp_path, w)
-    load_model(path, "f32")                                                  # loads as floats
-    with pytest.raises(ModelError) as e:
-        load_model(path, quant="q8_0")
-    msg = str(e.value)
-    assert "\n" not in msg and "blk.1.ffn_up.weight" in msg and "finite" in msg and "--quant" in msg, msg
+    for kw in ({"dtype": "f32"}, {"quant": "q8_0"}):                         # refused as stored, before any --quant
+        with pytest.raises(ModelError) as e:
+            load_model(path, **kw)
+        msg = str(e.value)
+        assert "\n" not in msg and "blk.1.ffn_up.weight" in msg and "at [5, 40]" in msg and "infinite" in msg, msg
 
 
 def test_default_dtype(path, tmp_path):
@@ -436,3 +436,37 @@ def test_alignment_written_as_a_bool_is_refused_and_f64_weights_load(tmp_path):
     cfg, params, _ = load_model(f64, "f32")
     want = load_model(write_tiny_gguf(tmp_path / "f32.gguf", w), "f32")[1]
     np.testing.assert_array_equal(params["layers"][0]["w_up"], want["layers"][0]["w_up"])
+
+
+def test_a_float_weight_that_is_not_finite_is_one_line_naming_tensor_and_element(tmp_path):
+    """NaN or inf in an F32 / F16 GGUF tensor or a safetensors weight would decode to NaN logits and stop
+    greedy decoding at once without a word: the loader names the tensor and the element."""
+    w = tiny_hf_weights(seed=int(rng.integers(1 << 30)))
+    for value, dtype in ((np.nan, np.float32), (np.inf, np.float16), (-np.inf, np.float32)):
+        bad = dict(w)
+        up = w["blk.0.ffn_up.weight"].astype(dtype)
+        at = tuple(int(rng.integers(n)) for n in up.shape)
+        up[at] = value
+        bad["blk.0.ffn_up.weight"] = up
+        path = write_tiny_gguf(tmp_path / "bad.gguf", bad)
+        one_line_error(path, "blk.0.ffn_up.weight", f"at {list(at)}", "NaN or infinite")
+    good = write_tiny_gguf(tmp_path / "good.gguf", w)
+    out = tmp_path / "hf"
+    export_hf_dir(good, str(out))
+    from safetensors.numpy import load_file, save_file
+    st = str(out / "model.safetensors")
+    tensors = load_file(st)
+    name = next(k for k in tensors if k.endswith("mlp.up_proj.weight"))
+    tensors[name][0, 1] = np.nan
+    save_file(tensors, st, metadata={"format": "pt"})
+    one_line_error(out, name, "at [0, 1]", "NaN or infinite")
+
+
+def test_a_header_whose_tensor_count_lies_is_one_line(tmp_path):
+    """One tensor more than the entries (the data's first bytes read as an entry) or one fewer (the last
+    entry's bytes left where the padding should be): the count is named, not a tensor's data."""
+    path, t = _q4_0_file(tmp_path, int(rng.integers(1 << 30)))
+    count = struct.unpack_from("<Q", open(path, "rb").read(), 8)[0]
+    for n in (count + 1, count - 1):
+        bad = _edited(path, f"count{n}.gguf", lambda b: struct.pack_into("<Q", b, 8, n))
+        one_line_error(bad, "tensor count", dtype="native")
