@@ -71,8 +71,9 @@ OPS = (list(UNARY) + list(BINARY) * 2 +
        + ["scan", "fori", "vmap"])             # control flow (tests/fuzz.py's control-flow block)
 QUANT = ("q4_0", "q4_1", "q8_0")
 WEIGHT_QUANT = QUANT + ("gptq_int4",)   # the formats a contraction's weights take (gptq_int4: a GPTQ checkpoint's)
-# a quantized GEMV's activation: at times any floats, which int8 dot products round to q8_1 blocks (within
-# 2^-16 of each block's largest value: ACT_TOL), else values q8_1 holds exactly
+# a quantized GEMV's activation: at times any floats, which int8 dot products round to q8_1 blocks (each value
+# within 2^-16 of its block's largest; a program with such a GEMV is allowed ACT_TOL more), else values q8_1
+# holds exactly
 ACT_TOL = 2.0 ** -9
 # layout: a GEMV through one expert's weights picked by a runtime id (the MoE gather), (N, K) or (K, N)
 OPS += ["expert", "expert"]
@@ -290,7 +291,8 @@ class Writer:
             w = self.new_input((k, n), wd)
             return self.emit(f"({an} @ {w}) * {round(1 / np.sqrt(k), 4)}")
         if name in ("qmatmul", "qtake"):
-            fmt = (QUANT if name == "qtake" else WEIGHT_QUANT)[int(p[1] * len(QUANT if name == "qtake" else WEIGHT_QUANT))]
+            formats = QUANT if name == "qtake" else WEIGHT_QUANT
+            fmt = formats[int(p[1] * len(formats))]
             k = 32 * (1 + int(p[2] * 3))
             if name == "qtake":
                 emb = self.new_input((3 + int(p[0] * 40), k), fmt)
