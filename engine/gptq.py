@@ -118,7 +118,8 @@ def load_gptq_tensors(handles: dict, qcfg: GPTQConfig | None) -> dict:
     of quantized and float layers alike.
 
     Raises ModelError for a layer without qweight, qzeros or scales, a tensor of the wrong dtype,
-    or tensors that do not fit together (naming the layer, the file and the problem)."""
+    scales whose group count contradicts ``qcfg.group_size``, or tensors that do not fit together
+    (naming the layer, the file and the problem)."""
     if qcfg is None:
         return {}
     layers = sorted({n[:-len(s)] for n in handles for s in PACKED if n.endswith(s)})
@@ -147,6 +148,11 @@ def load_gptq_tensors(handles: dict, qcfg: GPTQConfig | None) -> dict:
         if len(bad):
             raise ModelError(f"{path}: tensor {x}.scales holds a NaN or infinite scale at {list(map(int, bad[0]))} "
                              "(group, column); the checkpoint is damaged, re-download or re-quantize it")
+        k, groups = get[".qweight"].shape[0] * 8, get[".scales"].shape[0]
+        if groups != (1 if qcfg.group_size == -1 else -(-k // qcfg.group_size)):
+            raise ModelError(f"{path}: GPTQ layer {x} holds {groups} scale groups over its {k} inputs, but "
+                             f"{qcfg.source} says group_size {qcfg.group_size}; the checkpoint and its "
+                             "quantization config disagree, fix group_size or re-download the checkpoint")
         try:
             w, perm = from_gptq(get[".qweight"].view(np.int32), get[".qzeros"].view(np.int32), get[".scales"],
                                 get[".g_idx"], bits=4, sym=qcfg.sym, checkpoint_format=qcfg.checkpoint_format)

@@ -342,6 +342,13 @@ def test_damaged_or_ambiguous_gptq_layers_are_one_line(smol_hf, tmp_path):
         with pytest.raises(ModelError, match=needle) as e:
             load_model(str(rewrite(qdir, change)), "f32")
         assert "\n" not in str(e.value)
+    qdir, _ = gptq_checkpoint(smol_hf, tmp_path / "group", True, False, "gptq", "quantize_config.json")
+    settings = json.loads((qdir / "quantize_config.json").read_text())
+    (qdir / "quantize_config.json").write_text(json.dumps({**settings, "group_size": 2 * GROUP}))
+    with pytest.raises(ModelError, match=rf"scale groups over its \d+ inputs, but \S*quantize_config.json says "
+                                         rf"group_size {2 * GROUP}") as e:
+        load_model(str(qdir), "f32")
+    assert "\n" not in str(e.value)
     qdir, _ = gptq_checkpoint(smol_hf, tmp_path / "nosettings", True, False, "gptq", "quantize_config.json")
     os.remove(qdir / "quantize_config.json")
     with pytest.raises(ModelError, match="quantize_config.json") as e:
