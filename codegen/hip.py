@@ -20,7 +20,7 @@ from . import loopir as L
 from . import mma
 from .mapping import clear_of_templates, map_kernel
 from .prelude import prelude  # noqa: F401  (re-exported)
-from .targets import Target, get_target, occupancy_lds
+from .targets import Target, get_target, lds_budget, occupancy_lds
 
 CTYPE = {"f32": "float", "f16": "vf_half", "i32": "int", "bool": "bool",
          "q4_0": "vf_byte", "q4_1": "vf_byte", "q8_0": "vf_byte",     # quantized weights: their bytes
@@ -413,9 +413,47 @@ def _prefetch(weights, n: int) -> list:
     return lines
 
 
-def render_kernel(k: L.Kernel, prefetch: int = 0, weights=()) -> str:
+def _lds_size(a: L.Array) -> int:
+    """Bytes of ``a`` rounded up to 16 (each array of dynamic LDS starts 16-byte aligned)."""
+    return -(-int(math.ceil(a.size * L.ITEMSIZE[a.dtype])) // 16) * 16
+
+
+def dynamic_arrays(k: L.Kernel, static_lds: int, budget: int = 0) -> list:
+    """The LDS arrays of a mapped kernel to declare in dynamic LDS so that the rest fit the
+    ``static_lds`` bytes a kernel may declare (the largest first); [] when all fit, when there is
+    no limit, or when together they pass the ``budget`` of a workgroup's LDS (``targets.lds_budget``:
+    then nothing fits, and the compiler says so)."""
+    lds = sorted((s for s in k.body if isinstance(s, L.Array) and s.space == "lds"), key=_lds_size, reverse=True)
+    total, out = sum(map(_lds_size, lds)), []
+    if budget and total > budget:
+        return []
+    for a in lds:
+        if not static_lds or total <= static_lds:
+            break
+        out.append(a)
+        total -= _lds_size(a)
+    return out
+
+
+def _dynamic(arrays, pad="  ") -> list:
+    """``arrays`` as pointers into one dynamic LDS buffer (``VF_DYNAMIC_LDS``), in order."""
+    total = sum(map(_lds_size, arrays))
+    lines = [f"{pad}// beyond the LDS a kernel may declare: dynamic LDS, {total} bytes set at launch",
+             f"{pad}VF_DYNAMIC_LDS(vf_lds, {total});"]
+    at = 0
+    for a in arrays:
+        ctype = "vf_q8_1" if a.dtype in L.ACT_Q8 else CTYPE[a.dtype]
+        what = f"{a.size} values in q8_1 blocks" if a.dtype in L.ACT_Q8 else f"{a.size} values"
+        lines.append(f"{pad}{ctype}* const {a.name} = ({ctype}*)(vf_lds + {at});   // {what}")
+        at += _lds_size(a)
+    return lines
+
+
+def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), static_lds: int = 0, budget: int = 0) -> str:
     """The source of a mapped kernel (``codegen.mapping.map_kernel``), without the prelude;
-    ``prefetch``: bytes of each of ``weights`` asked of L2 before the wait (``Target.pdl_prefetch``)."""
+    ``prefetch``: bytes of each of ``weights`` asked of L2 before the wait (``Target.pdl_prefetch``);
+    ``static_lds``: the bytes of LDS it may declare (0: any), the largest arrays beyond them taken
+    from dynamic LDS within ``budget`` bytes in all (``dynamic_arrays``)."""
     launch = k.launch
     lines = [f"// {k.name}: {k.family} kernel, {k.bytes} bytes moved, {k.flops} flops per call",
              f"// mapping: {launch.how}"]
@@ -429,8 +467,9 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=()) -> str:
         lines += [f"__device__ unsigned int {s.name}[{s.size}];" if s.name in counts else _array(s, "")[0]
                   for s in device]
     lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
-    arrays = [s for s in k.body if isinstance(s, L.Array) and s.space != "device"]
-    lines += stmts(arrays)
+    dynamic = dynamic_arrays(k, static_lds, budget)
+    arrays = [s for s in k.body if isinstance(s, L.Array) and s.space != "device" and s not in dynamic]
+    lines += stmts(arrays) + (_dynamic(dynamic) if dynamic else [])
     if any(isinstance(s, L.Arrive) for s in L.walk_stmts(k.body)):
         lines.append("  __shared__ int vf_flag;")
     if _uses_waves(k.body):
@@ -459,6 +498,11 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
             + prelude(own, m.launch.act, quant, att, tiled, q8, arrive))
     prefetch = t.pdl_prefetch if t.pdl else 0
-    src = head + "\n" + render_kernel(m, prefetch, _weights(clear_of_templates(k)) if prefetch else ())
-    lds = occupancy_lds(t, m.launch.lds, m.launch.block)
+    dynamic = sum(map(_lds_size, dynamic_arrays(m, t.max_static_lds, lds_budget(t))))
+    if dynamic:
+        head += ("// arrays in dynamic LDS: declared once, sized at launch\n#define VF_DYNAMIC_LDS(name, bytes) "
+                 "extern __shared__ __attribute__((aligned(16))) unsigned char name[]\n")
+    src = head + "\n" + render_kernel(m, prefetch, _weights(clear_of_templates(k)) if prefetch else (), t.max_static_lds,
+                                    lds_budget(t))
+    lds = occupancy_lds(t, m.launch.lds, m.launch.block) + dynamic
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)

@@ -31,25 +31,27 @@ from . import mma
 from . import prologue
 from .mma import mma_tiles
 from .prelude import act_dtype
-from .targets import Target, get_target
+from .targets import Target, get_target, lds_budget
 
 LANE, WAVE, THREAD = L.Hw("lane"), L.Hw("wave"), L.Hw("thread")
 MAX_GRID = 65535
 
 
-def map_kernel(k: L.Kernel, t: Target, lds_limit: int = 0) -> L.Kernel:
+def map_kernel(k: L.Kernel, t: Target, lds_limit: int = 0, budget: int = 0) -> L.Kernel:
     """``k`` with every loop and reduction assigned to a hardware unit and its launch recorded
     (``k.launch``).  A kernel already mapped is returned as it is.  ``lds_limit``: static LDS
-    bytes the kernel must fit besides ``t``'s own (the target whose text it runs on)."""
+    bytes the kernel must fit besides ``t``'s own (the target whose text it runs on); ``budget``:
+    the same for static and dynamic LDS together (``targets.lds_budget``)."""
     if k.launch is not None:
         return k
     k = clear_of_templates(k)
     if t.maps_like:                        # another target's kernel text, launched within this one's limits
         # (its LDS; an emulated wave's 15 waves a workgroup: no larger workgroups, _whole_trips)
-        return map_kernel(k, get_target(t.maps_like, emulated_wave=t.emulated_wave), t.max_static_lds)
+        return map_kernel(k, get_target(t.maps_like, emulated_wave=t.emulated_wave), t.max_static_lds, lds_budget(t))
     body = L.drop_unit_loops(k.body, keep_parallel=k.family == "contract")
     if k.family == "contract":
-        body, launch = _contract(body, t, min(t.max_static_lds, lds_limit or t.max_static_lds))
+        body, launch = _contract(body, t, min(t.max_static_lds, lds_limit or t.max_static_lds),
+                                 min(lds_budget(t), budget or lds_budget(t)))
     elif k.family == "loop":
         body, launch = _one_workgroup(body, t)
     elif any(isinstance(s, L.Attention) for s in body):
@@ -582,7 +584,7 @@ def quant_weights(r: L.Reduce, act: str):
 
 def _int8_path(body, t, lds_limit) -> bool:
     """Does the GEMV run on int8 dot products: the target has them, every weight is quantized, and
-    the quantized activation fits ``lds_limit`` bytes of static LDS (with room for the reductions')?"""
+    the quantized activation fits ``lds_limit`` bytes of LDS (with room for the reductions')?"""
     reds = [r for s in L.walk_stmts(body) if isinstance(s, L.Loop) and s.parallel
             for r in s.body[:1] if isinstance(r, L.Reduce)]
     arrays = [a for a in L.walk_stmts(body) if isinstance(a, L.Array)]
@@ -611,13 +613,15 @@ def clear_of_templates(k: L.Kernel) -> L.Kernel:
     return L.rename_params(k, new)
 
 
-def _contract(body, t, lds_limit):
-    """Map the body of a contraction kernel (see the module docstring)."""
+def _contract(body, t, lds_limit, budget):
+    """Map the body of a contraction kernel (see the module docstring): ``lds_limit`` bytes of static
+    LDS for the tiled matmul, ``budget`` bytes of LDS in all for a GEMV's activation (an activation
+    beyond the static limit is declared in dynamic LDS, ``codegen.hip``)."""
     matmul = _is_matmul(body)
     tiled = mma_tiles(body, t, lds_limit) if matmul else None
     if tiled:                                              # many rows: the tiled matmul (codegen/mma.py)
         return tiled
-    info = {"q8": not matmul and _int8_path(body, t, lds_limit)}
+    info = {"q8": not matmul and _int8_path(body, t, budget)}
     if info["q8"] and prologue.enabled():                  # int8 only: the float fill lost (docs/performance.md)
         body = prologue.norm_after_dot(body) or body
     original = body
@@ -633,12 +637,12 @@ def _contract(body, t, lds_limit):
     grid = max(1, min(-(-total * ks // (t.waves_per_block * per_wave)), t.compute_units * per_cu))
     even = _balanced(t, info, matmul, grid, per_cu)
     if even:
-        body, launch = _contract(original, even, lds_limit)
+        body, launch = _contract(original, even, lds_limit, budget)
         rows = f"{even.waves_per_block} row{'s' if even.waves_per_block > 1 else ''}"
         return body, replace(launch, how=f"{launch.how}; {rows} per workgroup, one workgroup per CU")
     whole = _whole_trips(t, info, per_cu)
     if whole:
-        return _contract(original, whole, lds_limit)
+        return _contract(original, whole, lds_limit, budget)
     stored = ""
     if "stored_q8" in info:                                # the trailing loops, now that the grid is known
         qs = {id(s): _quantize_stored(s, t, info, grid) for s in info["stored_q8"]}

@@ -43,6 +43,8 @@ class Target:
     sgpr_granule: int = 0        #   SGPR allocation granule
     max_barriers: int = 0        #   workgroups of more than one wave resident per CU
     max_static_lds: int = 65536  # bytes of __shared__ a kernel may declare statically
+    max_lds: int = 0             # bytes of LDS one workgroup may take, static and dynamic together (0: max_static_lds):
+                                 # a GEMV's arrays beyond max_static_lds are declared in dynamic LDS (codegen.hip)
     compute_units: int = 60      # CUs / SMs: GEMV grids are capped at compute_units * blocks_per_cu
     blocks_per_cu: int = 8       # workgroups resident per CU that a GEMV grid aims for
     int8_rows_per_lane: int = 4  # rows a lane of an int8 GEMV folds against each activation block it reads from LDS
@@ -121,6 +123,7 @@ TARGETS = {
                      one_workgroup_block=512,  # 8 waves: at most 15 fit the wave-64 emulation on an NVIDIA GPU
                      attention_vgprs=128),    # two waves per SIMD (6 heads x 4 keys took 220: one wave)
     "sm_90": Target("sm_90", "nvidia", wave=32, block=256, rows_per_wave=1, max_static_lds=48 * 1024,
+                    max_lds=227 * 1024,        # the opt-in limit of a Hopper block (cudaFuncSetAttribute)
                     attention_lds=46 * 1024,   # tiles of 64 keys for decode at head dim 128 (4 workgroups per SM)
                     lds_per_cu=228 * 1024, max_waves_hw=16, compute_units=132, int8_blocks_per_cu=4,
                     # measured on an H200 (Qwen2.5-7B q4_0, one layer, 2026-12-01): gate/up 41.6 -> 28.9 us with
@@ -176,7 +179,13 @@ TARGETS = {
 # so a workgroup holds at most 15 waves; the wave exchange's LDS comes out of the kernel's static budget
 # (1 int per thread of the largest workgroup)
 TARGETS["sm_90_wave64"] = replace(TARGETS["sm_90"], name="sm_90_wave64", wave=64, emulated_wave=True,
-                                  max_static_lds=48 * 1024 - 4 * 512, maps_like="gfx906", pdl=False)
+                                  max_static_lds=48 * 1024 - 4 * 512, max_lds=227 * 1024 - 4 * 512,
+                                  maps_like="gfx906", pdl=False)
+
+
+def lds_budget(t: Target) -> int:
+    """Bytes of LDS one workgroup of ``t`` may take, static and dynamic together."""
+    return t.max_lds or t.max_static_lds
 
 
 def get_target(name: str, **overrides) -> Target:

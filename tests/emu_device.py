@@ -58,6 +58,7 @@ class EmuCompiler(Compiler):
         defines = "".join(line + "\n" for line in h.source[:h.body_start].splitlines()
                           if re.match(r"#define VF_(BLOCK|WAVES|ATT_WAVES) ", line))
         defines += f"#define VF_ATT_BLOCK {h.block[0]}\n#define VF_UNROLL_K\n"
+        defines += "#define VF_ACT_F16\n" if h.kernel.launch.act == "f16" else ""
         return emulation_source(h, defines, helpers()) + f"// launch {h.grid[0]} {h.block[0]}\n"
 
     def compile(self, source, name):

@@ -17,6 +17,7 @@ static std::barrier<>* vf_emu_block;
 static std::vector<std::unique_ptr<std::barrier<>>> vf_emu_waves;
 static float vf_emu_lanes[1024];
 #define __shared__ static
+#define VF_DYNAMIC_LDS(name, bytes) static unsigned char name[bytes] __attribute__((aligned(16)))
 #define __device__
 #define __global__
 #define __forceinline__ inline

@@ -5,6 +5,8 @@ Every test runs twice: at wave 32 (the warp) and at wave 64, where each 64-lane 
 kernel text is emulated by two warps (``VEGAFUSE_CUDA_WAVE=64``, target ``sm_90_wave64``); at wave 64
 every compiled kernel's text is checked to be the gfx906 kernel's, so what runs here is what gfx906
 compiles.  Skipped where no CUDA device is present (CI)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -39,6 +41,14 @@ def randn(*shape, dtype=np.float32, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
+def gfx906_text(ck) -> bool:
+    """Is the kernel text that ran gfx906's, up to where its LDS arrays are declared (beyond the
+    48 KiB a kernel declares on NVIDIA, the largest are taken from dynamic LDS)?"""
+    def text(body):
+        return [line for line in body.splitlines() if not re.match(r"\s*(__shared__ |VF_DYNAMIC_LDS\(|\S+\* const \w+ = \(\S+\*\)\(vf_lds|// beyond the LDS)", line)]
+    return text(ck.hip.body) == text(render_hip(ck.kernel, "gfx906").body)
+
+
 def check(f, *args, rtol=1e-3, atol=1e-3, donate=(), gemv_k=None):
     """``f`` on the GPU against the float64 interpreter.  ``gemv_k``: the GEMV's K; where the target
     keeps the activation in LDS as f16 (gfx906's v_dot2_f32_f16, so the emulated wave 64 too; any
@@ -57,7 +67,7 @@ def check(f, *args, rtol=1e-3, atol=1e-3, donate=(), gemv_k=None):
         np.testing.assert_allclose(g.astype(np.float64), w, rtol=rtol, atol=atol)
     if c.device.target.emulated_wave:                    # what ran is gfx906's kernel text
         for ck in c.kernels:
-            assert ck.hip.body == render_hip(ck.kernel, "gfx906").body, ck.kernel.name
+            assert gfx906_text(ck), ck.kernel.name
     return c
 
 
@@ -136,7 +146,7 @@ def test_rmsnorm_and_softmax_rows():
     assert out is not None
 
 
-@pytest.mark.parametrize("n,k", [(18944, 3584), (4096, 8960), (1536, 8960), (151936, 1536)])
+@pytest.mark.parametrize("n,k", [(18944, 3584), (4096, 8960), (1536, 8960), (151936, 1536), (512, 27648)])
 def test_gemv_with_prologue_and_epilogue(n, k):
     x, g, w, r = randn(1, k), randn(k), randn(n, k, dtype=np.float16, scale=0.05), randn(1, n)
     check(lambda x, g, w, r: r + nn.silu(nn.linear(nn.rms_norm(x, g, 1e-5), w)), x, g, w, r, rtol=2e-3, atol=2e-3,
@@ -205,7 +215,7 @@ def test_argmax_picks_the_first_nan_like_numpy():
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
-@pytest.mark.parametrize("n,k", [(1, 32), (96, 576), (64, 1536), (1536, 576), (256, 8960)])
+@pytest.mark.parametrize("n,k", [(1, 32), (96, 576), (64, 1536), (1536, 576), (256, 8960), (256, 27648)])
 def test_quantized_gemv_with_int8_dot_products(fmt, n, k):
     """RMSNorm -> GEMV with quantized weights -> residual: the activation is quantized to q8_1 in LDS
     and each lane folds whole weight blocks with dp4a.  Against the same arithmetic in float64
@@ -229,7 +239,7 @@ def test_quantized_gemv_with_int8_dot_products(fmt, n, k):
     (kern,) = [ck for ck in c.kernels if ck.kernel.family == "contract"]
     assert "vf_quantize_q8_1" in kern.hip.body and f"vf_dot_{fmt}" in kern.hip.body
     if c.device.target.emulated_wave:
-        assert kern.hip.body == render_hip(kern.kernel, "gfx906").body
+        assert gfx906_text(kern)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
@@ -416,7 +426,7 @@ def test_qkv_gemv_with_rope_and_kv_write_in_its_epilogue(shape, wdtype, t, cache
     if t == 1:                                       # the GEMV's int8 path (the matmul dequantizes)
         assert ("vf_quantize_q8_1" in kern.hip.body) == (wdtype != "f16")
     if c.device.target.emulated_wave:
-        assert kern.hip.body == render_hip(kern.kernel, "gfx906").body
+        assert gfx906_text(kern)
 
 
 # ------------------------------------------------------------------------------ the matmul family
@@ -564,7 +574,7 @@ def _check_attention(hq, hkv, t, S, D, kv_dtype, positions, want_splits=None):
         assert (tiles.splits > 1) == want_splits, tiles
     if c.device.target.emulated_wave:                    # what runs is gfx906's kernel text
         for ck in c.kernels:
-            assert ck.hip.body == render_hip(ck.kernel, "gfx906").body, ck.kernel.name
+            assert gfx906_text(ck), ck.kernel.name
     low = jf.lower(q, kc, vc, 0)
     for pos in positions(tiles):
         q, kc, vc = randn(hq, t, D), randn(hkv, S, D, dtype=kv_dtype), randn(hkv, S, D, dtype=kv_dtype)

@@ -18,12 +18,18 @@ from tests.emulation import GXX, emulated, launch
 
 rng = np.random.default_rng()
 
-# the float GEMV's dot product in plain C++ (the prelude's versions use CUDA's half2 or clang's vector types)
+# the float GEMV's dot product in plain C++ (the prelude's versions use CUDA's half2 or clang's vector types);
+# VF_ACT_F16: the activation kept as f16 in LDS (a long one, codegen.prelude.act_dtype)
 DOT8 = """#define VF_UNROLL_K
+#ifdef VF_ACT_F16
+typedef vf_half vf_act_t;
+#else
 typedef float vf_act_t;
-static inline float vf_from_act(vf_act_t x) { return x; }
+#endif
+static inline vf_act_t vf_to_act(float x) { return (vf_act_t)x; }
+static inline float vf_from_act(vf_act_t x) { return (float)x; }
 static inline float vf_dot8_h(float acc, const vf_half* w, const vf_act_t* a) {
-  for (int i = 0; i < 8; ++i) acc += a[i] * vf_h2f(w[i]);
+  for (int i = 0; i < 8; ++i) acc += (float)a[i] * vf_h2f(w[i]);
   return acc;
 }
 """

@@ -256,6 +256,10 @@ extern "C" __global__ void vf_fill(void* out, unsigned long long n, unsigned int
         name = source.kernel.name
         module = _check(self.drv.cuModuleLoadData(binary.code), "cuModuleLoadData", name)
         fn = _check(self.drv.cuModuleGetFunction(module, binary.entry.encode()), "cuModuleGetFunction", name)
+        dynamic = source.readable.dynamic_lds
+        if dynamic > 48 * 1024:                 # beyond the default: the kernel opts in (codegen.hip.dynamic_arrays)
+            attr = self.drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(self.drv.cuFuncSetAttribute(fn, attr, dynamic), "cuFuncSetAttribute", name)
         return module, fn, binary.code
 
 
