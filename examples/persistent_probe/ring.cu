@@ -3,13 +3,26 @@
 // (cp.async.bulk, completion on an mbarrier a slot); the other warps, one a slot, consume the chunks
 // and follow the chain of phases.  The stream waits only for free slots, never for the grid: while
 // the chain waits, the ring fills.  The gate and up rows come interleaved (wgu: row i of gate, then
-// row i of up).  THREADS must be (SLOTS + 1) * 32.
+// row i of up).  A warp consumes a slot's chunk alone (THREADS = (SLOTS + 1) * 32), or with SPLIT=G
+// the 12 consumer warps in G groups share the chunks, a group on every G-th chunk together (G 1:
+// half a row a warp, a lane 3 of the 16-byte weight loads against 24 activation values it holds in
+// registers for the whole phase; G 2: a row a warp, 6 loads, 48 values; THREADS = 13 * 32).
 #ifndef SLOTS
 #define SLOTS 10
 #endif
 #define SLOT 18432          // one down row (17920 B), 6 hidden rows, 3 gate/up row pairs
-#define NCW (WARPS - 1)     // consumer warps: one a slot, so that a warp waits on its own slot's next fill
-static_assert(NCW == SLOTS, "THREADS must be (SLOTS + 1) * 32");
+#ifndef SPLIT
+#define SPLIT 0             // G >= 1: the consumer warps in G groups, a group on every G-th chunk together,
+#endif                      // the activation in registers
+#define NCW (WARPS - 1)     // consumer warps
+#if SPLIT
+static_assert(NCW == 12 && SLOTS % SPLIT == 0 && (SPLIT == 1 || SPLIT == 2),
+              "SPLIT: THREADS must be 13 * 32 (12 warps: a group of 12 or 6 on a 6-row chunk), SLOTS a multiple of SPLIT");
+#define GW (NCW / (SPLIT ? SPLIT : 1))    // warps a group
+#define NJ (36 / GW)                      // 16-byte weight loads a lane a chunk
+#else
+static_assert(NCW == SLOTS, "THREADS must be (SLOTS + 1) * 32 (a warp a slot: it waits on its own slot's fills)");
+#endif
 
 __device__ __forceinline__ unsigned sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(unsigned long long *b, unsigned n) {
@@ -134,6 +147,141 @@ __device__ __forceinline__ void cbarrier(unsigned *count, unsigned &target) {
   cbar();
 #endif
 }
+
+#if SPLIT
+// ---------------------------------------------------------------- SPLIT: groups of warps on each chunk
+#define YS 160              // output rows a workgroup accumulates in a phase (gate/up: 68 pairs, 136 rows)
+#ifndef RING_ONLY
+#define RING_ONLY 0         // 1: the consumers take each chunk and compute nothing (timing the stream alone)
+#endif
+
+// this thread's part of a chunk: row `row` of it (down: its one row), 16-byte columns idx[0..n)
+struct Part { int row, n, idx[NJ]; };
+__device__ __forceinline__ Part part_of(int ph) {
+  int w = threadIdx.x / 32 % GW, lane = threadIdx.x & 31, per_row = GW / 6;   // warps on a row
+  Part q;
+  if (ph == 3) {
+    q.row = 0;
+    q.n = 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) q.idx[j] = w * 32 + lane + GW * 32 * j, q.n += q.idx[j] < VF;
+  } else {
+    q.row = w / per_row;
+    q.n = NJ;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) q.idx[j] = w % per_row * (VH / per_row) + 32 * j + lane;
+  }
+  return q;
+}
+
+// the activation values of this thread's columns, scaled by rsqrt(mean square) with norm
+__device__ void activation(float *a, const Part &q, const float *src, int n, bool norm) {
+  __shared__ float red[NCW];
+  float r = 1.f;
+  if (norm) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += NCW * 32) { float v = __ldcg(src + i); ss += v * v; }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    cbar();
+    float t = 0.f;
+    for (int w = 0; w < NCW; ++w) t += red[w];
+    r = rsqrtf(t / n + 1e-6f);
+  }
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+    if (j < q.n) {
+      float4 x0 = __ldcg((const float4 *)(src + 8 * q.idx[j])), x1 = __ldcg((const float4 *)(src + 8 * q.idx[j] + 4));
+      a[8 * j + 0] = x0.x * r, a[8 * j + 1] = x0.y * r, a[8 * j + 2] = x0.z * r, a[8 * j + 3] = x0.w * r;
+      a[8 * j + 4] = x1.x * r, a[8 * j + 5] = x1.y * r, a[8 * j + 6] = x1.z * r, a[8 * j + 7] = x1.w * r;
+    }
+}
+
+// the chunks of one phase, every warp on each: partial dot products summed into ys
+__device__ void consume_split(int ph, const Slice &s, unsigned c0, const char *ring, unsigned long long *full,
+                              unsigned long long *empty, const float *a, float *ys) {
+  int lane = threadIdx.x & 31;
+  Part q = part_of(ph);
+  int n = nchunks(s), per = ph == 3 ? 1 : 6;            // rows of 3072 B a chunk (gate/up: 3 pairs)
+  for (int k = 0; k < n; ++k) {
+    unsigned c = c0 + k;
+    if (c % SPLIT != threadIdx.x / 32 / GW) continue;     // another group's chunk
+    int slot = c % SLOTS;
+    mbar_wait(&full[slot], (c / SLOTS) & 1);
+    const uint4 *w = (const uint4 *)(ring + (size_t)slot * SLOT);
+    int rows = ph == 3 ? 1 : min(s.per_chunk, s.hi - (s.lo + k * s.per_chunk)) * (ph == 2 ? 2 : 1);
+    if (!RING_ONLY && q.row < rows) {
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        if (j < q.n) acc += dot8(w[q.row * VH + q.idx[j]], a + 8 * j);
+      acc = warp_sum(acc);
+      if (lane == 0) atomicAdd(&ys[k * per + q.row], acc);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_split(Params p, const uint4 *wgu) {
+  extern __shared__ __align__(128) char smem[];
+  char *ring = smem;
+  __shared__ __align__(8) unsigned long long full[SLOTS], empty[SLOTS];
+  __shared__ float ys[YS];
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < SLOTS; ++i) { mbar_init(&full[i], 1); mbar_init(&empty[i], GW); }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  for (int i = threadIdx.x; i < YS; i += THREADS) ys[i] = 0.f;
+  __syncthreads();
+  if (threadIdx.x >> 5 == NCW) { producer(p, wgu, ring, full, empty); return; }
+  unsigned target = 0, c = 0;
+  float a[8 * NJ];
+  const int t = threadIdx.x;
+  for (int l = 0; l < p.layers; ++l) {
+    // QKV: q = W_qkv . rmsnorm(x)
+    Slice s = slice_of(p, wgu, 0, l);
+    activation(a, part_of(0), p.x, HID, true);
+    consume_split(0, s, c, ring, full, empty, a, ys);
+    c += nchunks(s);
+    cbar();
+    if (t < s.hi - s.lo) p.q[s.lo + t] = ys[t], ys[t] = 0.f;
+    cbarrier(p.count, target);
+    attention(p, l, NCW);
+    cbarrier(p.count, target);
+    // O: h = x + W_o . a
+    s = slice_of(p, wgu, 1, l);
+    activation(a, part_of(1), p.a, HID, false);
+    consume_split(1, s, c, ring, full, empty, a, ys);
+    c += nchunks(s);
+    cbar();
+    if (t < s.hi - s.lo) p.h[s.lo + t] = __ldcg(p.x + s.lo + t) + ys[t], ys[t] = 0.f;
+    cbarrier(p.count, target);
+    // gate/up: m = silu(W_g . n) * (W_u . n), n = rmsnorm(h)
+    s = slice_of(p, wgu, 2, l);
+    activation(a, part_of(2), p.h, HID, true);
+    consume_split(2, s, c, ring, full, empty, a, ys);
+    c += nchunks(s);
+    cbar();
+    if (t < s.hi - s.lo) {
+      float g = ys[2 * t], u = ys[2 * t + 1];
+      p.m[s.lo + t] = g / (1.f + __expf(-g)) * u;
+    }
+    cbar();
+    for (int i = t; i < YS; i += NCW * 32) ys[i] = 0.f;
+    cbarrier(p.count, target);
+    // down: x = h + W_d . m
+    s = slice_of(p, wgu, 3, l);
+    activation(a, part_of(3), p.m, FF, false);
+    consume_split(3, s, c, ring, full, empty, a, ys);
+    c += nchunks(s);
+    cbar();
+    if (t < s.hi - s.lo) p.x[s.lo + t] = __ldcg(p.h + s.lo + t) + ys[t], ys[t] = 0.f;
+    cbarrier(p.count, target);
+  }
+}
+
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) layers(Params p, const uint4 *wgu) {
   extern __shared__ __align__(128) char smem[];
