@@ -435,10 +435,10 @@ def dynamic_arrays(k: L.Kernel, static_lds: int, budget: int = 0) -> list:
     return out
 
 
-def _dynamic(arrays, pad="  ") -> list:
+def _dynamic(arrays, static_lds: int, pad="  ") -> list:
     """``arrays`` as pointers into one dynamic LDS buffer (``VF_DYNAMIC_LDS``), in order."""
     total = sum(map(_lds_size, arrays))
-    lines = [f"{pad}// beyond the LDS a kernel may declare: dynamic LDS, {total} bytes set at launch",
+    lines = [f"{pad}// past the {static_lds} bytes of LDS a kernel may declare: {total} bytes of dynamic LDS, sized at launch",
              f"{pad}VF_DYNAMIC_LDS(vf_lds, {total});"]
     at = 0
     for a in arrays:
@@ -469,7 +469,7 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), static_lds: int = 
     lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
     dynamic = dynamic_arrays(k, static_lds, budget)
     arrays = [s for s in k.body if isinstance(s, L.Array) and s.space != "device" and s not in dynamic]
-    lines += stmts(arrays) + (_dynamic(dynamic) if dynamic else [])
+    lines += stmts(arrays) + (_dynamic(dynamic, static_lds) if dynamic else [])
     if any(isinstance(s, L.Arrive) for s in L.walk_stmts(k.body)):
         lines.append("  __shared__ int vf_flag;")
     if _uses_waves(k.body):

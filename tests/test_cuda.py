@@ -45,7 +45,7 @@ def gfx906_text(ck) -> bool:
     """Is the kernel text that ran gfx906's, up to where its LDS arrays are declared (beyond the
     48 KiB a kernel declares on NVIDIA, the largest are taken from dynamic LDS)?"""
     def text(body):
-        return [line for line in body.splitlines() if not re.match(r"\s*(__shared__ |VF_DYNAMIC_LDS\(|\S+\* const \w+ = \(\S+\*\)\(vf_lds|// beyond the LDS)", line)]
+        return [line for line in body.splitlines() if not re.match(r"\s*(__shared__ |VF_DYNAMIC_LDS\(|\S+\* const \w+ = \(\S+\*\)\(vf_lds|// past the \d+ bytes of LDS)", line)]
     return text(ck.hip.body) == text(render_hip(ck.kernel, "gfx906").body)
 
 
