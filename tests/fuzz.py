@@ -98,6 +98,9 @@ OPS += ["qchain"]
 # residual, the value at hand); at times the activation is the value at hand, the weight a wider one's first
 # columns (rows not 16 bytes apart)
 OPS += ["tiled"] * 12
+# a GEMV over a long activation (K 12288 to 27648, RMS-normalized with a gain), f16 or quantized weights: past
+# NVIDIA's 48 KiB of static LDS its arrays come from dynamic LDS (codegen.hip.dynamic_arrays), f16 there
+OPS += ["long_gemv"]
 # a search in lax.fori_loop whose carry is a stacked [2] bracket, halved, quartered or cut in W parts by a count of
 # tests each step, all reductions over a captured value: an f32 threshold over the value at hand, or an i32
 # search over ids; or unrolled passes that test W - 1 points at once, one reduction over a [W - 1, n] grid,
@@ -325,6 +328,13 @@ class Writer:
             x = self.new_input((T, k), "f32")
             w = self.new_input((n, k), fmt)
             pro = f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5))"
+            return self.emit(f"dsl.dot_t({pro}, {w}) * ({round(1 / np.sqrt(k), 4)} * dsl.tanh({an}.mean()))")
+        if name == "long_gemv":
+            k = [12288, 24576, 27648][int(p[0] * 3)]
+            fmt = (["f16"] + list(WEIGHT_QUANT))[int(p[1] * (1 + len(WEIGHT_QUANT)))]
+            x, g = self.new_input((1, k), "f32"), self.new_input((k,), "f32")
+            w = self.new_input(([1, 3, 8][int(p[2] * 3)], k), fmt)
+            pro = f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5) * {g})"
             return self.emit(f"dsl.dot_t({pro}, {w}) * ({round(1 / np.sqrt(k), 4)} * dsl.tanh({an}.mean()))")
         if name == "tiled":
             return self.tiled(av, an, pk, p)
