@@ -89,15 +89,16 @@ def test_verify_checks_the_blocks_a_producer_quantizes_for_the_next_normalizatio
     assert v.calls == 3 and "within tolerance" in v.summary(), v.summary()
 
 
-@pytest.mark.parametrize("fmt", ["f16", "q4_0"])
-def test_a_gemv_whose_activation_passes_static_lds_runs_from_dynamic_lds(fmt):
+@pytest.mark.parametrize("fmt,T", [("f16", 1), ("q4_0", 1), ("f16", 4)])
+def test_a_gemv_whose_activation_passes_static_lds_runs_from_dynamic_lds(fmt, T):
     """K 27648 (Qwen2.5-32B's down projection) after an RMSNorm: the activation (f16, 55 KB, or q8_1
-    blocks with their residual plane, 62 KB) passes sm_90's 48 KiB of static LDS, so it is declared
-    in dynamic LDS; the sm_90 text matches the float64 interpreter."""
+    blocks with their residual plane, 62 KB; a matmul of 4 rows holds one row at a time) passes
+    sm_90's 48 KiB of static LDS, so it is declared in dynamic LDS; the sm_90 text matches the
+    float64 interpreter."""
     from tests.emu_device import emu_backend
     from tests.test_quant_kernels import quantized
     K, N = 27648, 24
-    x, g = rng.standard_normal((1, K)).astype(np.float32), rng.uniform(0.5, 1.5, K).astype(np.float32)
+    x, g = rng.standard_normal((T, K)).astype(np.float32), rng.uniform(0.5, 1.5, K).astype(np.float32)
     w = quantized((N, K), "q4_0", 0.02) if fmt == "q4_0" else (rng.standard_normal((N, K)) * 0.02).astype(np.float16)
     jf = dsl.jit(lambda x, g, w: nn.linear(nn.rms_norm(x, g, 1e-5), w), backend=emu_backend())
     want = jf.lower(x, g, w).program.run(x, g, w, compute_dtype="f64")[0]
