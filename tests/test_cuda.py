@@ -468,11 +468,12 @@ def test_matmul_qkv_with_bias_and_in_place_residual(T):
     check(lambda x, w, res: res + nn.linear(x, w), x, w, res, donate=(2,), gemv_k=K)
 
 
-@pytest.mark.parametrize("dtype", ["f16", "q4_0"])
-def test_matmul_long_rows_one_at_a_time_split_over_waves(dtype):
+@pytest.mark.parametrize("dtype,K", [("f16", 8960), ("q4_0", 8960), ("f16", 27648)])
+def test_matmul_long_rows_one_at_a_time_split_over_waves(dtype, K):
     """K = 8960 (Qwen2.5-1.5B's down projection): one activation row in LDS at a time, the few
-    output columns split over waves (partial sums combined through LDS), several row tiles."""
-    T, K, N = 12, 8960, 64                            # fewer than MMA_ROWS: the GEMV-style matmul
+    output columns split over waves (partial sums combined through LDS), several row tiles; at K
+    27648 the row passes NVIDIA's 48 KiB of static LDS (dynamic LDS)."""
+    T, N = 12, 64                                     # fewer than MMA_ROWS: the GEMV-style matmul
     x, w, res = randn(T, K, scale=0.5), matmul_weight(N, K, dtype), randn(T, N)
     c = check(lambda x, w, res: res + nn.linear(x, w), x, w, res, gemv_k=K)
     assert "a matmul" in c.kernels[0].hip.kernel.launch.how
