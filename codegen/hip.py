@@ -449,11 +449,11 @@ def _dynamic(arrays, static_lds: int, pad="  ") -> list:
     return lines
 
 
-def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), static_lds: int = 0, budget: int = 0) -> str:
+def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), dynamic=(), static_lds: int = 0) -> str:
     """The source of a mapped kernel (``codegen.mapping.map_kernel``), without the prelude;
     ``prefetch``: bytes of each of ``weights`` asked of L2 before the wait (``Target.pdl_prefetch``);
-    ``static_lds``: the bytes of LDS it may declare (0: any), the largest arrays beyond them taken
-    from dynamic LDS within ``budget`` bytes in all (``dynamic_arrays``)."""
+    ``dynamic``: its arrays to take from dynamic LDS (``dynamic_arrays``), past the ``static_lds``
+    bytes a kernel may declare."""
     launch = k.launch
     lines = [f"// {k.name}: {k.family} kernel, {k.bytes} bytes moved, {k.flops} flops per call",
              f"// mapping: {launch.how}"]
@@ -467,7 +467,6 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), static_lds: int = 
         lines += [f"__device__ unsigned int {s.name}[{s.size}];" if s.name in counts else _array(s, "")[0]
                   for s in device]
     lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
-    dynamic = dynamic_arrays(k, static_lds, budget)
     arrays = [s for s in k.body if isinstance(s, L.Array) and s.space != "device" and s not in dynamic]
     lines += stmts(arrays) + (_dynamic(dynamic, static_lds) if dynamic else [])
     if any(isinstance(s, L.Arrive) for s in L.walk_stmts(k.body)):
@@ -498,11 +497,11 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
             + prelude(own, m.launch.act, quant, att, tiled, q8, arrive))
     prefetch = t.pdl_prefetch if t.pdl else 0
-    dynamic = sum(map(_lds_size, dynamic_arrays(m, t.max_static_lds, lds_budget(t))))
+    dynamic = dynamic_arrays(m, t.max_static_lds, lds_budget(t))
     if dynamic:
         head += ("// arrays in dynamic LDS: declared once, sized at launch\n#define VF_DYNAMIC_LDS(name, bytes) "
                  "extern __shared__ __attribute__((aligned(16))) unsigned char name[]\n")
-    src = head + "\n" + render_kernel(m, prefetch, _weights(clear_of_templates(k)) if prefetch else (), t.max_static_lds,
-                                    lds_budget(t))
-    lds = occupancy_lds(t, m.launch.lds, m.launch.block) + dynamic
+    src = head + "\n" + render_kernel(m, prefetch, _weights(clear_of_templates(k)) if prefetch else (), dynamic,
+                                    t.max_static_lds)
+    lds = occupancy_lds(t, m.launch.lds, m.launch.block) + sum(map(_lds_size, dynamic))
     return HipKernel(k.name, src, (m.launch.grid, 1, 1), (m.launch.block, 1, 1), lds, m, t, len(head) + 1)
