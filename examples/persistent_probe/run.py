@@ -6,7 +6,7 @@ boundaries (``layers.cu``), or with the weights streamed through a ring in share
 copies that never wait for the grid (``ring.cu``).  It prints the microseconds a layer of each variant
 takes over 28 layers, beside the same bytes streamed by a kernel that only sums them.  These kernels
 are not vegafuse's: they measure a design before the compiler generates it (docs/performance.md,
-2026-12-04 (morning)).  NVIDIA sm_90 only, through NVRTC.
+2026-12-04 (morning)).  NVIDIA sm_90 only, through NVRTC (``pip install cuda-bindings``).
 
     python examples/persistent_probe/run.py [--order "P0 P1 P0 P1 N0 ..."]
 
@@ -33,7 +33,12 @@ VARIANTS = ("P0:0,1,512,1 P1:1,1,512,1 N0:0,0,512,1 N1:1,0,512,1 S8:0,0,512,1,8 
             "S5:0,0,512,1,5 S31:0,0,512,1,31 T31:0,1,512,1,31 M1:0,1,352,1 MN:0,0,352,1 R1:0,1,416,1 "
             "RN:0,0,416,1 SR:0,0,416,1,1 R2:0,1,416,2 RM:0,0,416,2")
 
-drv, nv = _cu()
+drv = nv = None                  # cuda-python's driver and NVRTC, loaded once the options are read
+
+
+def _load():
+    global drv, nv
+    drv, nv = _cu()
 
 
 def source(ring: bool) -> str:
@@ -185,6 +190,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=7)
     a = ap.parse_args(argv)
+    _load()
     probe = Probe(a.layers, a.seed)
     print(f"weights {probe.total * 2 / 1e9:.3f} GB, {probe.sms} SMs", flush=True)
     variants, stream = {}, None
