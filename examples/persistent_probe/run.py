@@ -12,9 +12,19 @@ are not vegafuse's: they measure a design before the compiler generates it (docs
 
 A variant is ``NAME:PREFETCH,BARRIER,THREADS,BPS[,SKIP]`` (``--variants``); a name starting with M
 runs ``ring.cu`` (THREADS = (slots + 1) * 32), with R its SPLIT consumers (THREADS 416, 10 slots,
-SPLIT = BPS; SKIP 1: RING_ONLY), with S or T it is timed but not checked.  Each
-variant with barriers is first checked over 2 layers against numpy in float64 and against a run
-on 12 workgroups (the same rows in another split).
+SPLIT = BPS; SKIP 1: RING_ONLY), with S or T it is timed but not checked.  A name starting with K
+runs ``tiled.cu`` (2026-12-04 (afternoon)): ``K..:KV_AHEAD,BARRIER,416,MODE[,RING_ONLY[,FLIGHT]]``,
+FLIGHT the chunks a producer keeps in flight (10: the whole ring), MODE
+  1  attention a phase of its own on workgroup 0, as ring.cu
+  2  every workgroup computes all heads itself (LOCAL_ATTN)
+  3  no attention at all (NO_ATTN: timing only)
+  4  a workgroup a query head, its K and V bulk-copied before the wait (ATTN_WG)
+  5  4, the barrier's arrival one release-add (RELEASE)
+  6  5, O's and down's residuals read before their chunks (RES_EARLY)
+  7  6, the producer quiet while its workgroup waits at a grid barrier (QUIET)
+``--trace`` prints a K variant's timeline of one layer (one workgroup's steps, every workgroup's
+arrivals).  Each variant with barriers is first checked over 2 layers against numpy in float64 and
+(but R and K) against a run on 12 workgroups (the same rows in another split).
 """
 import argparse
 import ctypes
@@ -31,7 +41,9 @@ HID, NQKV, FF, NH, NKV, HD, POS = 1536, 2048, 8960, 12, 2, 128, 32
 SLOT = 18432
 VARIANTS = ("P0:0,1,512,1 P1:1,1,512,1 N0:0,0,512,1 N1:1,0,512,1 S8:0,0,512,1,8 S16:0,0,512,1,16 "
             "S5:0,0,512,1,5 S31:0,0,512,1,31 T31:0,1,512,1,31 M1:0,1,352,1 MN:0,0,352,1 R1:0,1,416,1 "
-            "RN:0,0,416,1 SR:0,0,416,1,1 R2:0,1,416,2 RM:0,0,416,2")
+            "RN:0,0,416,1 SR:0,0,416,1,1 R2:0,1,416,2 RM:0,0,416,2 K1:0,1,416,1 KA:1,1,416,1 KN:0,0,416,1 "
+            "KS:0,0,416,1,1 KF2:0,1,416,1,0,2 KX:0,1,416,3,0,2 KL2:0,1,416,2,0,2 KW:0,1,416,4,0,2 "
+            "K6:0,1,416,6,0,2 K7:0,1,416,7,0,2 K73:0,1,416,7,0,3 KWN:0,0,416,4,0,2 KWS:0,1,416,4,1,2")
 
 drv = nv = None                  # cuda-python's driver and NVRTC, loaded once the options are read
 
@@ -41,9 +53,13 @@ def _load():
     drv, nv = _cu()
 
 
-def source(ring: bool) -> str:
-    common = open(os.path.join(HERE, "common.cuh")).read()
-    return common + open(os.path.join(HERE, "ring.cu" if ring else "layers.cu")).read()
+def source(ring: bool, tiled: bool = False) -> str:
+    files = ["common.cuh", "ring.cu" if ring else "layers.cu"] + (["tiled.cu"] if tiled else [])
+    return "".join(open(os.path.join(HERE, f)).read() for f in files)
+
+
+# the tiled layout of tiled.cu: per phase (QKV, O, gate/up, down) K, KC (columns a chunk), RP (rows a workgroup)
+TILES = ((HID, 384, 16), (HID, 768, 12), (HID, 64, 144), (FF, 768, 12))
 
 
 class Params(ctypes.Structure):
@@ -85,6 +101,7 @@ class Probe:
         self.act = [self.alloc(n * 4) for n in (HID, NQKV, HID, HID, FF)]      # x, q, a, h, m
         self.count, self.out = self.alloc(4), self.alloc(4)
         self.wgu_arg = np.array([self.wgu], np.uint64)
+        self.modules = {}
 
     def alloc(self, n):
         return int(_check(drv.cuMemAlloc(max(n, 4)), "cuMemAlloc"))
@@ -94,9 +111,50 @@ class Probe:
         _check(drv.cuMemcpyHtoD(p, a.ctypes.data, a.nbytes), "cuMemcpyHtoD")
         return p
 
-    def compile(self, defs: dict, ring: bool, entry: str = "layers"):
+    def host_weights(self):
+        """The weights as the device holds them, [L x (qkv, o, gate, up, down)] f16, read once."""
+        if getattr(self, "_host", None) is None:
+            self._host = np.empty(sum(self.sizes) * self.L, np.float16)
+            _check(drv.cuMemcpyDtoH(self._host.ctypes.data, self.w, self._host.nbytes), "weights")
+        return self._host
+
+    def W(self, i, l, n, k):
+        """Layer l's weight i (0 qkv, 1 o, 2 gate, 3 up, 4 down) as an (n, k) f16 array."""
+        return self.host_weights()[self.offs[i] + l * n * k: self.offs[i] + (l + 1) * n * k].reshape(n, k)
+
+    def tiled(self):
+        """The weights in tiled.cu's layout, on the device: per layer, per phase, per workgroup b of G a region
+        of RP rows x K padded to chunks of KC columns, chunk j holding rows [lo, hi) x columns [j KC, j KC + kc)
+        one row after another (kc = KC but the last).  Gate/up rows come in pairs, gate then up."""
+        if getattr(self, "_tiled", None) is not None:
+            return self._tiled
+        G = self.sms
+        region = [-(-k // kc) * rp * kc for k, kc, rp in TILES]          # halves
+        layer = sum(region) * G
+        self._tiled = self.alloc(layer * 2 * self.L)
+        buf = np.zeros(layer, np.float16)
+        for l in range(self.L):
+            gu = np.empty((2 * FF, HID), np.float16)
+            gu[0::2], gu[1::2] = self.W(2, l, FF, HID), self.W(3, l, FF, HID)
+            mats = (self.W(0, l, NQKV, HID), self.W(1, l, HID, HID), gu, self.W(4, l, HID, FF))
+            off = 0
+            for (k, kc, rp), m, reg in zip(TILES, mats, region):
+                n = m.shape[0] // 2 if m is gu else m.shape[0]
+                for b in range(G):
+                    lo, hi = n * b // G, n * (b + 1) // G
+                    rows = m[2 * lo:2 * hi] if m is gu else m[lo:hi]
+                    assert rows.shape[0] <= rp
+                    base = off + b * reg
+                    for j in range(0, k, kc):
+                        blk = rows[:, j:j + kc]
+                        buf[base + j // kc * rp * kc: base + j // kc * rp * kc + blk.size] = blk.reshape(-1)
+                off += reg * G
+            _check(drv.cuMemcpyHtoD(self._tiled + l * layer * 2, buf.ctypes.data, buf.nbytes), "tiled")
+        return self._tiled
+
+    def compile(self, defs: dict, ring: bool, entry: str = "layers", tiled: bool = False):
         """The ``layers`` function of the variant and its dynamic shared memory."""
-        prog = _check(nv.nvrtcCreateProgram(source(ring).encode(), b"probe.cu", 0, [], []), "nvrtcCreateProgram")
+        prog = _check(nv.nvrtcCreateProgram(source(ring, tiled).encode(), b"probe.cu", 0, [], []), "nvrtcCreateProgram")
         opts = [b"--gpu-architecture=sm_90", b"--std=c++17"] + [f"-D{k}={v}".encode() for k, v in defs.items()]
         opts += [f"--include-path={d}".encode() for d in _cuda_include_dirs()]
         if int(nv.nvrtcCompileProgram(prog, len(opts), opts)[0]) != 0:
@@ -114,12 +172,14 @@ class Probe:
         local = _check(drv.cuFuncGetAttribute(fa.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f), "local")
         fit = _check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, defs["THREADS"], smem), "occupancy")
         print(f"  {defs}: {regs} registers, {local} bytes of local memory, {fit} workgroups an SM fit", flush=True)
+        self.modules[f] = mod
         return f, smem, fit, (None if ring else _check(drv.cuModuleGetFunction(mod, b"stream_sum"), "stream_sum"))
 
-    def launch(self, f, grid, threads, smem, layers, events=None):
+    def launch(self, f, grid, threads, smem, layers, events=None, tiled=False):
         _check(drv.cuMemcpyHtoD(self.act[0], self.x0.ctypes.data, self.x0.nbytes), "x0")
         prm = Params(*self.ptrs, self.kv, *self.act, self.count, layers)
-        args = np.array([ctypes.addressof(prm), self.wgu_arg.ctypes.data], np.uint64)
+        extra = np.array([self.tiled()], np.uint64) if tiled else self.wgu_arg
+        args = np.array([ctypes.addressof(prm), extra.ctypes.data], np.uint64)
         _check(drv.cuMemsetD32Async(self.count, 0, 1, self.stream), "cuMemsetD32Async")
         if events:
             _check(drv.cuEventRecord(events[0], self.stream), "cuEventRecord")
@@ -133,12 +193,10 @@ class Probe:
 
     def reference(self, layers):
         """The probe's layers in float64 numpy, from the device's weights."""
-        w = np.empty(sum(self.sizes) * self.L, np.float16)
-        _check(drv.cuMemcpyDtoH(w.ctypes.data, self.w, w.nbytes), "weights")
         kv = self.kv_host.astype(np.float64).reshape(self.L, 2, NKV, POS, HD)
 
         def W(i, l, n, k):
-            return w[self.offs[i] + l * n * k: self.offs[i] + (l + 1) * n * k].reshape(n, k).astype(np.float64)
+            return self.W(i, l, n, k).astype(np.float64)
 
         def rms(v):
             return v / np.sqrt(np.mean(v * v) + 1e-6)
@@ -157,14 +215,47 @@ class Probe:
             x = h + W(4, l, HID, FF) @ (g / (1 + np.exp(-g)) * u)
         return x
 
-    def time(self, f, grid, threads, smem, reps):
+    def time(self, f, grid, threads, smem, reps, tiled=False):
         """Median and best microseconds a layer over ``reps`` launches (the first left out)."""
         ev = [_check(drv.cuEventCreate(0), "cuEventCreate") for _ in range(2)]
         ts = []
         for _ in range(reps):
-            self.launch(f, grid, threads, smem, self.L, ev)
+            self.launch(f, grid, threads, smem, self.L, ev, tiled)
             ts.append(_check(drv.cuEventElapsedTime(*ev), "cuEventElapsedTime"))
         return np.median(ts[1:]) * 1e3 / self.L, min(ts[1:]) * 1e3 / self.L
+
+    def print_trace(self, name, f):
+        """tiled.cu's TRACE timeline of the last launch of f: microseconds from the layer's start."""
+        ptr, size = _check(drv.cuModuleGetGlobal(self.modules[f], b"trace_clk"), "trace_clk")
+        tr = np.empty(size // 8, np.uint64)
+        _check(drv.cuMemcpyDtoH(tr.ctypes.data, ptr, size), "trace")
+        g0, c0, g1, c1 = (int(v) for v in tr[640:644])
+        us = lambda c: (int(c) - c0) * (g1 - g0) / 1e3 / (c1 - c0)    # noqa: E731
+        print(f"{name}: one workgroup's layer, {(g1 - g0) / 1e3:.2f} us ({(c1 - c0) / (g1 - g0):.2f} GHz); "
+              "per phase, us from the layer's start: staged | first chunk in | last chunk in (chunks) | done | "
+              "partials | stored | past the wait; producer's issues: first, last")
+        nch = (4, 0, 2, 24, 12)
+        for ph, pname in enumerate(("QKV", "attention", "O", "gate/up", "down")):
+            c = tr[ph * 64:(ph + 1) * 64]
+            row = f"  {pname:9s}"
+            if nch[ph]:
+                pr = tr[320 + ph * 64: 320 + ph * 64 + nch[ph]]
+                row += (f" {us(c[1]):6.2f} | {us(c[2]):6.2f} | {us(c[1 + nch[ph]]):6.2f} ({nch[ph]:2d}) | {us(c[60]):6.2f} | "
+                        f"{us(c[61]):6.2f} |")
+                tail = f" | producer {us(pr[0]):6.2f} {us(pr[-1]):6.2f}"
+            else:
+                row += " " * 55 + "|"
+                tail = ""
+            print(row + f" {us(c[62]):6.2f} | {us(c[63]):6.2f}" + tail)
+        ptr, size = _check(drv.cuModuleGetGlobal(self.modules[f], b"trace_all"), "trace_all")
+        ta = np.empty(size // 8, np.int64)
+        _check(drv.cuMemcpyDtoH(ta.ctypes.data, ptr, size), "trace_all")
+        ta = (ta[:self.sms * 10].reshape(self.sms, 5, 2) - g0) / 1e3
+        print("  every workgroup, us from the layer's start: stored min / median / max (the 6 last), past the wait min / max")
+        for ph, pname in enumerate(("QKV", "attention", "O", "gate/up", "down")):
+            st, pw = ta[:, ph, 0], ta[:, ph, 1]
+            last = ",".join(str(b) for b in np.argsort(st)[-6:][::-1])
+            print(f"  {pname:9s} {st.min():6.2f} / {np.median(st):6.2f} / {st.max():6.2f} ({last}), {pw.min():6.2f} / {pw.max():6.2f}")
 
     def stream_us(self, g, reps=10):
         """Microseconds a layer to read the same weights with nothing between, and GB/s."""
@@ -185,38 +276,49 @@ class Probe:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=VARIANTS)
-    ap.add_argument("--order", default="P0 P1 P0 P1 N0 N1 S8 S16 S5 S31 T31 P0 M1 P0 M1 MN P0 R1 P0 R1 RN")
+    ap.add_argument("--order", default="P0 R1 K1 KF2 KW K7 K1 KF2 KW K7 R1 P0 KX KL2 K6 K73 KWN KWS")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--trace", action="store_true", help="K variants: print one workgroup's timeline of a layer")
+    ap.add_argument("--trace-wg", type=int, default=5, help="the workgroup --trace follows")
     a = ap.parse_args(argv)
     _load()
     probe = Probe(a.layers, a.seed)
     print(f"weights {probe.total * 2 / 1e9:.3f} GB, {probe.sms} SMs", flush=True)
-    variants, stream = {}, None
+    variants, stream, defs_of = {}, None, {}
     for spec in a.variants.split():
         name, v = spec.split(":")
         prefetch, barrier, threads, bps, *skip = map(int, v.split(","))
-        ring, split = name[0] in "MR" or name[:2] == "SR", name[0] == "R" or name[:2] == "SR"
+        tiled = name[0] == "K"
+        ring, split = name[0] in "MRK" or name[:2] == "SR", name[0] in "RK" or name[:2] == "SR"
         defs = {"THREADS": threads, "BARRIER": barrier}
         if ring:
             defs.update({"SLOTS": 10, "SPLIT": bps, "RING_ONLY": skip[0] if skip else 0} if split
                         else {"SLOTS": threads // 32 - 1})
+            if tiled:
+                defs.update({"KV_AHEAD": prefetch, "TRACE": int(a.trace), "TRACE_WG": a.trace_wg, "SPLIT": 1,
+                             "LOCAL_ATTN": int(bps == 2), "FLIGHT": skip[1] if len(skip) > 1 else 10, "NO_ATTN": int(bps == 3),
+                             "ATTN_WG": int(bps >= 4), "RELEASE": int(bps >= 5),
+                             "RES_EARLY": int(bps >= 6), "QUIET": int(bps >= 7)})
         else:
             defs.update({"PREFETCH": prefetch, "BPS": bps, "SKIP": skip[0] if skip else 0})
-        f, smem, fit, g = probe.compile(defs, ring, "layers_split" if split else "layers")
+        entry = "layers_tiled" if tiled else "layers_split" if split else "layers"
+        f, smem, fit, g = probe.compile(defs, ring, entry, tiled)
         stream = stream or g
         if fit < (1 if ring else bps):
             print(f"  {name}: {fit} workgroups an SM fit, not {bps}: left out")
             continue
-        variants[name] = (f, probe.sms * (1 if ring else bps), threads, smem, barrier)
+        defs_of[name] = defs
+        variants[name] = (f, probe.sms * (1 if ring else bps), threads, smem, barrier, tiled)
     want = probe.reference(2)
-    for name, (f, grid, threads, smem, barrier) in variants.items():
-        if barrier and name[0] not in "ST":
-            got = probe.launch(f, grid, threads, smem, 2).astype(np.float64)
+    for name, (f, grid, threads, smem, barrier, tiled) in variants.items():
+        if barrier and name[0] not in "ST" and not defs_of[name].get("NO_ATTN") and not defs_of[name].get("RING_ONLY"):
+            got = probe.launch(f, grid, threads, smem, 2, tiled=tiled).astype(np.float64)
             err = np.abs(got - want).max() / np.abs(want).max()
-            # R sums a row's partials with shared-memory atomics, in no fixed order: not bit for bit
-            same = name[0] == "R" or np.array_equal(probe.launch(f, NH, threads, smem, 2), got.astype(np.float32))
+            # R sums a row's partials with shared-memory atomics, in no fixed order: not bit for bit;
+            # K's layout is cut for the full grid, so it runs on no other
+            same = name[0] in "RK" or np.array_equal(probe.launch(f, NH, threads, smem, 2), got.astype(np.float32))
             print(f"  {name}: 2 layers within {err:.1e} of float64 (of the largest |x|); on 12 workgroups the same bits: {same}")
             assert err < 1e-3 and same, name
     if stream is not None:
@@ -224,10 +326,16 @@ def main(argv=None):
         print(f"the same weights streamed: {us:.2f} us a layer ({gbs:.0f} GB/s)", flush=True)
     for name in a.order.split():
         if name in variants:
-            f, grid, threads, smem, _ = variants[name]
-            med, best = probe.time(f, grid, threads, smem, a.reps)
+            f, grid, threads, smem, _, tiled = variants[name]
+            med, best = probe.time(f, grid, threads, smem, a.reps, tiled)
             print(f"{name:4s} {grid} x {threads}: {med:.2f} us a layer (best {best:.2f}), "
                   f"{sum(probe.sizes) * 2 / med / 1e3:.0f} GB/s", flush=True)
+    if a.trace:
+        for name, (f, *_, tiled) in variants.items():
+            if tiled:
+                probe.print_trace(name, f)
+
+
 
 
 if __name__ == "__main__":
