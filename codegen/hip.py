@@ -413,6 +413,17 @@ def _prefetch(weights, n: int) -> list:
     return lines
 
 
+def _pool(a: L.Array, grid: int):
+    """An array of space "global" (``codegen.mapping._activation_beyond_lds``): the file-scope buffer
+    of a slice per workgroup (each slice 16-byte aligned) and the kernel's pointer to its own."""
+    ctype = CTYPE[a.dtype]
+    per = -(-a.size * L.ITEMSIZE[a.dtype] // 16) * 16 // L.ITEMSIZE[a.dtype]
+    return ([f"// {a.name}: {a.size} values a workgroup, in device memory (they pass the LDS): a slice of {per} "
+             f"for each of the grid's {grid} workgroup{'s' if grid > 1 else ''}",
+             f"__device__ __attribute__((aligned(16))) {ctype} {a.name}_slices[{grid * per}];"],
+            [f"  {ctype}* const {a.name} = {a.name}_slices + (size_t)blockIdx.x * {per};   // this workgroup's slice"])
+
+
 def _lds_size(a: L.Array) -> int:
     """Bytes of ``a`` rounded up to 16 (each array of dynamic LDS starts 16-byte aligned)."""
     return -(-int(math.ceil(a.size * L.ITEMSIZE[a.dtype])) // 16) * 16
@@ -466,9 +477,12 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), dynamic=(), static
         counts = {s.count for s in L.walk_stmts(k.body) if isinstance(s, L.Arrive)}
         lines += [f"__device__ unsigned int {s.name}[{s.size}];" if s.name in counts else _array(s, "")[0]
                   for s in device]
+    pools = [s for s in k.body if isinstance(s, L.Array) and s.space == "global"]
+    lines += [x for s in pools for x in _pool(s, launch.grid)[0]]
     lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
-    arrays = [s for s in k.body if isinstance(s, L.Array) and s.space != "device" and s not in dynamic]
+    arrays = [s for s in k.body if isinstance(s, L.Array) and s.space in ("local", "lds") and s not in dynamic]
     lines += stmts(arrays) + (_dynamic(dynamic, static_lds) if dynamic else [])
+    lines += [x for s in pools for x in _pool(s, launch.grid)[1]]
     if any(isinstance(s, L.Arrive) for s in L.walk_stmts(k.body)):
         lines.append("  __shared__ int vf_flag;")
     if _uses_waves(k.body):

@@ -25,8 +25,9 @@ Statements
         only compute locals (no Store), unless the kernel runs on one thread.
     Declare(name, dtype, init)          mutable local scalar
     Assign(name, value)                 ``name = value``
-    Array(name, dtype, size, space)     local scratch array: ``space`` "local" (registers/stack) or
-                                        "lds" (shared by the threads of a workgroup)
+    Array(name, dtype, size, space)     local scratch array: ``space`` "local" (registers/stack),
+                                        "lds" (shared by the threads of a workgroup) or "global" (the
+                                        workgroup's slice of a buffer in device memory)
     Store(buf, index, value)            ``buf[index] = value``
     Reduce(var, start, stop, accs)      a reduction loop as one statement: declares each ``Acc``
                                         (add | max | argmax), folds its value over ``var``;
@@ -256,7 +257,8 @@ class Array:
     dtype: str
     size: int
     space: str = "local"          # "local" | "lds" | "device": one per module, zero when it loads (a split
-                                  # reduction's partials, ``Arrive``)
+                                  # reduction's partials, ``Arrive``) | "global": ``size`` values a workgroup
+                                  # of one buffer in device memory (an activation that passes the LDS)
     align: int = 0                # bytes its start is aligned to beyond its element's (0: the element's)
 
 
@@ -1054,7 +1056,7 @@ def format_kernel(k: Kernel) -> str:
             elif isinstance(s, Assign):
                 lines.append(f"{pad}{s.name} = {format_expr(s.value)}")
             elif isinstance(s, Array):
-                space = {"lds": " lds", "device": " device"}.get(s.space, "")
+                space = {"lds": " lds", "device": " device", "global": " global"}.get(s.space, "")
                 lines.append(f"{pad}{s.dtype}{space} {s.name}[{s.size}]")
             elif isinstance(s, Arrive):
                 lines.append(f"{pad}arrive {s.count} of {s.parts}: the last goes on")

@@ -630,7 +630,7 @@ def _contract(body, t, lds_limit, budget):
         act = info["act"]
         body = L.rewrite(body, lambda e: L.rewrite_expr(
             e, lambda x: L.Cast(L.Load(act, x.index, "f16"), "f32") if isinstance(x, L.Load) and x.buf == act else None))
-    body = _scratch(body, t) + body
+    body = _activation_beyond_lds(_scratch(body, t) + body, info, budget)
     ks, total, K, vec = info["split"], info["total"], info["K"], info["vec"]
     per_wave = info.get("rows_per_wave", 1)
     per_cu = _blocks_per_cu(t, K, info["q8"], info.get("copied", False))
@@ -665,22 +665,37 @@ def _contract(body, t, lds_limit, budget):
                f"per {f'{per} output rows' if per > 1 else 'output row'} ({total} rows); each lane takes whole weight blocks of its rows "
                f"(16-byte loads, int8 dot products){stored}")
         return body, L.Launch(grid, t.block, "VF_BLOCK", how, _lds_bytes(body), info["act_dtype"])
-    how = (f"{K}-element activation in LDS; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
+    where = ("in device memory, a slice a workgroup (it passes the LDS)" if info.get("act_space") == "global"
+             else "in LDS")
+    how = (f"{K}-element activation {where}; {'a wave' if ks == 1 else f'{ks} waves'} per output row "
            f"({total} rows); lanes stride k " + (f"{vec} elements (16 bytes) at a time" if vec > 1 and not info.get("dequant8")
                                                   else f"{vec} elements at a time, each 8 quantized weights dequantized "
                                                   "together" if vec > 1 else "one at a time"))
     if matmul:
         G = info["group"]
         rows = "one activation row" if G == 1 else f"{G} activation rows"
-        how = (f"a matmul: {rows} of {K} elements at a time in LDS; "
+        how = (f"a matmul: {rows} of {K} elements at a time {where}; "
                f"{'a wave' if ks == 1 else f'{ks} waves'} per output column ({total} columns)"
                + (f", each lane folding every weight load into the {G} rows" if G > 1 else "") + "; lanes stride k "
                + (f"{vec} elements (16 bytes) at a time" if vec > 1 else "one at a time"))
     if info.get("columns"):                                # (K, N) weights: _column_loops
         cols = (f"a thread per output column of a (K, N) weight ({info['columns']} columns), each folding k "
                 f"alone, consecutive lanes reading consecutive columns")
-        how = f"{K}-element activation in LDS; {cols}" if info.get("only_columns") else f"{how}; {cols}"
+        how = f"{K}-element activation {where}; {cols}" if info.get("only_columns") else f"{how}; {cols}"
     return body, L.Launch(grid, t.block, "VF_BLOCK", how + stored, _lds_bytes(body), info.get("act_dtype", "f32"))
+
+
+def _activation_beyond_lds(body, info, budget: int):
+    """``body`` with the float activation array in device memory when the kernel's LDS would pass
+    ``budget`` bytes (gfx906's 64 KiB: K above about 32,000 f16 values, Llama-3.1-405B's down
+    projection): each workgroup fills and reads its own slice (``space="global"``, rendered by
+    ``codegen.hip``), the loads then L2 hits instead of LDS reads.  The int8 path is only taken
+    where its blocks fit (``_int8_path``), so it never comes here."""
+    if _lds_bytes(body) <= budget or "act" not in info or info["q8"]:
+        return body
+    info["act_space"] = "global"
+    return tuple(replace(s, space="global", align=16) if isinstance(s, L.Array) and s.name == info["act"] else s
+                 for s in body)
 
 
 def _balanced(t: Target, info, matmul: bool, grid: int, per_cu: int):

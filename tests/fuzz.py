@@ -98,8 +98,9 @@ OPS += ["qchain"]
 # residual, the value at hand); at times the activation is the value at hand, the weight a wider one's first
 # columns (rows not 16 bytes apart)
 OPS += ["tiled"] * 12
-# a GEMV over a long activation (K 12288 to 27648, RMS-normalized with a gain), f16 or quantized weights: past
-# NVIDIA's 48 KiB of static LDS its arrays come from dynamic LDS (codegen.hip.dynamic_arrays), f16 there
+# a GEMV over a long activation (K 12288 to 40000, RMS-normalized with a gain), f16 or quantized weights: past
+# NVIDIA's 48 KiB of static LDS its arrays come from dynamic LDS (codegen.hip.dynamic_arrays), f16 there; past
+# gfx906's 64 KiB (K 40000) the activation is a slice a workgroup in device memory (mapping._activation_beyond_lds)
 OPS += ["long_gemv"]
 # a search in lax.fori_loop whose carry is a stacked [2] bracket, halved, quartered or cut in W parts by a count of
 # tests each step, all reductions over a captured value: an f32 threshold over the value at hand, or an i32
@@ -330,7 +331,7 @@ class Writer:
             pro = f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5))"
             return self.emit(f"dsl.dot_t({pro}, {w}) * ({round(1 / np.sqrt(k), 4)} * dsl.tanh({an}.mean()))")
         if name == "long_gemv":
-            k = [12288, 24576, 27648][int(p[0] * 3)]
+            k = [12288, 24576, 27648, 40000][int(p[0] * 4)]
             fmt = (["f16"] + list(WEIGHT_QUANT))[int(p[1] * (1 + len(WEIGHT_QUANT)))]
             x, g = self.new_input((1, k), "f32"), self.new_input((k,), "f32")
             w = self.new_input(([1, 3, 8][int(p[2] * 3)], k), fmt)

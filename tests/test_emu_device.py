@@ -89,6 +89,23 @@ def test_verify_checks_the_blocks_a_producer_quantizes_for_the_next_normalizatio
     assert v.calls == 3 and "within tolerance" in v.summary(), v.summary()
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_a_gemv_whose_activation_passes_all_lds_runs_from_device_memory(T):
+    """K 120000 after an RMSNorm: the f16 activation (240 KB) passes even sm_90's 227 KiB of LDS, so
+    each workgroup fills and reads its own slice of a buffer in device memory
+    (``codegen.mapping._activation_beyond_lds``); the sm_90 text matches the float64 interpreter."""
+    from tests.emu_device import emu_backend
+    K, N = 120000, 5
+    x, g = rng.standard_normal((T, K)).astype(np.float32), rng.uniform(0.5, 1.5, K).astype(np.float32)
+    w = (rng.standard_normal((N, K)) * 0.02).astype(np.float16)
+    jf = dsl.jit(lambda x, g, w: nn.linear(nn.rms_norm(x, g, 1e-5), w) * 2.0, backend=emu_backend())
+    want = jf.lower(x, g, w).program.run(x, g, w, compute_dtype="f64")[0]
+    got = np.asarray(jf(x, g, w), np.float64)
+    (ck,) = jf.compile(x, g, w).kernels
+    assert re.search(r"vf_half\* const \w+ = \w+_slices \+ \(size_t\)blockIdx.x \* 120000;", ck.hip), ck.hip[:2000]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("fmt,T", [("f16", 1), ("q4_0", 1), ("f16", 4)])
 def test_a_gemv_whose_activation_passes_static_lds_runs_from_dynamic_lds(fmt, T):
     """K 27648 (Qwen2.5-32B's down projection) after an RMSNorm: the activation (f16, 55 KB, or q8_1
