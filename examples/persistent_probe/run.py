@@ -22,6 +22,9 @@ FLIGHT the chunks a producer keeps in flight (10: the whole ring), MODE
   5  4, the barrier's arrival one release-add (RELEASE)
   6  5, O's and down's residuals read before their chunks (RES_EARLY)
   7  6, the producer quiet while its workgroup waits at a grid barrier (QUIET)
+  8  7, the SiLU·mul output in f16 (M_HALF)
+  9  7, each head's attention run by the last QKV workgroup of its rows to arrive, no grid barrier
+     between QKV and attention (FOLD_ATTN); 10: 9 with M_HALF
 ``--trace`` prints a K variant's timeline of one layer (one workgroup's steps, every workgroup's
 arrivals).  Each variant with barriers is first checked over 2 layers against numpy in float64 and
 (but R and K) against a run on 12 workgroups (the same rows in another split).
@@ -99,7 +102,7 @@ class Probe:
         self.kv = self.put(self.kv_host)
         self.x0 = rng.standard_normal(HID).astype(np.float32)
         self.act = [self.alloc(n * 4) for n in (HID, NQKV, HID, HID, FF)]      # x, q, a, h, m
-        self.count, self.out = self.alloc(4), self.alloc(4)
+        self.count, self.out = self.alloc(4 * (1 + layers * NH)), self.alloc(4)   # the grid's, then each head's
         self.wgu_arg = np.array([self.wgu], np.uint64)
         self.modules = {}
 
@@ -180,7 +183,7 @@ class Probe:
         prm = Params(*self.ptrs, self.kv, *self.act, self.count, layers)
         extra = np.array([self.tiled()], np.uint64) if tiled else self.wgu_arg
         args = np.array([ctypes.addressof(prm), extra.ctypes.data], np.uint64)
-        _check(drv.cuMemsetD32Async(self.count, 0, 1, self.stream), "cuMemsetD32Async")
+        _check(drv.cuMemsetD32Async(self.count, 0, 1 + self.L * NH, self.stream), "cuMemsetD32Async")
         if events:
             _check(drv.cuEventRecord(events[0], self.stream), "cuEventRecord")
         _check(drv.cuLaunchKernel(f, grid, 1, 1, threads, 1, 1, smem, self.stream, args.ctypes.data, 0), "launch")
@@ -300,7 +303,8 @@ def main(argv=None):
                 defs.update({"KV_AHEAD": prefetch, "TRACE": int(a.trace), "TRACE_WG": a.trace_wg, "SPLIT": 1,
                              "LOCAL_ATTN": int(bps == 2), "FLIGHT": skip[1] if len(skip) > 1 else 10, "NO_ATTN": int(bps == 3),
                              "ATTN_WG": int(bps >= 4), "RELEASE": int(bps >= 5),
-                             "RES_EARLY": int(bps >= 6), "QUIET": int(bps >= 7)})
+                             "RES_EARLY": int(bps >= 6), "QUIET": int(bps >= 7),
+                             "M_HALF": int(bps in (8, 10)), "FOLD_ATTN": int(bps >= 9)})
         else:
             defs.update({"PREFETCH": prefetch, "BPS": bps, "SKIP": skip[0] if skip else 0})
         entry = "layers_tiled" if tiled else "layers_split" if split else "layers"

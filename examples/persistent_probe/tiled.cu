@@ -16,6 +16,10 @@
 //   RES_EARLY=1  O's and down's residual rows read before their chunks, not after
 //   QUIET=1      the producer issues nothing while its consumers wait at a grid barrier, so the barrier's
 //                add and polls cross an idle memory system
+//   FOLD_ATTN=1  no grid barrier between QKV and attention: each QKV workgroup counts itself in for the
+//                query heads its rows touch, and the last of a head's workgroups runs that head's attention
+//                (K and V from global memory); p.count[1 + l * NH + h] counts them
+//   M_HALF=1     the SiLU·mul output m stored in f16, so that down's staging reads half the bytes
 //   TRACE=1      workgroup TRACE_WG's clock at each step of layer 10 (trace_clk), every workgroup's
 //                global timer at each phase's store and release (trace_all)
 #ifndef FLIGHT
@@ -41,6 +45,12 @@
 #endif
 #ifndef QUIET
 #define QUIET 0
+#endif
+#ifndef FOLD_ATTN
+#define FOLD_ATTN 0
+#endif
+#ifndef M_HALF
+#define M_HALF 0
 #endif
 #ifndef TRACE
 #define TRACE 0
@@ -141,6 +151,25 @@ __device__ void stage_raw(float *xs, const float *src, int n, float *ssw) {
     }
   ss = warp_sum(ss);
   if ((t & 31) == 0) ssw[t >> 5] = ss;
+  cbar();
+}
+
+// stage n f16 values of src into xs as floats, every load in flight at once (M_HALF: down's m)
+__device__ void stage_half(float *xs, const __half *src, int n) {
+  constexpr int MAXJ = (FF / 8 + CT - 1) / CT;
+  uint4 buf[MAXJ];
+  int t = threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < MAXJ; ++j)
+    if (t + j * CT < n / 8) buf[j] = __ldcg((const uint4 *)src + t + j * CT);
+#pragma unroll
+  for (int j = 0; j < MAXJ; ++j)
+    if (t + j * CT < n / 8) {
+      const __half2 *h = (const __half2 *)&buf[j];
+      float2 a = __half22float2(h[0]), b = __half22float2(h[1]), c = __half22float2(h[2]), d = __half22float2(h[3]);
+      ((float4 *)xs)[2 * (t + j * CT)] = make_float4(a.x, a.y, b.x, b.y);
+      ((float4 *)xs)[2 * (t + j * CT) + 1] = make_float4(c.x, c.y, d.x, d.y);
+    }
   cbar();
 }
 
@@ -280,6 +309,56 @@ __device__ __forceinline__ void gbarrier(unsigned *count, unsigned &target) {
 #endif
 }
 
+// FOLD_ATTN: query head h by this workgroup, K and V read from global memory; the scores a position a
+// warp, the weighted sum of V a dimension a thread (sc: POS floats of shared memory)
+__device__ void attention_folded(const Params &p, int l, int h, float *sc) {
+  int t = threadIdx.x, lane = t & 31, w = t >> 5, kvh = h / (NH / NKV);
+  const uint2 *k = (const uint2 *)(p.kv + (((size_t)l * 2 + 0) * NKV + kvh) * POS * HD);
+  const __half *v = p.kv + (((size_t)l * 2 + 1) * NKV + kvh) * POS * HD;
+  float4 q = __ldcg((const float4 *)(p.q + h * HD) + lane);
+  for (int j = w; j < POS; j += NCW) {
+    uint2 kk = __ldg(k + j * (HD / 4) + lane);
+    float2 x = __half22float2(*(__half2 *)&kk.x), y = __half22float2(*(__half2 *)&kk.y);
+    float d = warp_sum(q.x * x.x + q.y * x.y + q.z * y.x + q.w * y.y);
+    if (lane == 0) sc[j] = d * 0.08838834764831845f;
+  }
+  cbar();
+  if (t < HD) {
+    float s = sc[lane], mx = s;
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float e = __expf(s - mx), pr = e / warp_sum(e), acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < POS; ++j) acc += __shfl_sync(0xffffffffu, pr, j) * __half2float(__ldg(v + j * HD + t));
+    p.a[h * HD + t] = acc;
+  }
+  cbar();
+}
+
+// FOLD_ATTN: after this workgroup's QKV rows are stored, count it in for each query head its rows touch;
+// the last to arrive runs the head's attention
+__device__ void fold_attention(const Params &p, int l, float *sc) {
+  __shared__ unsigned last[NH];
+  int lo = lo_row(NQKV), hi = hi_row(NQKV), t = threadIdx.x;
+  cbar();                                   // every thread's rows stored
+  if (t < NH) {
+    int a = t * HD, b = a + HD;             // head t's q rows
+    last[t] = 0;
+    if (lo < b && hi > a) {
+      int need = 0;                         // workgroups whose rows touch [a, b)
+      for (int g = 0; g < (int)gridDim.x; ++g) {
+        int glo = (int)(((long long)NQKV * g) / gridDim.x), ghi = (int)(((long long)NQKV * (g + 1)) / gridDim.x);
+        need += glo < b && ghi > a;
+      }
+      unsigned ticket;
+      asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(ticket) : "l"(p.count + 1 + l * NH + t) : "memory");
+      last[t] = ticket == (unsigned)need - 1;
+    }
+  }
+  cbar();
+  for (int h = 0; h < NH; ++h)
+    if (last[h]) attention_folded(p, l, h, sc);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, const char *tw) {
   extern __shared__ __align__(128) char smem[];
   char *ring = smem;
@@ -308,6 +387,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
     consume_tiled<0>(c, ring, full, empty, xs, part, l);
     c += NCH<0>;
     if (t < rows_of<0>()) p.q[lo_of<0>() + t] = row_sum<0>(part, t) * rms_scale(ssw, HID);
+    if (FOLD_ATTN) {
+      fold_attention(p, l, part);
+      gbarrier(p.count, target);
+    } else {
     if (KV_AHEAD) kv_ahead(p, l);
     if (ATTN_WG && blockIdx.x < NH && t == 0) {    // this head's K and V into xs, free until O's stage
       const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
@@ -340,6 +423,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
       // O: h = x + W_o . a
       stage_raw(xs, p.a, HID, ssw);
     }
+    }
+    if (FOLD_ATTN) stage_raw(xs, p.a, HID, ssw);
     TR(2, 1);
     float res = RES_EARLY && t < rows_of<1>() ? __ldcg(p.x + lo_of<1>() + t) : 0.f;
     consume_tiled<1>(c, ring, full, empty, xs, part, l);
@@ -355,13 +440,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
     c += NCH<2>;
     if (2 * t < rows_of<2>()) {
       float r = rms_scale(ssw, HID), g = row_sum<2>(part, 2 * t) * r, u = row_sum<2>(part, 2 * t + 1) * r;
-      p.m[lo_of<2>() + t] = g / (1.f + __expf(-g)) * u;
+      float mv = g / (1.f + __expf(-g)) * u;
+      if (M_HALF) ((__half *)p.m)[lo_of<2>() + t] = __float2half(mv);
+      else p.m[lo_of<2>() + t] = mv;
     }
     TR(3, 62);
     gbarrier(p.count, target);
     TR(3, 63);
     // down: x = h + W_d . m
-    stage_raw(xs, p.m, FF, ssw);
+    if (M_HALF) stage_half(xs, (const __half *)p.m, FF);
+    else stage_raw(xs, p.m, FF, ssw);
     TR(4, 1);
     res = RES_EARLY && t < rows_of<3>() ? __ldcg(p.h + lo_of<3>() + t) : 0.f;
     consume_tiled<3>(c, ring, full, empty, xs, part, l);
