@@ -13,8 +13,9 @@ are not vegafuse's: they measure a design before the compiler generates it (docs
 A variant is ``NAME:PREFETCH,BARRIER,THREADS,BPS[,SKIP]`` (``--variants``); a name starting with M
 runs ``ring.cu`` (THREADS = (slots + 1) * 32), with R its SPLIT consumers (THREADS 416, 10 slots,
 SPLIT = BPS; SKIP 1: RING_ONLY), with S or T it is timed but not checked.  A name starting with K
-runs ``tiled.cu`` (2026-12-04 (afternoon)): ``K..:KV_AHEAD,BARRIER,416,MODE[,RING_ONLY[,FLIGHT]]``,
-FLIGHT the chunks a producer keeps in flight (10: the whole ring), MODE
+runs ``tiled.cu`` (2026-12-04 (afternoon)): ``K..:KV_AHEAD,BARRIER,416,MODE[,RING_ONLY[,FLIGHT[,LMHEAD]]]``,
+FLIGHT the chunks a producer keeps in flight (10: the whole ring), LMHEAD 1: the final norm, the LM
+head and the argmax after the layers (timed as a step), MODE
   1  attention a phase of its own on workgroup 0, as ring.cu
   2  every workgroup computes all heads itself (LOCAL_ATTN)
   3  no attention at all (NO_ATTN: timing only)
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from engine.devices.cuda import _check, _cu, _cuda_include_dirs  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HID, NQKV, FF, NH, NKV, HD, POS = 1536, 2048, 8960, 12, 2, 128, 32
+HID, NQKV, FF, NH, NKV, HD, POS, VOC = 1536, 2048, 8960, 12, 2, 128, 32, 151936
 SLOT = 18432
 VARIANTS = ("P0:0,1,512,1 P1:1,1,512,1 N0:0,0,512,1 N1:1,0,512,1 S8:0,0,512,1,8 S16:0,0,512,1,16 "
             "S5:0,0,512,1,5 S31:0,0,512,1,31 T31:0,1,512,1,31 M1:0,1,352,1 MN:0,0,352,1 R1:0,1,416,1 "
@@ -69,6 +70,11 @@ class Params(ctypes.Structure):
     """``Params`` of common.cuh, passed by value."""
     _fields_ = [(n, ctypes.c_uint64) for n in ("wqkv", "wo", "wg", "wu", "wd", "kv", "x", "q", "a", "h", "m",
                                                "count")] + [("layers", ctypes.c_int)]
+
+
+class LmArgs(ctypes.Structure):
+    """``LmArgs`` of tiled.cu, passed by value: the LM head's tiled weight, the logits, the argmax."""
+    _fields_ = [(n, ctypes.c_uint64) for n in ("w", "logits", "best")]
 
 
 class Probe:
@@ -105,6 +111,7 @@ class Probe:
         self.count, self.out = self.alloc(4 * (1 + layers * NH)), self.alloc(4)   # the grid's, then each head's
         self.wgu_arg = np.array([self.wgu], np.uint64)
         self.modules = {}
+        self.lm_head = False          # set while a LMHEAD variant runs
 
     def alloc(self, n):
         return int(_check(drv.cuMemAlloc(max(n, 4)), "cuMemAlloc"))
@@ -155,6 +162,43 @@ class Probe:
             _check(drv.cuMemcpyHtoD(self._tiled + l * layer * 2, buf.ctypes.data, buf.nbytes), "tiled")
         return self._tiled
 
+    def lm(self):
+        """The LM head (VOC x HID f16, distinct random rows) in tiled.cu's layout (a workgroup's rows in blocks
+        of 144, each block's chunks of 64 columns its rows one after another), its logits and argmax buffers."""
+        if getattr(self, "_lm", None) is not None:
+            return self._lm
+        G, rp, kc = self.sms, 144, 64
+        rng = np.random.default_rng(11)
+        self.w_lm = np.concatenate([(rng.standard_normal((16384, HID), np.float32) * 0.03).astype(np.float16)
+                                    for _ in range(-(-VOC // 16384))])[:VOC]
+        blocks = -(-(-(-VOC // G)) // rp)
+        region = blocks * (HID // kc) * rp * kc                                   # halves a workgroup
+        buf = np.zeros(region * G, np.float16)
+        for b in range(G):
+            lo, hi = VOC * b // G, VOC * (b + 1) // G
+            for bk in range(0, hi - lo, rp):
+                rows = self.w_lm[lo + bk:min(hi, lo + bk + rp)]
+                for j in range(0, HID, kc):
+                    at = b * region + (bk // rp * (HID // kc) + j // kc) * rp * kc
+                    buf[at:at + rows.shape[0] * kc] = rows[:, j:j + kc].reshape(-1)
+        self._lm = LmArgs(self.put(buf), self.alloc(VOC * 4), self.alloc(8))
+        self.lm_blocks = blocks
+        return self._lm
+
+    def check_lm(self, x):
+        """The last launch's logits and argmax (after the layers giving ``x``) against float64."""
+        lm = self.lm()
+        got = np.empty(VOC, np.float32)
+        _check(drv.cuMemcpyDtoH(got.ctypes.data, lm.logits, got.nbytes), "logits")
+        best = np.empty(1, np.uint64)
+        _check(drv.cuMemcpyDtoH(best.ctypes.data, lm.best, 8), "best")
+        n = x / np.sqrt(np.mean(x * x) + 1e-6)
+        want = np.concatenate([self.w_lm[i:i + 16384].astype(np.float64) @ n for i in range(0, VOC, 16384)])
+        err = np.abs(got - want).max() / np.abs(want).max()
+        top = 0xffffffff - int(best[0] & 0xffffffff)
+        print(f"    the LM head within {err:.1e} of float64; argmax {top}, float64's {int(np.argmax(want))}")
+        assert err < 1e-3 and (top == np.argmax(want) or want[top] >= want.max() - 2e-3 * np.abs(want).max())
+
     def compile(self, defs: dict, ring: bool, entry: str = "layers", tiled: bool = False):
         """The ``layers`` function of the variant and its dynamic shared memory."""
         prog = _check(nv.nvrtcCreateProgram(source(ring, tiled).encode(), b"probe.cu", 0, [], []), "nvrtcCreateProgram")
@@ -182,7 +226,13 @@ class Probe:
         _check(drv.cuMemcpyHtoD(self.act[0], self.x0.ctypes.data, self.x0.nbytes), "x0")
         prm = Params(*self.ptrs, self.kv, *self.act, self.count, layers)
         extra = np.array([self.tiled()], np.uint64) if tiled else self.wgu_arg
-        args = np.array([ctypes.addressof(prm), extra.ctypes.data], np.uint64)
+        args = [ctypes.addressof(prm), extra.ctypes.data]
+        if tiled:
+            lm = self.lm() if self.lm_head else LmArgs(0, 0, 0)
+            args.append(ctypes.addressof(lm))
+            if self.lm_head:
+                _check(drv.cuMemsetD32Async(lm.best, 0, 2, self.stream), "cuMemsetD32Async")
+        args = np.array(args, np.uint64)
         _check(drv.cuMemsetD32Async(self.count, 0, 1 + self.L * NH, self.stream), "cuMemsetD32Async")
         if events:
             _check(drv.cuEventRecord(events[0], self.stream), "cuEventRecord")
@@ -304,7 +354,11 @@ def main(argv=None):
                              "LOCAL_ATTN": int(bps == 2), "FLIGHT": skip[1] if len(skip) > 1 else 10, "NO_ATTN": int(bps == 3),
                              "ATTN_WG": int(bps >= 4), "RELEASE": int(bps >= 5),
                              "RES_EARLY": int(bps >= 6), "QUIET": int(bps >= 7),
-                             "M_HALF": int(bps in (8, 10)), "FOLD_ATTN": int(bps >= 9)})
+                             "M_HALF": int(bps in (8, 10)), "FOLD_ATTN": int(bps >= 9),
+                             "LMHEAD": skip[2] if len(skip) > 2 else 0})
+                if defs["LMHEAD"]:
+                    probe.lm()
+                    defs["LM_BLOCKS"] = probe.lm_blocks
         else:
             defs.update({"PREFETCH": prefetch, "BPS": bps, "SKIP": skip[0] if skip else 0})
         entry = "layers_tiled" if tiled else "layers_split" if split else "layers"
@@ -317,6 +371,7 @@ def main(argv=None):
         variants[name] = (f, probe.sms * (1 if ring else bps), threads, smem, barrier, tiled)
     want = probe.reference(2)
     for name, (f, grid, threads, smem, barrier, tiled) in variants.items():
+        probe.lm_head = bool(defs_of[name].get("LMHEAD"))
         if barrier and name[0] not in "ST" and not defs_of[name].get("NO_ATTN") and not defs_of[name].get("RING_ONLY"):
             got = probe.launch(f, grid, threads, smem, 2, tiled=tiled).astype(np.float64)
             err = np.abs(got - want).max() / np.abs(want).max()
@@ -325,15 +380,23 @@ def main(argv=None):
             same = name[0] in "RK" or np.array_equal(probe.launch(f, NH, threads, smem, 2), got.astype(np.float32))
             print(f"  {name}: 2 layers within {err:.1e} of float64 (of the largest |x|); on 12 workgroups the same bits: {same}")
             assert err < 1e-3 and same, name
+            if probe.lm_head:
+                probe.check_lm(want)
     if stream is not None:
         us, gbs = probe.stream_us(stream)
         print(f"the same weights streamed: {us:.2f} us a layer ({gbs:.0f} GB/s)", flush=True)
     for name in a.order.split():
         if name in variants:
             f, grid, threads, smem, _, tiled = variants[name]
+            probe.lm_head = bool(defs_of[name].get("LMHEAD"))
             med, best = probe.time(f, grid, threads, smem, a.reps, tiled)
-            print(f"{name:4s} {grid} x {threads}: {med:.2f} us a layer (best {best:.2f}), "
-                  f"{sum(probe.sizes) * 2 / med / 1e3:.0f} GB/s", flush=True)
+            if probe.lm_head:
+                step = med * probe.L
+                print(f"{name:4s} {grid} x {threads}: {step:.1f} us a step of {probe.L} layers and the LM head (best "
+                      f"{best * probe.L:.1f}): {1e6 / step:.0f} tok/s", flush=True)
+            else:
+                print(f"{name:4s} {grid} x {threads}: {med:.2f} us a layer (best {best:.2f}), "
+                      f"{sum(probe.sizes) * 2 / med / 1e3:.0f} GB/s", flush=True)
     if a.trace:
         for name, (f, *_, tiled) in variants.items():
             if tiled:

@@ -19,6 +19,8 @@
 //   FOLD_ATTN=1  no grid barrier between QKV and attention: each QKV workgroup counts itself in for the
 //                query heads its rows touch, and the last of a head's workgroups runs that head's attention
 //                (K and V from global memory); p.count[1 + l * NH + h] counts them
+//   LMHEAD=1     after the layers, the final RMSNorm, the LM head (151936 rows, tiled like gate/up in blocks
+//                of 144 rows) and the argmax over all workgroups (one 64-bit atomic max)
 //   M_HALF=1     the SiLU·mul output m stored in f16, so that down's staging reads half the bytes
 //   TRACE=1      workgroup TRACE_WG's clock at each step of layer 10 (trace_clk), every workgroup's
 //                global timer at each phase's store and release (trace_all)
@@ -48,6 +50,9 @@
 #endif
 #ifndef FOLD_ATTN
 #define FOLD_ATTN 0
+#endif
+#ifndef LMHEAD
+#define LMHEAD 0
 #endif
 #ifndef M_HALF
 #define M_HALF 0
@@ -81,10 +86,17 @@ template <> struct Tile<0> { static constexpr int K = HID, KC = 384, CG = 48, RP
 template <> struct Tile<1> { static constexpr int K = HID, KC = 768, CG = 96, RPT = 3; };   // O: 12 rows
 template <> struct Tile<2> { static constexpr int K = HID, KC = 64, CG = 8, RPT = 3; };     // gate/up: 144 rows
 template <> struct Tile<3> { static constexpr int K = FF, KC = 768, CG = 96, RPT = 3; };    // down: 12 rows
+template <> struct Tile<4> { static constexpr int K = HID, KC = 64, CG = 8, RPT = 3; };     // LM head: blocks of 144 rows
 template <int PH> constexpr int RP = CT / Tile<PH>::CG * Tile<PH>::RPT;                    // rows a workgroup, at most
 template <int PH> constexpr int NCH = (Tile<PH>::K + Tile<PH>::KC - 1) / Tile<PH>::KC;     // chunks a phase
 template <int PH> constexpr size_t REGION = (size_t)NCH<PH> * RP<PH> * Tile<PH>::KC * 2;  // bytes a workgroup
 constexpr size_t LAYER_BYTES = REGION<0> + REGION<1> + REGION<2> + REGION<3>;              // a workgroup's layer
+#define VOC 151936          // LM head rows
+#ifndef LM_BLOCKS
+#define LM_BLOCKS 8         // blocks of RP<4> rows a workgroup at most (run.py sets it from the SMs: 8 for 132)
+#endif
+constexpr size_t LM_REGION = LM_BLOCKS * REGION<4>;                                         // bytes a workgroup
+struct LmArgs { const char *w; float *logits; unsigned long long *best; };                // LMHEAD's tiled weight, outputs
 static_assert(RP<2> * Tile<2>::KC * 2 <= SLOT && RP<1> * Tile<1>::KC * 2 <= SLOT && RP<3> * Tile<3>::KC * 2 <= SLOT,
               "a chunk fills at most a slot");
 
@@ -123,7 +135,24 @@ __device__ void produce(const char *tw, int l, unsigned &c, char *ring, unsigned
   }
 }
 
-__device__ void producer_tiled(const Params &p, const char *tw, char *ring, unsigned long long *full, unsigned long long *empty) {
+// the LM head's chunks: this workgroup's rows in blocks of RP<4>, each block's chunks in turn
+__device__ void produce_lm(const LmArgs &lm, unsigned &c, char *ring, unsigned long long *full, unsigned long long *empty) {
+  using T = Tile<4>;
+  const char *base = lm.w + (size_t)blockIdx.x * LM_REGION;
+  int rows = hi_row(VOC) - lo_row(VOC);
+  for (int bk = 0; bk * RP<4> < rows; ++bk)
+    for (int j = 0; j < NCH<4>; ++j, ++c) {
+      int slot = c % SLOTS, n = min(RP<4>, rows - bk * RP<4>);
+      if (c >= SLOTS) mbar_wait(&empty[slot], ((c / SLOTS) - 1) & 1);
+      if (FLIGHT < SLOTS && c >= FLIGHT) mbar_wait(&full[(c - FLIGHT) % SLOTS], ((c - FLIGHT) / SLOTS) & 1);
+      if (QUIET) while (quiet) {}
+      mbar_expect(&full[slot], (unsigned)(n * T::KC * 2));
+      bulk_load(ring + (size_t)slot * SLOT, base + ((size_t)bk * NCH<4> + j) * RP<4> * T::KC * 2, n * T::KC * 2, &full[slot]);
+    }
+}
+
+__device__ void producer_tiled(const Params &p, const char *tw, const LmArgs &lm, char *ring, unsigned long long *full,
+                               unsigned long long *empty) {
   if ((threadIdx.x & 31) != 0) return;
   unsigned c = 0;
   for (int l = 0; l < p.layers; ++l) {
@@ -132,6 +161,7 @@ __device__ void producer_tiled(const Params &p, const char *tw, char *ring, unsi
     produce<2>(tw, l, c, ring, full, empty);
     produce<3>(tw, l, c, ring, full, empty);
   }
+  if (LMHEAD) produce_lm(lm, c, ring, full, empty);
 }
 
 // stage src[0..n) into xs as it is, every load in flight at once; each warp's sum of squares to ssw
@@ -183,10 +213,10 @@ __device__ __forceinline__ float rms_scale(const float *ssw, int n) {
 // the chunks of phase PH from the ring; each thread's RPT row partials to part[row][CG]
 template <int PH>
 __device__ void consume_tiled(unsigned c0, const char *ring, unsigned long long *full, unsigned long long *empty,
-                              const float *xs, float *part, int l) {
+                              const float *xs, float *part, int l, int n) {
   using T = Tile<PH>;
   constexpr int TP = PH == 0 ? 0 : PH + 1;
-  int t = threadIdx.x, cg = t % T::CG, rg = t / T::CG, n = rows_of<PH>();
+  int t = threadIdx.x, cg = t % T::CG, rg = t / T::CG;
   float acc[T::RPT];
 #pragma unroll
   for (int i = 0; i < T::RPT; ++i) acc[i] = 0.f;
@@ -359,7 +389,43 @@ __device__ void fold_attention(const Params &p, int l, float *sc) {
     if (last[h]) attention_folded(p, l, h, sc);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, const char *tw) {
+// LMHEAD: the final RMSNorm, the LM head's logits and their argmax (the largest, the first of equals) over the grid
+__device__ void lm_head(const Params &p, const LmArgs &lm, unsigned &c, const char *ring, unsigned long long *full,
+                        unsigned long long *empty, float *xs, float *part, float *ssw) {
+  __shared__ float wv[NCW];
+  __shared__ int wi[NCW];
+  int t = threadIdx.x, lo = lo_row(VOC), rows = hi_row(VOC) - lo;
+  stage_raw(xs, p.x, HID, ssw);
+  float r = rms_scale(ssw, HID), bv = -__int_as_float(0x7f800000);
+  int bi = 0x7fffffff;
+  for (int bk = 0; bk * RP<4> < rows; ++bk) {
+    int n = min(RP<4>, rows - bk * RP<4>);
+    consume_tiled<4>(c, ring, full, empty, xs, part, -1, n);
+    c += NCH<4>;
+    if (t < n) {
+      float v = row_sum<4>(part, t) * r;
+      lm.logits[lo + bk * RP<4> + t] = v;
+      if (v > bv) bv = v, bi = lo + bk * RP<4> + t;
+    }
+    cbar();
+  }
+  for (int o = 16; o; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+  }
+  if ((t & 31) == 0) wv[t >> 5] = bv, wi[t >> 5] = bi;
+  cbar();
+  if (t == 0) {
+    for (int w = 1; w < NCW; ++w)
+      if (wv[w] > bv || (wv[w] == bv && wi[w] < bi)) bv = wv[w], bi = wi[w];
+    unsigned u = __float_as_uint(bv);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);          // ordered as unsigned
+    atomicMax(lm.best, ((unsigned long long)u << 32) | (0xffffffffu - (unsigned)bi));
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, const char *tw, LmArgs lm) {
   extern __shared__ __align__(128) char smem[];
   char *ring = smem;
   float *xs = (float *)(smem + SLOTS * SLOT);
@@ -367,7 +433,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
   __shared__ __align__(16) float part[RP<2> * Tile<2>::CG];
   __shared__ float ssw[NCW];
   __shared__ __align__(8) unsigned long long kvbar;
-  static_assert(RP<0> * Tile<0>::CG <= RP<2> * Tile<2>::CG && RP<3> * Tile<3>::CG <= RP<2> * Tile<2>::CG, "part");
+  static_assert(RP<0> * Tile<0>::CG <= RP<2> * Tile<2>::CG && RP<3> * Tile<3>::CG <= RP<2> * Tile<2>::CG &&
+                RP<4> * Tile<4>::CG <= RP<2> * Tile<2>::CG, "part");
   if (threadIdx.x == 0) {
     for (int i = 0; i < SLOTS; ++i) { mbar_init(&full[i], 1); mbar_init(&empty[i], NCW); }
     mbar_init(&kvbar, 1);
@@ -375,7 +442,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (threadIdx.x >> 5 == NCW) { producer_tiled(p, tw, ring, full, empty); return; }
+  if (threadIdx.x >> 5 == NCW) { producer_tiled(p, tw, lm, ring, full, empty); return; }
   unsigned target = 0, c = 0;
   const int t = threadIdx.x;
   for (int l = 0; l < p.layers; ++l) {
@@ -384,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
     TR(0, 0);
     stage_raw(xs, p.x, HID, ssw);
     TR(0, 1);
-    consume_tiled<0>(c, ring, full, empty, xs, part, l);
+    consume_tiled<0>(c, ring, full, empty, xs, part, l, rows_of<0>());
     c += NCH<0>;
     if (t < rows_of<0>()) p.q[lo_of<0>() + t] = row_sum<0>(part, t) * rms_scale(ssw, HID);
     if (FOLD_ATTN) {
@@ -427,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
     if (FOLD_ATTN) stage_raw(xs, p.a, HID, ssw);
     TR(2, 1);
     float res = RES_EARLY && t < rows_of<1>() ? __ldcg(p.x + lo_of<1>() + t) : 0.f;
-    consume_tiled<1>(c, ring, full, empty, xs, part, l);
+    consume_tiled<1>(c, ring, full, empty, xs, part, l, rows_of<1>());
     c += NCH<1>;
     if (t < rows_of<1>()) p.h[lo_of<1>() + t] = (RES_EARLY ? res : __ldcg(p.x + lo_of<1>() + t)) + row_sum<1>(part, t);
     TR(2, 62);
@@ -436,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
     // gate/up: m = silu(W_g . n) * (W_u . n), n = rmsnorm(h)
     stage_raw(xs, p.h, HID, ssw);
     TR(3, 1);
-    consume_tiled<2>(c, ring, full, empty, xs, part, l);
+    consume_tiled<2>(c, ring, full, empty, xs, part, l, rows_of<2>());
     c += NCH<2>;
     if (2 * t < rows_of<2>()) {
       float r = rms_scale(ssw, HID), g = row_sum<2>(part, 2 * t) * r, u = row_sum<2>(part, 2 * t + 1) * r;
@@ -452,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
     else stage_raw(xs, p.m, FF, ssw);
     TR(4, 1);
     res = RES_EARLY && t < rows_of<3>() ? __ldcg(p.h + lo_of<3>() + t) : 0.f;
-    consume_tiled<3>(c, ring, full, empty, xs, part, l);
+    consume_tiled<3>(c, ring, full, empty, xs, part, l, rows_of<3>());
     c += NCH<3>;
     if (t < rows_of<3>()) p.x[lo_of<3>() + t] = (RES_EARLY ? res : __ldcg(p.h + lo_of<3>() + t)) + row_sum<3>(part, t);
     TR(4, 62);
@@ -460,4 +527,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
     TR(4, 63);
     if (TRACE && l == TRACE_LAYER && blockIdx.x == TRACE_WG && t == 0) trace_clk[642] = gtimer(), trace_clk[643] = clock64();
   }
+  if (LMHEAD) lm_head(p, lm, c, ring, full, empty, xs, part, ssw);
 }
