@@ -14,7 +14,9 @@
 #define NH 12               // query heads
 #define NKV 2               // KV heads
 #define HD 128              // head dim
-#define POS 32              // cached positions
+#ifndef POS
+#define POS 32              // cached positions (run.py --positions; the attention of layers.cu and ring.cu needs 32)
+#endif
 #define VH (HID / 8)        // uint4 a hidden-wide row: 192 = 32 lanes x 6
 #define VF (FF / 8)         // uint4 a down row: 1120 = 32 lanes x 35
 

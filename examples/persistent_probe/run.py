@@ -13,9 +13,11 @@ are not vegafuse's: they measure a design before the compiler generates it (docs
 A variant is ``NAME:PREFETCH,BARRIER,THREADS,BPS[,SKIP]`` (``--variants``); a name starting with M
 runs ``ring.cu`` (THREADS = (slots + 1) * 32), with R its SPLIT consumers (THREADS 416, 10 slots,
 SPLIT = BPS; SKIP 1: RING_ONLY), with S or T it is timed but not checked.  A name starting with K
-runs ``tiled.cu`` (2026-12-04 (afternoon)): ``K..:KV_AHEAD,BARRIER,416,MODE[,RING_ONLY[,FLIGHT[,LMHEAD]]]``,
-FLIGHT the chunks a producer keeps in flight (10: the whole ring), LMHEAD 1: the final norm, the LM
-head and the argmax after the layers (timed as a step), MODE
+runs ``tiled.cu`` (2026-12-04 (afternoon)): ``K..:KV,BARRIER,416,MODE[,RING_ONLY[,FLIGHT[,LMHEAD[,SLOTS]]]]``,
+KV 1: K and V asked of L2 before the wait (KV_AHEAD), 2: with MODE 4 and up, attention reads them from
+global memory (ATTN_GLOBAL), FLIGHT the chunks a producer keeps in flight (10: the whole ring),
+LMHEAD 1: the final norm, the LM head and the argmax after the layers (timed as a step), SLOTS the
+ring's (10; fewer leave room for K and V of a longer context, ``--positions``), MODE
   1  attention a phase of its own on workgroup 0, as ring.cu
   2  every workgroup computes all heads itself (LOCAL_ATTN)
   3  no attention at all (NO_ATTN: timing only)
@@ -212,7 +214,8 @@ class Probe:
         _check(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
         mod = _check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
         f = _check(drv.cuModuleGetFunction(mod, entry.encode()), entry)
-        smem = (defs["SLOTS"] * SLOT if ring else 0) + FF * 4
+        kv = 4 * POS * HD + 4 * 12 * HD if defs.get("ATTN_WG") and not defs.get("ATTN_GLOBAL") else 0   # K, V, partials
+        smem = (defs["SLOTS"] * SLOT if ring else 0) + max(FF * 4, kv)    # the ring, the activation (or K and V)
         fa = drv.CUfunction_attribute
         _check(drv.cuFuncSetAttribute(f, fa.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem), "smem")
         regs = _check(drv.cuFuncGetAttribute(fa.CU_FUNC_ATTRIBUTE_NUM_REGS, f), "regs")
@@ -335,7 +338,11 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--trace", action="store_true", help="K variants: print one workgroup's timeline of a layer")
     ap.add_argument("--trace-wg", type=int, default=5, help="the workgroup --trace follows")
+    ap.add_argument("--positions", type=int, default=32, help="cached positions (K variants with MODE 4 and up; "
+                    "the attention of P, M and R needs 32)")
     a = ap.parse_args(argv)
+    global POS
+    POS = a.positions
     _load()
     probe = Probe(a.layers, a.seed)
     print(f"weights {probe.total * 2 / 1e9:.3f} GB, {probe.sms} SMs", flush=True)
@@ -345,17 +352,18 @@ def main(argv=None):
         prefetch, barrier, threads, bps, *skip = map(int, v.split(","))
         tiled = name[0] == "K"
         ring, split = name[0] in "MRK" or name[:2] == "SR", name[0] in "RK" or name[:2] == "SR"
-        defs = {"THREADS": threads, "BARRIER": barrier}
+        defs = {"THREADS": threads, "BARRIER": barrier, "POS": POS}
         if ring:
             defs.update({"SLOTS": 10, "SPLIT": bps, "RING_ONLY": skip[0] if skip else 0} if split
                         else {"SLOTS": threads // 32 - 1})
             if tiled:
-                defs.update({"KV_AHEAD": prefetch, "TRACE": int(a.trace), "TRACE_WG": a.trace_wg, "SPLIT": 1,
+                defs.update({"KV_AHEAD": int(prefetch == 1), "ATTN_GLOBAL": int(prefetch == 2), "TRACE": int(a.trace), "TRACE_WG": a.trace_wg, "SPLIT": 1,
                              "LOCAL_ATTN": int(bps == 2), "FLIGHT": skip[1] if len(skip) > 1 else 10, "NO_ATTN": int(bps == 3),
                              "ATTN_WG": int(bps >= 4), "RELEASE": int(bps >= 5),
                              "RES_EARLY": int(bps >= 6), "QUIET": int(bps >= 7),
                              "M_HALF": int(bps in (8, 10)), "FOLD_ATTN": int(bps >= 9),
                              "LMHEAD": skip[2] if len(skip) > 2 else 0})
+                defs["SLOTS"] = skip[3] if len(skip) > 3 else 10
                 if defs["LMHEAD"]:
                     probe.lm()
                     defs["LM_BLOCKS"] = probe.lm_blocks

@@ -9,6 +9,8 @@
 //                in flight lengthens the queue each latency-bound load of the chain waits in)
 //   ATTN_WG=1    query head h on workgroup h, its K and V bulk-copied into shared memory before the
 //                grid's wait, a position a warp; else attention() of common.cuh on workgroup 0
+//   ATTN_GLOBAL=1 with ATTN_WG: K and V asked of L2 before the wait and read from global memory after it
+//                (a context whose K and V pass the activation buffer)
 //   LOCAL_ATTN=1 every workgroup computes the 12 heads itself and goes on to O with no grid wait
 //   NO_ATTN=1    the attention phase computes nothing (wrong answers: what its work costs)
 //   KV_AHEAD=1   the attention warps ask L2 for their layer's K and V before the grid's wait
@@ -29,6 +31,9 @@
 #endif
 #ifndef ATTN_WG
 #define ATTN_WG 0
+#endif
+#ifndef ATTN_GLOBAL
+#define ATTN_GLOBAL 0
 #endif
 #ifndef LOCAL_ATTN
 #define LOCAL_ATTN 0
@@ -299,24 +304,43 @@ __device__ void attention_local(const Params &p, int l, float *a) {
 // query head h = blockIdx.x < NH: the scores a position a warp (lanes over the head's dimensions), the
 // softmax and the weighted sum of V a dimension a thread; K and V of the layer are in kv (bulk-copied
 // before the wait), sc holds the POS scores
-__device__ void attention_wg(const Params &p, const __half *kv, float *sc) {
+__device__ void attention_wg(const Params &p, const __half *kb, const __half *vb, float *sc, float *vpart) {
   int h = blockIdx.x, t = threadIdx.x, lane = t & 31, w = t >> 5;
   float4 q = __ldcg((const float4 *)(p.q + h * HD) + lane);
-  for (int j = w; j < POS; j += NCW) {
-    uint2 k = ((const uint2 *)(kv + j * HD))[lane];
+#pragma unroll 4
+  for (int j = w; j < POS; j += NCW) {                 // the scores: a position a warp
+    uint2 k = ((const uint2 *)(kb + j * HD))[lane];
     float2 x = __half22float2(*(__half2 *)&k.x), y = __half22float2(*(__half2 *)&k.y);
     float d = warp_sum(q.x * x.x + q.y * x.y + q.z * y.x + q.w * y.y);
     if (lane == 0) sc[j] = d * 0.08838834764831845f;
   }
   cbar();
-  if (t >= HD) return;
-  float s = sc[lane], mx = s;
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float e = __expf(s - mx), pr = e / warp_sum(e), acc = 0.f;
-  const __half *v = kv + POS * HD + t;
+  if (w == 0) {                                        // the softmax: POS / 32 positions a lane
+    float mx = sc[0], sum = 0.f;
+    for (int j = lane; j < POS; j += 32) mx = fmaxf(mx, sc[j]);
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int j = lane; j < POS; j += 32) sum += __expf(sc[j] - mx);
+    sum = warp_sum(sum);
+    __syncwarp();
+    for (int j = lane; j < POS; j += 32) sc[j] = __expf(sc[j] - mx) / sum;
+  }
+  cbar();
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);           // the values: a position a warp, four dimensions a lane
+#pragma unroll 4
+  for (int j = w; j < POS; j += NCW) {
+    uint2 v = ((const uint2 *)(vb + j * HD))[lane];
+    float2 x = __half22float2(*(__half2 *)&v.x), y = __half22float2(*(__half2 *)&v.y);
+    float pj = sc[j];
+    o.x += pj * x.x; o.y += pj * x.y; o.z += pj * y.x; o.w += pj * y.y;
+  }
+  ((float4 *)(vpart + w * HD))[lane] = o;
+  cbar();
+  if (t < HD) {
+    float acc = 0.f;
 #pragma unroll
-  for (int j = 0; j < POS; ++j) acc += __shfl_sync(0xffffffffu, pr, j) * __half2float(v[j * HD]);
-  p.a[h * HD + t] = acc;
+    for (int i = 0; i < NCW; ++i) acc += vpart[i * HD + t];
+    p.a[h * HD + t] = acc;
+  }
 }
 
 // cbarrier of ring.cu, the arrival a release-add with RELEASE
@@ -459,13 +483,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
       gbarrier(p.count, target);
     } else {
     if (KV_AHEAD) kv_ahead(p, l);
-    if (ATTN_WG && blockIdx.x < NH && t == 0) {    // this head's K and V into xs, free until O's stage
+    if (ATTN_WG && blockIdx.x < NH) {
       const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
       const __half *v = p.kv + (((size_t)l * 2 + 1) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // xs's reads before the copies' writes
-      mbar_expect(&kvbar, 2 * POS * HD * 2);
-      bulk_load(xs, k, POS * HD * 2, &kvbar);
-      bulk_load((char *)xs + POS * HD * 2, v, POS * HD * 2, &kvbar);
+      if (ATTN_GLOBAL) {                           // this head's K and V asked of L2, read after the wait
+        for (int i = t; i < 2 * POS * HD * 2 / 128; i += CT)
+          asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(i < POS * HD * 2 / 128 ? k : v) + i % (POS * HD * 2 / 128) * 128));
+      } else if (t == 0) {                         // this head's K and V into xs, free until O's stage
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // xs's reads before the copies' writes
+        mbar_expect(&kvbar, 2 * POS * HD * 2);
+        bulk_load(xs, k, POS * HD * 2, &kvbar);
+        bulk_load((char *)xs + POS * HD * 2, v, POS * HD * 2, &kvbar);
+      }
     }
     TR(0, 62);
     gbarrier(p.count, target);
@@ -477,9 +506,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
       TR(1, 63);
     } else {
       if (ATTN_WG) {
-        if (blockIdx.x < NH) {
+        if (blockIdx.x < NH && ATTN_GLOBAL) {
+          const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
+          attention_wg(p, k, k + NKV * POS * HD, part, xs);
+        } else if (blockIdx.x < NH) {
           mbar_wait(&kvbar, l & 1);
-          attention_wg(p, (const __half *)xs, part);
+          attention_wg(p, (const __half *)xs, (const __half *)xs + POS * HD, part, xs + POS * HD);
         }
       } else if (!NO_ATTN) {
         attention(p, l, NCW);
