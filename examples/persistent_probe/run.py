@@ -13,11 +13,12 @@ are not vegafuse's: they measure a design before the compiler generates it (docs
 A variant is ``NAME:PREFETCH,BARRIER,THREADS,BPS[,SKIP]`` (``--variants``); a name starting with M
 runs ``ring.cu`` (THREADS = (slots + 1) * 32), with R its SPLIT consumers (THREADS 416, 10 slots,
 SPLIT = BPS; SKIP 1: RING_ONLY), with S or T it is timed but not checked.  A name starting with K
-runs ``tiled.cu`` (2026-12-04 (afternoon)): ``K..:KV,BARRIER,416,MODE[,RING_ONLY[,FLIGHT[,LMHEAD[,SLOTS]]]]``,
+runs ``tiled.cu`` (2026-12-04 (afternoon)): ``K..:KV,BARRIER,416,MODE[,RING_ONLY[,FLIGHT[,LMHEAD[,SLOTS[,SPLIT]]]]]``,
 KV 1: K and V asked of L2 before the wait (KV_AHEAD), 2: with MODE 4 and up, attention reads them from
 global memory (ATTN_GLOBAL), FLIGHT the chunks a producer keeps in flight (10: the whole ring),
 LMHEAD 1: the final norm, the LM head and the argmax after the layers (timed as a step), SLOTS the
-ring's (10; fewer leave room for K and V of a longer context, ``--positions``), MODE
+ring's (10; fewer leave room for K and V of a longer context, ``--positions``), SPLIT (MODE 4 and
+up) each head's positions over that many workgroups (ATTN_SPLIT, at most 8), MODE
   1  attention a phase of its own on workgroup 0, as ring.cu
   2  every workgroup computes all heads itself (LOCAL_ATTN)
   3  no attention at all (NO_ATTN: timing only)
@@ -214,7 +215,8 @@ class Probe:
         _check(nv.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
         mod = _check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
         f = _check(drv.cuModuleGetFunction(mod, entry.encode()), entry)
-        kv = 4 * POS * HD + 4 * 12 * HD if defs.get("ATTN_WG") and not defs.get("ATTN_GLOBAL") else 0   # K, V, partials
+        split = defs.get("ATTN_SPLIT") or 1          # K and V of a split's positions and the partial rows, copied in
+        kv = 4 * -(-POS // split) * HD + 4 * 12 * HD if defs.get("ATTN_WG") and not defs.get("ATTN_GLOBAL") else 0
         smem = (defs["SLOTS"] * SLOT if ring else 0) + max(FF * 4, kv)    # the ring, the activation (or K and V)
         fa = drv.CUfunction_attribute
         _check(drv.cuFuncSetAttribute(f, fa.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem), "smem")
@@ -364,6 +366,7 @@ def main(argv=None):
                              "M_HALF": int(bps in (8, 10)), "FOLD_ATTN": int(bps >= 9),
                              "LMHEAD": skip[2] if len(skip) > 2 else 0})
                 defs["SLOTS"] = skip[3] if len(skip) > 3 else 10
+                defs["ATTN_SPLIT"] = skip[4] if len(skip) > 4 else 0
                 if defs["LMHEAD"]:
                     probe.lm()
                     defs["LM_BLOCKS"] = probe.lm_blocks

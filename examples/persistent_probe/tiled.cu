@@ -11,6 +11,9 @@
 //                grid's wait, a position a warp; else attention() of common.cuh on workgroup 0
 //   ATTN_GLOBAL=1 with ATTN_WG: K and V asked of L2 before the wait and read from global memory after it
 //                (a context whose K and V pass the activation buffer)
+//   ATTN_SPLIT=S query head h's positions over S workgroups (h S .. h S + S - 1), each copying its share of K
+//                and V into xs before the wait; their partial rows (max, sum, output) are combined where O
+//                stages its activation (flash-decoding inside the phase)
 //   LOCAL_ATTN=1 every workgroup computes the 12 heads itself and goes on to O with no grid wait
 //   NO_ATTN=1    the attention phase computes nothing (wrong answers: what its work costs)
 //   KV_AHEAD=1   the attention warps ask L2 for their layer's K and V before the grid's wait
@@ -34,6 +37,9 @@
 #endif
 #ifndef ATTN_GLOBAL
 #define ATTN_GLOBAL 0
+#endif
+#ifndef ATTN_SPLIT
+#define ATTN_SPLIT 0
 #endif
 #ifndef LOCAL_ATTN
 #define LOCAL_ATTN 0
@@ -343,6 +349,82 @@ __device__ void attention_wg(const Params &p, const __half *kb, const __half *vb
   }
 }
 
+// ATTN_SPLIT: each split's partial row of each head (its max and sum of exp, and its unnormalized output)
+__device__ float att_o[NH * 8 * HD], att_ml[NH * 8 * 2];
+
+// ATTN_SPLIT: head h over the n positions of split s, K and V in shared memory: the partial row to att_o, att_ml
+__device__ void attention_part(const Params &p, int h, int s, const __half *kb, const __half *vb, int n, float *sc,
+                               float *vpart) {
+  int t = threadIdx.x, lane = t & 31, w = t >> 5, at = h * ATTN_SPLIT + s;
+  float4 q = __ldcg((const float4 *)(p.q + h * HD) + lane);
+#pragma unroll 4
+  for (int j = w; j < n; j += NCW) {
+    uint2 k = ((const uint2 *)(kb + j * HD))[lane];
+    float2 x = __half22float2(*(__half2 *)&k.x), y = __half22float2(*(__half2 *)&k.y);
+    float d = warp_sum(q.x * x.x + q.y * x.y + q.z * y.x + q.w * y.y);
+    if (lane == 0) sc[j] = d * 0.08838834764831845f;
+  }
+  cbar();
+  if (w == 0) {
+    float mx = sc[0], sum = 0.f;
+    for (int j = lane; j < n; j += 32) mx = fmaxf(mx, sc[j]);
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    __syncwarp();
+    for (int j = lane; j < n; j += 32) sum += (sc[j] = __expf(sc[j] - mx));
+    sum = warp_sum(sum);
+    if (lane == 0) att_ml[2 * at] = mx, att_ml[2 * at + 1] = sum;
+  }
+  cbar();
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int j = w; j < n; j += NCW) {
+    uint2 v = ((const uint2 *)(vb + j * HD))[lane];
+    float2 x = __half22float2(*(__half2 *)&v.x), y = __half22float2(*(__half2 *)&v.y);
+    float pj = sc[j];
+    o.x += pj * x.x; o.y += pj * x.y; o.z += pj * y.x; o.w += pj * y.y;
+  }
+  ((float4 *)(vpart + w * HD))[lane] = o;
+  cbar();
+  if (t < HD) {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < NCW; ++i) acc += vpart[i * HD + t];
+    att_o[at * HD + t] = acc;
+  }
+}
+
+// ATTN_SPLIT: O's activation, each head's splits combined (log-sum-exp); every load in flight at once: the
+// splits' maxima and sums into shared memory, a thread's outputs of every split into registers
+__device__ void stage_attn(float *xs) {
+  constexpr int PER = (NH * HD + CT - 1) / CT;                  // values a thread
+  constexpr int S = ATTN_SPLIT ? ATTN_SPLIT : 1;              // (ATTN_SPLIT 0: never called)
+  __shared__ float ml[NH * S * 2];
+  int t = threadIdx.x;
+  float o[PER][S];
+  if (t < NH * ATTN_SPLIT * 2) ml[t] = __ldcg(&att_ml[t]);
+#pragma unroll
+  for (int i = 0; i < PER; ++i)
+#pragma unroll
+    for (int s = 0; s < ATTN_SPLIT; ++s)
+      o[i][s] = __ldcg(&att_o[((t + i * CT) / HD * ATTN_SPLIT + s) * HD + (t + i * CT) % HD]);
+  cbar();
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    int h = (t + i * CT) / HD;
+    float mx = ml[2 * h * ATTN_SPLIT], num = 0.f, den = 0.f;
+#pragma unroll
+    for (int s = 1; s < ATTN_SPLIT; ++s) mx = fmaxf(mx, ml[2 * (h * ATTN_SPLIT + s)]);
+#pragma unroll
+    for (int s = 0; s < ATTN_SPLIT; ++s) {
+      float f = __expf(ml[2 * (h * ATTN_SPLIT + s)] - mx);
+      num += f * o[i][s];
+      den += f * ml[2 * (h * ATTN_SPLIT + s) + 1];
+    }
+    xs[t + i * CT] = num / den;
+  }
+  cbar();
+}
+
 // cbarrier of ring.cu, the arrival a release-add with RELEASE
 __device__ __forceinline__ void gbarrier(unsigned *count, unsigned &target) {
   target += gridDim.x;
@@ -483,7 +565,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
       gbarrier(p.count, target);
     } else {
     if (KV_AHEAD) kv_ahead(p, l);
-    if (ATTN_WG && blockIdx.x < NH) {
+    if (ATTN_SPLIT && blockIdx.x < NH * ATTN_SPLIT) {          // this split's K and V into xs
+      int h = blockIdx.x / ATTN_SPLIT, sp = blockIdx.x % ATTN_SPLIT, lo = sp * POS / ATTN_SPLIT;
+      int n = (sp + 1) * POS / ATTN_SPLIT - lo;
+      const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + h / (NH / NKV)) * POS * HD + (size_t)lo * HD;
+      if (t == 0) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_expect(&kvbar, 2 * n * HD * 2);
+        bulk_load(xs, k, n * HD * 2, &kvbar);
+        bulk_load((char *)xs + n * HD * 2, k + NKV * POS * HD, n * HD * 2, &kvbar);
+      }
+    } else if (ATTN_WG && !ATTN_SPLIT && blockIdx.x < NH) {
       const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
       const __half *v = p.kv + (((size_t)l * 2 + 1) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
       if (ATTN_GLOBAL) {                           // this head's K and V asked of L2, read after the wait
@@ -505,7 +597,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
       cbar();
       TR(1, 63);
     } else {
-      if (ATTN_WG) {
+      if (ATTN_SPLIT) {
+        if (blockIdx.x < NH * ATTN_SPLIT) {
+          int sp = blockIdx.x % ATTN_SPLIT, n = (sp + 1) * POS / ATTN_SPLIT - sp * POS / ATTN_SPLIT;
+          mbar_wait(&kvbar, l & 1);
+          attention_part(p, blockIdx.x / ATTN_SPLIT, sp, (const __half *)xs, (const __half *)xs + n * HD, n, part,
+                         xs + n * HD);
+        }
+      } else if (ATTN_WG) {
         if (blockIdx.x < NH && ATTN_GLOBAL) {
           const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
           attention_wg(p, k, k + NKV * POS * HD, part, xs);
@@ -520,7 +619,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
       gbarrier(p.count, target);
       TR(1, 63);
       // O: h = x + W_o . a
-      stage_raw(xs, p.a, HID, ssw);
+      if (ATTN_SPLIT) stage_attn(xs);
+      else stage_raw(xs, p.a, HID, ssw);
     }
     }
     if (FOLD_ATTN) stage_raw(xs, p.a, HID, ssw);
