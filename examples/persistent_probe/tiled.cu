@@ -563,65 +563,65 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) layers_tiled(Params p, 
     if (FOLD_ATTN) {
       fold_attention(p, l, part);
       gbarrier(p.count, target);
-    } else {
-    if (KV_AHEAD) kv_ahead(p, l);
-    if (ATTN_SPLIT && blockIdx.x < NH * ATTN_SPLIT) {          // this split's K and V into xs
-      int h = blockIdx.x / ATTN_SPLIT, sp = blockIdx.x % ATTN_SPLIT, lo = sp * POS / ATTN_SPLIT;
-      int n = (sp + 1) * POS / ATTN_SPLIT - lo;
-      const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + h / (NH / NKV)) * POS * HD + (size_t)lo * HD;
-      if (t == 0) {
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_expect(&kvbar, 2 * n * HD * 2);
-        bulk_load(xs, k, n * HD * 2, &kvbar);
-        bulk_load((char *)xs + n * HD * 2, k + NKV * POS * HD, n * HD * 2, &kvbar);
-      }
-    } else if (ATTN_WG && !ATTN_SPLIT && blockIdx.x < NH) {
-      const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
-      const __half *v = p.kv + (((size_t)l * 2 + 1) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
-      if (ATTN_GLOBAL) {                           // this head's K and V asked of L2, read after the wait
-        for (int i = t; i < 2 * POS * HD * 2 / 128; i += CT)
-          asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(i < POS * HD * 2 / 128 ? k : v) + i % (POS * HD * 2 / 128) * 128));
-      } else if (t == 0) {                         // this head's K and V into xs, free until O's stage
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // xs's reads before the copies' writes
-        mbar_expect(&kvbar, 2 * POS * HD * 2);
-        bulk_load(xs, k, POS * HD * 2, &kvbar);
-        bulk_load((char *)xs + POS * HD * 2, v, POS * HD * 2, &kvbar);
-      }
-    }
-    TR(0, 62);
-    gbarrier(p.count, target);
-    TR(0, 63);
-    if (LOCAL_ATTN) {
-      attention_local(p, l, xs);
-      TR(1, 62);
-      cbar();
-      TR(1, 63);
-    } else {
-      if (ATTN_SPLIT) {
-        if (blockIdx.x < NH * ATTN_SPLIT) {
-          int sp = blockIdx.x % ATTN_SPLIT, n = (sp + 1) * POS / ATTN_SPLIT - sp * POS / ATTN_SPLIT;
-          mbar_wait(&kvbar, l & 1);
-          attention_part(p, blockIdx.x / ATTN_SPLIT, sp, (const __half *)xs, (const __half *)xs + n * HD, n, part,
-                         xs + n * HD);
+    } else {                              // attention a phase of its own (or every workgroup's, LOCAL_ATTN)
+      if (KV_AHEAD) kv_ahead(p, l);
+      if (ATTN_SPLIT && blockIdx.x < NH * ATTN_SPLIT) {          // this split's K and V into xs
+        int h = blockIdx.x / ATTN_SPLIT, sp = blockIdx.x % ATTN_SPLIT, lo = sp * POS / ATTN_SPLIT;
+        int n = (sp + 1) * POS / ATTN_SPLIT - lo;
+        const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + h / (NH / NKV)) * POS * HD + (size_t)lo * HD;
+        if (t == 0) {
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          mbar_expect(&kvbar, 2 * n * HD * 2);
+          bulk_load(xs, k, n * HD * 2, &kvbar);
+          bulk_load((char *)xs + n * HD * 2, k + NKV * POS * HD, n * HD * 2, &kvbar);
         }
-      } else if (ATTN_WG) {
-        if (blockIdx.x < NH && ATTN_GLOBAL) {
-          const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
-          attention_wg(p, k, k + NKV * POS * HD, part, xs);
-        } else if (blockIdx.x < NH) {
-          mbar_wait(&kvbar, l & 1);
-          attention_wg(p, (const __half *)xs, (const __half *)xs + POS * HD, part, xs + POS * HD);
+      } else if (ATTN_WG && !ATTN_SPLIT && blockIdx.x < NH) {
+        const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
+        const __half *v = p.kv + (((size_t)l * 2 + 1) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
+        if (ATTN_GLOBAL) {                           // this head's K and V asked of L2, read after the wait
+          for (int i = t; i < 2 * POS * HD * 2 / 128; i += CT)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)(i < POS * HD * 2 / 128 ? k : v) + i % (POS * HD * 2 / 128) * 128));
+        } else if (t == 0) {                         // this head's K and V into xs, free until O's stage
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // xs's reads before the copies' writes
+          mbar_expect(&kvbar, 2 * POS * HD * 2);
+          bulk_load(xs, k, POS * HD * 2, &kvbar);
+          bulk_load((char *)xs + POS * HD * 2, v, POS * HD * 2, &kvbar);
         }
-      } else if (!NO_ATTN) {
-        attention(p, l, NCW);
       }
-      TR(1, 62);
+      TR(0, 62);
       gbarrier(p.count, target);
-      TR(1, 63);
-      // O: h = x + W_o . a
-      if (ATTN_SPLIT) stage_attn(xs);
-      else stage_raw(xs, p.a, HID, ssw);
-    }
+      TR(0, 63);
+      if (LOCAL_ATTN) {
+        attention_local(p, l, xs);
+        TR(1, 62);
+        cbar();
+        TR(1, 63);
+      } else {
+        if (ATTN_SPLIT) {
+          if (blockIdx.x < NH * ATTN_SPLIT) {
+            int sp = blockIdx.x % ATTN_SPLIT, n = (sp + 1) * POS / ATTN_SPLIT - sp * POS / ATTN_SPLIT;
+            mbar_wait(&kvbar, l & 1);
+            attention_part(p, blockIdx.x / ATTN_SPLIT, sp, (const __half *)xs, (const __half *)xs + n * HD, n, part,
+                           xs + n * HD);
+          }
+        } else if (ATTN_WG) {
+          if (blockIdx.x < NH && ATTN_GLOBAL) {
+            const __half *k = p.kv + (((size_t)l * 2 + 0) * NKV + blockIdx.x / (NH / NKV)) * POS * HD;
+            attention_wg(p, k, k + NKV * POS * HD, part, xs);
+          } else if (blockIdx.x < NH) {
+            mbar_wait(&kvbar, l & 1);
+            attention_wg(p, (const __half *)xs, (const __half *)xs + POS * HD, part, xs + POS * HD);
+          }
+        } else if (!NO_ATTN) {
+          attention(p, l, NCW);
+        }
+        TR(1, 62);
+        gbarrier(p.count, target);
+        TR(1, 63);
+        // O: h = x + W_o . a
+        if (ATTN_SPLIT) stage_attn(xs);
+        else stage_raw(xs, p.a, HID, ssw);
+      }
     }
     if (FOLD_ATTN) stage_raw(xs, p.a, HID, ssw);
     TR(2, 1);
