@@ -477,12 +477,12 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), dynamic=(), static
         counts = {s.count for s in L.walk_stmts(k.body) if isinstance(s, L.Arrive)}
         lines += [f"__device__ unsigned int {s.name}[{s.size}];" if s.name in counts else _array(s, "")[0]
                   for s in device]
-    pools = [s for s in k.body if isinstance(s, L.Array) and s.space == "global"]
-    lines += [x for s in pools for x in _pool(s, launch.grid)[0]]
+    pools = [_pool(s, launch.grid) for s in k.body if isinstance(s, L.Array) and s.space == "global"]
+    lines += [x for buffer, _ in pools for x in buffer]
     lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
     arrays = [s for s in k.body if isinstance(s, L.Array) and s.space in ("local", "lds") and s not in dynamic]
     lines += stmts(arrays) + (_dynamic(dynamic, static_lds) if dynamic else [])
-    lines += [x for s in pools for x in _pool(s, launch.grid)[1]]
+    lines += [x for _, pointer in pools for x in pointer]
     if any(isinstance(s, L.Arrive) for s in L.walk_stmts(k.body)):
         lines.append("  __shared__ int vf_flag;")
     if _uses_waves(k.body):
