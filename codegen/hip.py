@@ -362,17 +362,17 @@ class HipKernel:
         return self.source[self.body_start:]
 
 
-def _signature(k: L.Kernel) -> str:
-    """Parameters named after tensors.  Scalars (the decode position) arrive through device memory
+def parameter(p: L.Param) -> str:
+    """A kernel parameter's declaration.  Scalars (the decode position) arrive through device memory
     (``const int* name_``), so a captured graph replays with the current value."""
-    args = []
-    for p in k.params:
-        if p.kind == "scalar":
-            args.append(f"const int* __restrict__ {p.name}_")
-        else:
-            const = "const " if p.role == "in" else ""
-            args.append(f"{const}{CTYPE[p.dtype]}* __restrict__ {p.name}")
-    return ", ".join(args)
+    if p.kind == "scalar":
+        return f"const int* __restrict__ {p.name}_"
+    return f"{'const ' if p.role == 'in' else ''}{CTYPE[p.dtype]}* __restrict__ {p.name}"
+
+
+def _signature(k: L.Kernel) -> str:
+    """Parameters named after tensors (``parameter``)."""
+    return ", ".join(map(parameter, k.params))
 
 
 def _uses_waves(body):
@@ -446,10 +446,12 @@ def dynamic_arrays(k: L.Kernel, static_lds: int, budget: int = 0) -> list:
     return out
 
 
-def _dynamic(arrays, static_lds: int, pad="  ") -> list:
-    """``arrays`` as pointers into one dynamic LDS buffer (``VF_DYNAMIC_LDS``), in order."""
+def _dynamic(arrays, static_lds: int, pad="  ", why: str = "") -> list:
+    """``arrays`` as pointers into one dynamic LDS buffer (``VF_DYNAMIC_LDS``), in order; ``why``
+    the comment's reason (by default: past the ``static_lds`` bytes a kernel may declare)."""
     total = sum(map(_lds_size, arrays))
-    lines = [f"{pad}// past the {static_lds} bytes of LDS a kernel may declare: {total} bytes of dynamic LDS, sized at launch",
+    why = why or f"past the {static_lds} bytes of LDS a kernel may declare"
+    lines = [f"{pad}// {why}: {total} bytes of dynamic LDS, sized at launch",
              f"{pad}VF_DYNAMIC_LDS(vf_lds, {total});"]
     at = 0
     for a in arrays:
@@ -460,11 +462,9 @@ def _dynamic(arrays, static_lds: int, pad="  ") -> list:
     return lines
 
 
-def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), dynamic=(), static_lds: int = 0) -> str:
-    """The source of a mapped kernel (``codegen.mapping.map_kernel``), without the prelude;
-    ``prefetch``: bytes of each of ``weights`` asked of L2 before the wait (``Target.pdl_prefetch``);
-    ``dynamic``: its arrays to take from dynamic LDS (``dynamic_arrays``), past the ``static_lds``
-    bytes a kernel may declare."""
+def file_scope(k: L.Kernel) -> list:
+    """The lines of a mapped kernel before its function: its header comment and the device-memory
+    buffers it keeps between workgroups (attention's partial rows, arrival counts, pools)."""
     launch = k.launch
     lines = [f"// {k.name}: {k.family} kernel, {k.bytes} bytes moved, {k.flops} flops per call",
              f"// mapping: {launch.how}"]
@@ -477,21 +477,35 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), dynamic=(), static
         counts = {s.count for s in L.walk_stmts(k.body) if isinstance(s, L.Arrive)}
         lines += [f"__device__ unsigned int {s.name}[{s.size}];" if s.name in counts else _array(s, "")[0]
                   for s in device]
-    pools = [_pool(s, launch.grid) for s in k.body if isinstance(s, L.Array) and s.space == "global"]
-    lines += [x for buffer, _ in pools for x in buffer]
-    lines += [f'extern "C" __global__ void __launch_bounds__({launch.bounds}) {k.name}({_signature(k)}) {{']
+    return lines + [x for s in k.body if isinstance(s, L.Array) and s.space == "global" for x in _pool(s, launch.grid)[0]]
+
+
+def function_body(k: L.Kernel, dynamic=(), static_lds: int = 0, wait=(), why: str = "") -> list:
+    """The lines inside a mapped kernel's function: its arrays (``dynamic``: those taken from dynamic
+    LDS, see ``_dynamic``), then ``wait`` (the lines that wait for the previous kernel), its scalars
+    and its statements."""
     arrays = [s for s in k.body if isinstance(s, L.Array) and s.space in ("local", "lds") and s not in dynamic]
-    lines += stmts(arrays) + (_dynamic(dynamic, static_lds) if dynamic else [])
-    lines += [x for _, pointer in pools for x in pointer]
+    lines = stmts(arrays) + (_dynamic(dynamic, static_lds, why=why) if dynamic else [])
+    lines += [_pool(s, k.launch.grid)[1][0] for s in k.body if isinstance(s, L.Array) and s.space == "global"]
     if any(isinstance(s, L.Arrive) for s in L.walk_stmts(k.body)):
         lines.append("  __shared__ int vf_flag;")
     if _uses_waves(k.body):
         lines.append("  const int vf_lane = threadIdx.x % VF_WAVE, vf_wave = threadIdx.x / VF_WAVE;")
-    lines += _prefetch(weights, prefetch)
-    lines += ["  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
-              "  VF_GRID_LAUNCH_DEPENDENTS();"]
+    lines += list(wait)
     lines += [f"  const int {p.name} = {p.name}_[0];" for p in k.params if p.kind == "scalar"]
-    lines += stmts([s for s in k.body if not isinstance(s, L.Array)])
+    return lines + stmts([s for s in k.body if not isinstance(s, L.Array)])
+
+
+def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), dynamic=(), static_lds: int = 0) -> str:
+    """The source of a mapped kernel (``codegen.mapping.map_kernel``), without the prelude;
+    ``prefetch``: bytes of each of ``weights`` asked of L2 before the wait (``Target.pdl_prefetch``);
+    ``dynamic``: its arrays to take from dynamic LDS (``dynamic_arrays``), past the ``static_lds``
+    bytes a kernel may declare."""
+    wait = _prefetch(weights, prefetch) + [
+        "  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
+        "  VF_GRID_LAUNCH_DEPENDENTS();"]
+    lines = file_scope(k) + [f'extern "C" __global__ void __launch_bounds__({k.launch.bounds}) {k.name}({_signature(k)}) {{']
+    lines += function_body(k, dynamic, static_lds, wait)
     return "\n".join(lines + ["}"]) + "\n"
 
 
@@ -500,6 +514,9 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     ``k`` is mapped for ``target`` first unless it is mapped already (then only the prelude
     comes from ``target``)."""
     t = get_target(target) if isinstance(target, str) else target
+    if k.family == "persistent":
+        from .persistent import render_persistent
+        return render_persistent(k, t)
     m = L.tidy_names(map_kernel(k, t), reserved=("vf_lane", "vf_wave"))
     q8 = next((p.dtype for p in k.params if p.dtype in L.ACT_Q8), None)          # a producer's q8_1 blocks
     quant = q8 is not None or any(p.dtype in L.QUANT_DTYPES for p in k.params)

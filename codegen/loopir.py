@@ -449,8 +449,26 @@ class Arrive:
     parts: int
 
 
+@dataclass(frozen=True)
+class Phase:
+    """A step of a persistent kernel (``fusion/persistent.py``): ``kernel``, a kernel of the plan,
+    run by the persistent kernel's workgroups as if it were launched alone (each takes its workgroups
+    in turn), with ``args`` (names of the persistent kernel's parameters) bound to its parameters in
+    order.  Phases equal up to names (the same layer again) share one ``kernel``; ``name`` is the
+    plan's kernel the phase stands for."""
+    kernel: "Kernel"
+    args: tuple
+    name: str
+
+
+@dataclass(frozen=True)
+class GridBarrier:
+    """GPU: every workgroup of the grid waits here until all have arrived; the global writes of
+    every workgroup before it are seen by every workgroup after it."""
+
+
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8,
-             CopyQ8, CopyF32, QuantizeStored, Arrive]
+             CopyQ8, CopyF32, QuantizeStored, Arrive, Phase, GridBarrier]
 
 
 @dataclass(frozen=True)
@@ -488,7 +506,7 @@ class Kernel:
     """One launch.  ``ops`` describes the DSL equations fused into it (for reports), ``eqns`` holds
     them; ``launch`` is set by the GPU mapping step (``codegen/mapping.py``)."""
     name: str
-    family: str                   # "elementwise" | "reduce" | "contract" | "scatter" | "attention"
+    family: str                   # "elementwise" | "reduce" | "contract" | "scatter" | "attention" | "persistent"
     params: tuple
     body: tuple
     ops: tuple = ()
@@ -642,6 +660,8 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
             return QuantizeQ8(name(s.arr), ex(s.group), tuple(ex(v) for v in s.values), ex(s.active))
         if isinstance(s, Arrive):
             return Arrive(name(s.count), s.parts)
+        if isinstance(s, Phase):
+            return Phase(s.kernel, tuple(name(a) for a in s.args), s.name)
         if isinstance(s, CopyQ8):
             return CopyQ8(name(s.dst), name(s.src), s.blocks)
         if isinstance(s, CopyF32):

@@ -880,7 +880,40 @@ __device__ __forceinline__ bool vf_last_to_arrive(unsigned int* count, int n, in
 }
 """
 
-_ATTENTION += _ARRIVE                      # the splits of a decode attention combine by arrival
+_ATTENTION += _ARRIVE
+
+_NV_GRID_BARRIER = r"""// a persistent kernel's grid barrier (every workgroup resident): the n-th barrier of a launch returns once
+// all gridDim.x workgroups have arrived at it, and every thread's global writes before it are seen by every
+// thread after it (the workgroup's writes meet at __syncthreads; thread 0 fences them, counts, polls with
+// acquire loads and fences again before the workgroup goes on)
+__device__ __forceinline__ void vf_grid_barrier(unsigned int* arrived, unsigned int n) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(arrived, 1u);
+    unsigned int seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
+    } while (seen < n * gridDim.x);
+    __threadfence();
+  }
+  __syncthreads();
+}
+// after the last barrier: the last workgroup to leave sets the count back to zero for the next launch
+__device__ __forceinline__ void vf_grid_leave(unsigned int* arrived, unsigned int* left) {
+  if (threadIdx.x == 0 && atomicAdd(left, 1u) == gridDim.x - 1) {
+    atomicExch(arrived, 0u);
+    atomicExch(left, 0u);
+  }
+}
+"""
+
+
+def grid_barrier(t) -> str:
+    """The prelude's grid barrier of a persistent kernel for ``t`` (NVIDIA; gfx906's is not written yet)."""
+    if t.vendor != "nvidia":
+        raise NotImplementedError(f"a persistent kernel for {t.name}: only NVIDIA targets have a grid barrier yet")
+    return _NV_GRID_BARRIER                      # the splits of a decode attention combine by arrival
 
 _AMD_ATTENTION = r"""typedef unsigned int vf_vec16 __attribute__((ext_vector_type(4)));    // 16 bytes: global_load_dwordx4
 __device__ __forceinline__ vf_vec16 vf_zero16() { return (vf_vec16)(0u); }

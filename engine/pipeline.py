@@ -50,13 +50,18 @@ def compile_program(f, args=(), traced=None) -> Executable:
 
 def for_device(plan, device):
     """``plan`` as ``device`` runs it: on a GPU with int8 dot products, each GEMV activation that an
-    earlier GEMV stores is quantized there once (``fusion.q8.quantize_at_producers``)."""
+    earlier GEMV stores is quantized there once (``fusion.q8.quantize_at_producers``); with
+    ``VEGAFUSE_PERSISTENT=1`` on NVIDIA, runs of kernels made one persistent kernel
+    (``fusion.persistent``)."""
     target = getattr(device.compiler, "target", None) if device is not None else None
-    if target is None or not getattr(target, "int8_dot", False):
+    if target is None:
         return plan
-    from codegen.loopir import int8_activation
-    from fusion.q8 import quantize_at_producers
-    return quantize_at_producers(plan, int8_activation(), target)
+    if getattr(target, "int8_dot", False):
+        from codegen.loopir import int8_activation
+        from fusion.q8 import quantize_at_producers
+        plan = quantize_at_producers(plan, int8_activation(), target)
+    from fusion import persistent
+    return persistent.make_persistent(plan, target) if persistent.enabled(target) else plan
 
 
 def lower_program(traced, fusion=None):

@@ -59,7 +59,8 @@ class EmuCompiler(Compiler):
                           if re.match(r"#define VF_(BLOCK|WAVES|ATT_WAVES) ", line))
         defines += f"#define VF_ATT_BLOCK {h.block[0]}\n#define VF_UNROLL_K\n"
         defines += "#define VF_ACT_F16\n" if h.kernel.launch.act == "f16" else ""
-        return emulation_source(h, defines, helpers()) + f"// launch {h.grid[0]} {h.block[0]}\n"
+        grid = 1 if kernel.family == "persistent" else h.grid[0]    # the workgroups run in turn: a grid barrier needs one
+        return emulation_source(h, defines, helpers()) + f"// launch {grid} {h.block[0]}\n"
 
     def compile(self, source, name):
         with tempfile.TemporaryDirectory() as d:

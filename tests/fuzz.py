@@ -1,6 +1,6 @@
 """Random DSL programs against the float64 reference interpreter.
 
-    python -m tests.fuzz -n 10000 --seed S [--jobs 2] [--backend cpu|cpu+gfx906|emu]
+    python -m tests.fuzz -n 10000 --seed S [--jobs 2] [--backend cpu|cpu+gfx906|emu|emu-persistent]
 
 A program is a list of ops whose parameters are *relative* (fractions in [0, 1)
 that pick axes, sizes, operands): they are resolved against the shapes at hand
@@ -731,7 +731,19 @@ def source(w, seed):
 
 # ----------------------------------------------------------------------------- running one program
 def run_source(src, backend="cpu"):
-    """Run a script written by ``source``; returns (status, detail)."""
+    """Run a script written by ``source``; returns (status, detail).  ``backend`` "emu-persistent":
+    the emulated GPU path with ``VEGAFUSE_PERSISTENT=1`` (runs of kernels as one persistent kernel)."""
+    if backend == "emu-persistent":
+        before = os.environ.get("VEGAFUSE_PERSISTENT")
+        os.environ["VEGAFUSE_PERSISTENT"] = "1"
+        try:
+            return _run_source(src, "emu")
+        finally:
+            os.environ.pop("VEGAFUSE_PERSISTENT") if before is None else os.environ.update(VEGAFUSE_PERSISTENT=before)
+    return _run_source(src, backend)
+
+
+def _run_source(src, backend):
     import dsl
     from dsl.core import DSLError
     ns = {}
@@ -1036,7 +1048,8 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=2, help="child processes")
     ap.add_argument("--backend", default="cpu", help="backend the programs run on (default cpu; cpu+gfx906: "
                     "also compile every kernel for gfx906 through hiprtc; emu: the GPU path, each kernel's "
-                    "sm_90 text run on the CPU by tests/emu_device.py)")
+                    "sm_90 text run on the CPU by tests/emu_device.py; emu-persistent: the same with "
+                    "VEGAFUSE_PERSISTENT=1)")
     ap.add_argument("--batch", type=int, default=50, help="programs per child process")
     ap.add_argument("--no-shrink", action="store_true", help="print failures as generated")
     ap.add_argument("--time-limit", type=float, default=TIME_LIMIT,

@@ -21,7 +21,8 @@ static float vf_emu_lanes[1024];
 #define __device__
 #define __global__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
 #define VF_GRID_LAUNCH_DEPENDENTS()
 #define VF_GRID_WAIT()
 #define vf_prefetch_l2(p, n)             // asks L2 for lines: no value changes
@@ -36,6 +37,23 @@ static inline void __syncthreads() { vf_emu_block->arrive_and_wait(); }
 static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 static inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+// a persistent kernel's phases take their own workgroup index (codegen/persistent.py); its grid barrier, run
+// here with a grid of one workgroup (the workgroups of a grid run in turn)
+struct dim3 { unsigned x; explicit dim3(unsigned x_) : x(x_) {} };
+static inline void vf_grid_barrier(unsigned* arrived, unsigned n) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __atomic_fetch_add(arrived, 1u, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) < n * gridDim.x) std::this_thread::yield();
+  }
+  __syncthreads();
+}
+static inline void vf_grid_leave(unsigned* arrived, unsigned* left) {
+  if (threadIdx.x == 0 && __atomic_fetch_add(left, 1u, __ATOMIC_SEQ_CST) == gridDim.x - 1) {
+    __atomic_store_n(arrived, 0u, __ATOMIC_SEQ_CST);
+    __atomic_store_n(left, 0u, __ATOMIC_SEQ_CST);
+  }
+}
 static inline float vf_load_arrived(const float* p) { return *p; }
 static inline vf_float4 vf_load_arrived4(const float* p) { vf_float4 r; std::memcpy(&r, p, 16); return r; }
 static inline void vf_unpack_f16(vf_vec16 v, float* f) {

@@ -894,3 +894,26 @@ def test_marginal_costs_double_each_kernel_group_and_leave_the_ids_as_they_were(
     assert "layers_#_" in format_marginal(rows)
     m.pos = 4
     assert m.decode_greedy(first, 8) == before
+
+
+@pytest.mark.parametrize("shape", [{}, {"n_layers": 2, "context": 64, "vocab": 32000, "dim": 1536, "heads": (12, 2),
+                                       "head_dim": 128, "ffn": 8960}], ids=["tiny", "qwen2.5-1.5b-layers"])
+def test_a_persistent_decode_step_matches_the_float64_interpreter(shape, monkeypatch):
+    """``VEGAFUSE_PERSISTENT=1``: the step's kernels as phases of one launch, a workgroup on every SM,
+    grid barriers between them (``tests/test_persistent.py`` runs the same on the CPU emulation)."""
+    from tests.test_persistent import check_decode_steps
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    check_decode_steps("cuda", (0, 7, 40) if shape else (0, 5, 11), **shape)
+
+
+def test_smollm2_greedy_ids_from_the_persistent_kernel(monkeypatch):
+    from engine.weights import default_model_path, load_model
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS, greedy
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    ids, out, m = greedy(*load_model(default_model_path()), backend="cuda")
+    assert ids == PROMPT_IDS and out == REFERENCE_IDS
+    m.reset()                                   # the device-side loop, replayed from a CUDA graph
+    m.prefill(ids)
+    assert [REFERENCE_IDS[0]] + m.decode_greedy(REFERENCE_IDS[0], 19) == REFERENCE_IDS
+    (decode,) = m.greedy_step._cache.values()
+    assert [ck.kernel.family for ck in decode.kernels] == ["persistent", "reduce"]

@@ -260,7 +260,21 @@ extern "C" __global__ void vf_fill(void* out, unsigned long long n, unsigned int
         if dynamic > 48 * 1024:                 # beyond the default: the kernel opts in (codegen.hip.dynamic_arrays)
             attr = self.drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(self.drv.cuFuncSetAttribute(fn, attr, dynamic), "cuFuncSetAttribute", name)
+        if source.kernel.family == "persistent":
+            self._check_resident(fn, source.readable, name)
         return module, fn, binary.code
+
+    def _check_resident(self, fn, h, name):
+        """A persistent kernel's workgroups meet at grid barriers, so all must be resident at once:
+        raise CudaError where this GPU holds fewer than its grid."""
+        drv = self.drv
+        sms = _check(drv.cuDeviceGetAttribute(drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                              self.dev), "attr")
+        per_sm = _check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, h.block[0], h.dynamic_lds),
+                        "cuOccupancyMaxActiveBlocksPerMultiprocessor", name)
+        if sms * per_sm < h.grid[0]:
+            raise CudaError(f"kernel {name}: a persistent kernel of {h.grid[0]} workgroups, but this GPU holds "
+                            f"{sms * per_sm} at once ({sms} SMs x {per_sm}); unset VEGAFUSE_PERSISTENT")
 
 
 class NVRTCCompiler(Compiler):

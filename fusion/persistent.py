@@ -1,0 +1,135 @@
+"""GPU plan step: a run of the plan's kernels made one persistent kernel (docs/persistent.md).
+
+A decode step is a chain of dependent kernels; each starts, stages its activation and drains its
+last loads before the next may read its result.  One kernel that stays resident can instead meet
+each dependence at a grid barrier.  This step builds that kernel from the plan's own kernels:
+
+* a run of consecutive kernels that map onto one launch geometry (a workgroup of the target's
+  block, the same activation dtype in LDS) becomes one kernel of family "persistent", whose body
+  is a ``Phase`` per kernel in order with a ``GridBarrier`` between each two;
+* a phase runs its kernel's mapped body unchanged: each of the persistent kernel's workgroups takes
+  the kernel's own workgroups in turn (``codegen/persistent.py`` renders it);
+* kernels equal up to names (the same layer again) share one phase kernel, whose parameters lose
+  the layer numbers that differ (``params_layers_0_wq`` -> ``params_layers_wq``).
+
+Off by default (``VEGAFUSE_PERSISTENT=1`` turns it on, NVIDIA only): built from the separate
+kernels' bodies it runs at about their speed; it is the scaffold the ring of weights and the
+rest of docs/persistent.md are built on.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+
+from codegen import loopir as L
+
+
+def enabled(target) -> bool:
+    """Is the step on for ``target`` (``VEGAFUSE_PERSISTENT=1`` and an NVIDIA target)?"""
+    return os.environ.get("VEGAFUSE_PERSISTENT", "0") == "1" and getattr(target, "vendor", "") == "nvidia"
+
+
+def _geometry(k: L.Kernel, target):
+    """``(block, act)`` of ``k`` mapped for ``target`` when it can be a phase, else None (``act``: the
+    dtype a GEMV keeps its activation in, the prelude's ``vf_act_t``; None for other kernels).  A
+    kernel whose prelude helpers read the launch's own workgroup (a q8_1 producer's quantization),
+    one that tiles a matmul for tensor cores and one of another workgroup size cannot be a phase."""
+    from codegen import mma
+    from codegen.mapping import map_kernel
+    m = map_kernel(k, target)
+    if m.launch.block != target.block or any(isinstance(s, (L.QuantizeStored, mma.MatmulTiles))
+                                             for s in L.walk_stmts(m.body)):
+        return None
+    return m.launch.block, m.launch.act if k.family == "contract" else None
+
+
+def _runs(kernels, target):
+    """The runs of consecutive kernels that can share a launch (one workgroup size, one GEMV
+    activation dtype), each of at least two kernels."""
+    runs, run, act = [], [], None
+    for k in kernels:
+        g = _geometry(k, target)
+        if g is None or (g[1] and act and g[1] != act):
+            runs.append(run)
+            run, act = [], None
+        if g is not None:
+            run.append(k)
+            act = act or g[1]
+    return [r for r in runs + [run] if len(r) > 1]
+
+
+def _shared_names(names: list) -> list:
+    """One name for each position of ``names`` (a list of names per kernel of a group): the name
+    the kernels share, or where they differ only in numbers, the name without those numbers."""
+    out = []
+    for same in zip(*names):
+        parts = [n.split("_") for n in same]
+        if len({len(p) for p in parts}) > 1:
+            out.append(same[0])
+            continue
+        cols = list(zip(*parts))
+        differ = [len(set(c)) > 1 for c in cols]
+        numbers = all(all(x.isdigit() for x in c) for c, d in zip(cols, differ) if d)
+        out.append("_".join(c[0] for c, d in zip(cols, differ) if not d) if numbers else same[0])
+    return out
+
+
+def _phase_kernel(group: list) -> L.Kernel:
+    """The kernel that every kernel of ``group`` (equal up to names) runs as: the first, named for
+    all of them."""
+    first = group[0]
+    if len(group) == 1:
+        return first
+    names = _shared_names([[p.name for p in k.params] for k in group])
+    if len(set(names)) < len(names):                  # two parameters would meet in one name
+        names = [p.name for p in first.params]
+    k = L.rename_params(first, {p.name: n for p, n in zip(first.params, names) if p.name != n})
+    return replace(k, name=_shared_names([[g.name] for g in group])[0])
+
+
+def _merge(params: dict, p: L.Param) -> None:
+    """Add ``p`` to ``params`` (by name): a buffer one phase writes and another reads is "inout"."""
+    q = params.get(p.name)
+    if q is None:
+        params[p.name] = p
+    elif q.role != p.role:
+        params[p.name] = replace(q, role="inout")
+
+
+def persistent_kernel(run: list, name: str) -> L.Kernel:
+    """One kernel of family "persistent" for ``run`` (consecutive kernels of the plan, in order):
+    a ``Phase`` for each, a ``GridBarrier`` between each two."""
+    groups = {}
+    for k in run:
+        groups.setdefault(repr(L.canonicalize(k)), []).append(k)
+    phase_of = {}
+    for g in groups.values():
+        pk = _phase_kernel(g)
+        phase_of.update({id(k): pk for k in g})
+    params, body = {}, []
+    for i, k in enumerate(run):
+        for p in k.params:
+            _merge(params, p)
+        body += ([L.GridBarrier()] if i else []) + [L.Phase(phase_of[id(k)], tuple(p.name for p in k.params), k.name)]
+    return L.Kernel(name, "persistent", tuple(params.values()), tuple(body),
+                    ops=tuple(op for k in run for op in k.ops), bytes=sum(k.bytes for k in run),
+                    flops=sum(k.flops for k in run), eqns=tuple(e for k in run for e in k.eqns))
+
+
+def make_persistent(plan, target):
+    """``plan`` with each run of kernels that can share a launch made one persistent kernel
+    (named ``persistent``, then ``persistent1``, ...)."""
+    runs = _runs(plan.kernels, target)
+    if not runs:
+        return plan
+    first = {id(r[0]): r for r in runs}
+    inside = {id(k) for r in runs for k in r}
+    kernels, n = [], 0
+    for k in plan.kernels:
+        if id(k) in first:
+            kernels.append(persistent_kernel(first[id(k)], "persistent" + (str(n) if n else "")))
+            n += 1
+        elif id(k) not in inside:
+            kernels.append(k)
+    return replace(plan, kernels=kernels)

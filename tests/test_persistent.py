@@ -1,0 +1,103 @@
+"""The persistent kernel (``fusion/persistent.py``, ``codegen/persistent.py``): a decode step's kernels
+as phases of one launch with grid barriers between them, against the float64 interpreter on the CPU
+emulation of the sm_90 text (a grid of one workgroup there; the H200 runs it on every SM in
+``tests/test_cuda.py``)."""
+import numpy as np
+import pytest
+
+import dsl
+from codegen import loopir as L
+from codegen.hip import render_hip
+from codegen.targets import get_target
+from fusion.persistent import make_persistent
+from stdlib import llama
+from stdlib.config import LlamaConfig
+from tests.emulation import GXX
+
+rng = np.random.default_rng()
+
+
+def tiny_qwen2(n_layers=3, context=16, vocab=320, dim=64, heads=(4, 2), head_dim=16, ffn=128):
+    """A Qwen2-shaped model (QKV bias, GQA; small unless told) with fresh random f16 weights and
+    KV cache, and its greedy decode step, a function of (params, tokens, pos, last, cache)."""
+    hq, hkv = heads
+    cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=hq, n_kv_heads=hkv, ffn_dim=ffn,
+                      head_dim=head_dim, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
+                      arch="qwen2", max_seq_len=context, name="tiny-qwen2")
+    D, hd, F = cfg.dim, cfg.head_dim, cfg.ffn_dim
+    mat = lambda n, k: (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float16)   # noqa: E731
+    vec = lambda n, shift=0.0: (shift + 0.05 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    layers = [{"attn_norm": vec(D, 1.0), "ffn_norm": vec(D, 1.0), "wq": mat(hq * hd, D), "wk": mat(hkv * hd, D),
+               "wv": mat(hkv * hd, D), "wo": mat(D, hq * hd), "w_gate": mat(F, D), "w_up": mat(F, D), "w_down": mat(D, F),
+               "bq": vec(hq * hd), "bk": vec(hkv * hd), "bv": vec(hkv * hd)} for _ in range(n_layers)]
+    params = {"embed": mat(vocab, D), "layers": layers, "norm": vec(D, 1.0)}
+    cache = [tuple((rng.standard_normal((hkv, context, hd)) * 0.5).astype(np.float16) for _ in range(2))
+             for _ in range(n_layers)]
+
+    def step(params, tokens, pos, last, cache):
+        nxt, logits, cache = llama.greedy_forward(cfg, params, tokens, pos, last, cache)
+        return nxt, logits, cache
+    return step, params, cache
+
+
+def test_a_decode_plan_becomes_one_persistent_kernel_with_a_phase_a_kernel():
+    step, params, cache = tiny_qwen2()
+    from engine.pipeline import lower_program
+    plan = lower_program(dsl.jit(step).lower(params, np.array([5], np.int32), 3, 0, cache))
+    t = get_target("sm_90")
+    (k, *rest) = make_persistent(plan, t).kernels
+    assert k.family == "persistent" and [r.name for r in rest] == ["argmax"]       # a workgroup of 1024: its own launch
+    phases = [s for s in k.body if isinstance(s, L.Phase)]
+    assert [s.name for s in phases] == [x.name for x in plan.kernels[:-1]]
+    assert sum(isinstance(s, L.GridBarrier) for s in k.body) == len(phases) - 1
+    # layers 1 and 2 run one phase kernel, its parameters named without the layer number
+    qkv = [s.kernel for s in phases if "wq_wk_wv" in s.name]
+    assert qkv[1] is qkv[2] and qkv[0] is not qkv[1]
+    assert "params_layers_wq" in [p.name for p in qkv[1].params]
+    src = render_hip(k, t).source
+    assert src.count("__device__ __noinline__ void layers_causal_attention(const dim3 blockIdx, const dim3 gridDim") == 1
+    assert src.count("vf_grid_barrier(&vf_grid_arrived, ") == len(phases) - 1
+
+
+def check_decode_steps(backend, positions, **shape):
+    """The decode step of ``tiny_qwen2(**shape)`` at each of ``positions`` in turn (the cache each
+    wrote feeding the next) as one persistent kernel and the argmax, against the float64
+    interpreter: logits, the greedy id and every layer's K and V cache."""
+    step, params, cache = tiny_qwen2(**shape)
+    jf = dsl.jit(step, backend=backend)
+    tokens = np.array([int(rng.integers(shape.get("vocab", 320)))], np.int32)
+    for pos in positions:                  # the barrier's count goes back to zero between launches
+        args = (params, tokens, pos, 0, cache)
+        flat = dsl.tree_flatten(list(args))[0]
+        want = jf.lower(*args).program.run(*flat, compute_dtype="f64")
+        got = [np.asarray(g, np.float64) for g in dsl.tree_flatten(jf(*args))[0]]
+        ex = jf.compile(*args)
+        assert [ck.kernel.family for ck in ex.kernels] == ["persistent", "reduce"]
+        # a GEMV keeping its activation as f16 in LDS (gfx906's v_dot2, so the emulated wave 64): 2^-11 a product
+        tol = 1e-2 if render_hip(ex.kernels[0].kernel, ex.device.target).kernel.launch.act == "f16" else 2e-3
+        logits, want_logits = got[1], want[1]
+        np.testing.assert_allclose(logits, want_logits, rtol=0, atol=tol * np.abs(want_logits).max())
+        assert int(got[0]) == int(np.argmax(logits))                 # the argmax of the logits it wrote
+        for g, w in zip(got[2:], want[2:]):              # every layer's K and V cache, as f16
+            np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+        cache = [(np.asarray(a, np.float16), np.asarray(b, np.float16)) for a, b in zip(got[2::2], got[3::2])]
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+def test_a_persistent_decode_step_matches_the_float64_interpreter_over_positions(monkeypatch):
+    from tests.emu_device import emu_backend
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    check_decode_steps(emu_backend(), (0, 5, 11))
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+def test_fresh_random_programs_through_persistent_kernels_match_the_float64_interpreter():
+    """The fuzzer's programs (about half make a persistent kernel: runs of elementwise, reduction and
+    contraction kernels as phases) on the emulated GPU path with ``VEGAFUSE_PERSISTENT=1``."""
+    from tests import fuzz
+    seed = int(np.random.SeedSequence().entropy % 2 ** 31)
+    print(f"fuzz seed {seed}: rerun with python -m tests.fuzz -n 6 --seed {seed} --backend emu-persistent")
+    counts, failures, _ = fuzz.run_many(6, seed, jobs=2, batch=6, backend="emu-persistent", progress=False)
+    report = "\n".join(f"program {f['index']}: {f['status']}: {f['detail']}\n{f.get('repro', '')}" for f in failures)
+    assert not failures, f"seed {seed}:\n{report}"
+    assert sum(counts.values()) == 6, counts
