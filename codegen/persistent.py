@@ -1,4 +1,5 @@
-"""Render a persistent kernel (``fusion/persistent.py``) to HIP C++ for an NVIDIA target.
+"""Render a persistent kernel (``fusion/persistent.py``) to HIP C++: NVIDIA's flavour, which runs, and
+gfx906's, which compiles (the plan step runs only for NVIDIA: no AMD GPU has run it).
 
 The kernel is its phases in order, a grid barrier between each two.  Each distinct phase kernel is
 mapped as it would launch alone and rendered as a device function whose body is that kernel's
@@ -90,6 +91,13 @@ def workgroups_per_cu() -> int:
     return n
 
 
+def _occupancy(t, block: int, per_cu: int) -> str:
+    """The second argument of ``__launch_bounds__`` that keeps ``per_cu`` workgroups resident on a
+    compute unit: NVIDIA counts workgroups an SM, HIP waves a SIMD (``amdgpu_waves_per_eu``)."""
+    n = per_cu if t.vendor == "nvidia" else max(1, per_cu * block // t.wave // t.simds_per_cu)
+    return f", {n}" if n > 1 else ""
+
+
 def render_persistent(k: L.Kernel, t) -> HipKernel:
     """HIP source of the persistent kernel ``k`` for ``t`` (a Target), with its launch:
     ``workgroups_per_cu()`` workgroups a compute unit, the dynamic LDS its largest phase takes.
@@ -130,8 +138,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
               f"// the grid: {per_cu} workgroup{'s' if per_cu > 1 else ''} a compute unit, all resident; each takes a "
               "phase's workgroups in turn",
               "__device__ unsigned int vf_grid_arrived, vf_grid_left;   // zero between launches",
-              f'extern "C" __global__ void __launch_bounds__({block}{f", {per_cu}" if per_cu > 1 else ""}) '
-              f'{k.name}({_signature(k)}) {{',
+              f'extern "C" __global__ void __launch_bounds__({block}{_occupancy(t, block, per_cu)}) {k.name}({_signature(k)}) {{',
               "  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
               "  VF_GRID_LAUNCH_DEPENDENTS();"]
     at, ahead = 0, prefetch_bytes(t)

@@ -882,7 +882,21 @@ __device__ __forceinline__ bool vf_last_to_arrive(unsigned int* count, int n, in
 
 _ATTENTION += _ARRIVE
 
-_NV_GRID_BARRIER = r"""// a persistent kernel's grid barrier (every workgroup resident): the n-th barrier of a launch returns once
+_GRID_POLL = {
+    "nvidia": r"""// a counter in device memory read with acquire semantics at the GPU's scope; nothing to do between polls
+__device__ __forceinline__ unsigned int vf_load_acquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+#define VF_POLL_PAUSE()
+""",
+    "amd": r"""// a counter in device memory read with acquire semantics (from L2); the wave sleeps briefly between polls
+__device__ __forceinline__ unsigned int vf_load_acquire(const unsigned int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+#define VF_POLL_PAUSE() __builtin_amdgcn_s_sleep(1)
+"""}
+
+_GRID_BARRIER = r"""// a persistent kernel's grid barrier (every workgroup resident): the n-th barrier of a launch returns once
 // all gridDim.x workgroups have arrived at it, and every thread's global writes before it are seen by every
 // thread after it (the workgroup's writes meet at __syncthreads; thread 0 fences them, counts, polls with
 // acquire loads and fences again before the workgroup goes on)
@@ -891,10 +905,7 @@ __device__ __forceinline__ void vf_grid_barrier(unsigned int* arrived, unsigned 
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(arrived, 1u);
-    unsigned int seen;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
-    } while (seen < n * gridDim.x);
+    while (vf_load_acquire(arrived) < n * gridDim.x) VF_POLL_PAUSE();
     __threadfence();
   }
   __syncthreads();
@@ -910,10 +921,8 @@ __device__ __forceinline__ void vf_grid_leave(unsigned int* arrived, unsigned in
 
 
 def grid_barrier(t) -> str:
-    """The prelude's grid barrier of a persistent kernel for ``t`` (NVIDIA; gfx906's is not written yet)."""
-    if t.vendor != "nvidia":
-        raise NotImplementedError(f"a persistent kernel for {t.name}: only NVIDIA targets have a grid barrier yet")
-    return _NV_GRID_BARRIER                      # the splits of a decode attention combine by arrival
+    """The prelude's grid barrier of a persistent kernel for ``t`` (its poll is the vendor's)."""
+    return _GRID_POLL[t.vendor] + _GRID_BARRIER                      # the splits of a decode attention combine by arrival
 
 _AMD_ATTENTION = r"""typedef unsigned int vf_vec16 __attribute__((ext_vector_type(4)));    // 16 bytes: global_load_dwordx4
 __device__ __forceinline__ vf_vec16 vf_zero16() { return (vf_vec16)(0u); }

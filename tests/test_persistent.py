@@ -101,3 +101,23 @@ def test_fresh_random_programs_through_persistent_kernels_match_the_float64_inte
     report = "\n".join(f"program {f['index']}: {f['status']}: {f['detail']}\n{f.get('repro', '')}" for f in failures)
     assert not failures, f"seed {seed}:\n{report}"
     assert sum(counts.values()) == 6, counts
+
+
+def test_the_persistent_decode_kernel_compiles_for_gfx906():
+    """The same text for gfx906 through hiprtc (the plan step is on only for NVIDIA, where it runs):
+    two workgroups of four waves a CU, so at most 128 VGPRs and no VGPR spills."""
+    from engine.devices.rocm import HipUnavailable, compile_hip, find_hiprtc
+    try:
+        find_hiprtc()
+    except HipUnavailable as e:
+        pytest.skip(f"gfx906 tests skipped: {e}")
+    from engine.pipeline import lower_program
+    from fusion.persistent import _runs, persistent_kernel
+    step, params, cache = tiny_qwen2()
+    plan = lower_program(dsl.jit(step).lower(params, np.array([5], np.int32), 3, 0, cache))
+    t = get_target("gfx906")
+    (run,) = _runs(plan.kernels, t)
+    h = render_hip(persistent_kernel(run, "persistent"), t)
+    assert h.grid == (2 * t.compute_units, 1, 1) and "__launch_bounds__(256, 2)" in h.source
+    (meta,) = compile_hip(h.source, "persistent").metadata()["amdhsa.kernels"]
+    assert meta[".wavefront_size"] == 64 and meta[".vgpr_count"] <= 128 and meta[".vgpr_spill_count"] == 0
