@@ -4,9 +4,10 @@ gfx906's, which compiles (the plan step runs only for NVIDIA: no AMD GPU has run
 The kernel is its phases in order, a grid barrier between each two.  Each distinct phase kernel is
 mapped as it would launch alone and rendered as a device function whose body is that kernel's
 text: the function takes its own ``blockIdx`` and ``gridDim`` as parameters, so the text reads the
-phase's workgroup where the kernel read the launch's.  The persistent kernel's workgroups (one per
-compute unit, all resident) call it for the phase's workgroups in turn.  A phase's LDS arrays come
-from the one dynamic LDS buffer, which the phases take in turn.
+phase's workgroup where the kernel read the launch's.  The persistent kernel's workgroups (a few a
+compute unit, all resident) call it once each with their own index where the kernel shares its work
+only through grid-stride loops (``any_grid``: the GEMVs), else for the phase's own workgroups in
+turn.  A phase's LDS arrays come from the one dynamic LDS buffer, which the phases take in turn.
 
 A buffer that one phase writes and a later one reads is passed to the phases without
 ``const __restrict__``: its reads may not take the read-only cache path, which does not see
@@ -84,7 +85,8 @@ def _call(s: L.Phase, m: L.Kernel, pad="  ") -> list:
 
 def workgroups_per_cu() -> int:
     """Workgroups of a persistent kernel resident on each compute unit (``VEGAFUSE_PERSISTENT_PER_CU``,
-    default 2, measured against 1, 3 and 4 in docs/performance.md): more hide more of each phase's latency, at fewer registers a thread."""
+    default 2, measured against 1, 3 and 4 in docs/performance.md): more hide more of each phase's
+    latency, at fewer registers a thread."""
     n = env_int("VEGAFUSE_PERSISTENT_PER_CU", 2)
     if n < 1:
         raise ValueError(f"VEGAFUSE_PERSISTENT_PER_CU={n}: set it to 1 or more workgroups a compute unit")
@@ -135,8 +137,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
     grid = t.compute_units * per_cu
     lines += [f"// {k.name}: {len(phases)} phases of one launch, a grid barrier between each two; "
               f"{k.bytes} bytes moved, {k.flops} flops per call",
-              f"// the grid: {per_cu} workgroup{'s' if per_cu > 1 else ''} a compute unit, all resident; each takes a "
-              "phase's workgroups in turn",
+              f"// the grid: {per_cu} workgroup{'s' if per_cu > 1 else ''} a compute unit, all resident",
               "__device__ unsigned int vf_grid_arrived, vf_grid_left;   // zero between launches",
               f'extern "C" __global__ void __launch_bounds__({block}{_occupancy(t, block, per_cu)}) {k.name}({_signature(k)}) {{',
               "  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",

@@ -7,19 +7,19 @@ each dependence at a grid barrier.  This step builds that kernel from the plan's
 * a run of consecutive kernels that map onto one launch geometry (a workgroup of the target's
   block, the same activation dtype in LDS) becomes one kernel of family "persistent", whose body
   is a ``Phase`` per kernel in order with a ``GridBarrier`` between each two;
-* a phase runs its kernel's mapped body unchanged: each of the persistent kernel's workgroups takes
-  the kernel's own workgroups in turn (``codegen/persistent.py`` renders it);
+* a phase runs its kernel's mapped body unchanged (``codegen/persistent.py`` renders it: a GEMV's
+  grid-stride loops over the persistent kernel's own workgroups, any other kernel's workgroups
+  taken in turn by them);
 * kernels equal up to names (the same layer again) share one phase kernel, whose parameters lose
   the layer numbers that differ (``params_layers_0_wq`` -> ``params_layers_wq``).
 
 Off by default (``VEGAFUSE_PERSISTENT=1`` turns it on, NVIDIA only): built from the separate
-kernels' bodies it runs at about their speed; it is the scaffold the ring of weights and the
-rest of docs/persistent.md are built on.
+kernels' bodies it runs at 0.87x of their speed (docs/performance.md); it is the scaffold the ring
+of weights and the rest of docs/persistent.md are built on.
 """
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import replace
 
 from codegen import loopir as L
