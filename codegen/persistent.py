@@ -2,7 +2,8 @@
 gfx906's, which compiles (the plan step runs only for NVIDIA: no AMD GPU has run it).
 
 The kernel is its phases in order, a grid barrier between each two.  Each distinct phase kernel is
-mapped as it would launch alone and rendered as a device function whose body is that kernel's
+mapped as it would launch alone and rendered, in a namespace of its own (its file-scope buffers and
+names apart from every other phase's), as a device function ``run`` whose body is that kernel's
 text: the function takes its own ``blockIdx`` and ``gridDim`` as parameters, so the text reads the
 phase's workgroup where the kernel read the launch's.  The persistent kernel's workgroups (a few a
 compute unit, all resident) call it once each with their own index where the kernel shares its work
@@ -15,20 +16,22 @@ another workgroup's writes within a launch.
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import replace
 
 from . import loopir as L
 from .hip import CTYPE, HipKernel, _lds_size, _signature, _weights, file_scope, function_body, parameter
-from .mapping import clear_of_templates, env_int, map_kernel
+from .mapping import clear_of_templates, map_kernel
 from .prelude import grid_barrier, prelude
 
 
 def _phase_signature(k: L.Kernel, coherent: set) -> str:
-    """``k``'s parameters, those in ``coherent`` (written by another phase) without ``const __restrict__``."""
+    """``k``'s parameters, those in ``coherent`` (written by a phase) without ``__restrict__``."""
     args = []
     for p in k.params:
         if p.kind == "buffer" and p.name in coherent:
-            args.append(f"{CTYPE[p.dtype]}* {p.name}")
+            args.append(f"{'const ' if p.role == 'in' else ''}{CTYPE[p.dtype]}* {p.name}")
         else:
             args.append(parameter(p))
     return ", ".join(["const dim3 blockIdx", "const dim3 gridDim"] + args)
@@ -49,13 +52,24 @@ def any_grid(m: L.Kernel) -> bool:
     return True
 
 
+def _switch(name: str, default: int, least: int, what: str) -> int:
+    """The whole number ``name`` sets (at least ``least``), else ``default``; ValueError saying ``what`` it sets."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not re.fullmatch(r"\d+", raw) or int(raw) < least:
+        raise ValueError(f"{name}={raw!r}: set it to {what}, or unset it (default {default})")
+    return int(raw)
+
+
 def prefetch_bytes(t) -> int:
     """Bytes of each weight of the next phase a persistent kernel asks of L2 before a grid barrier
     (``VEGAFUSE_PERSISTENT_PREFETCH``; default the target's prefetch before a dependent launch's wait,
-    none without one)."""
-    n = env_int("VEGAFUSE_PERSISTENT_PREFETCH", t.pdl_prefetch if t.pdl else 0)
-    if n < 0 or (n and not t.pdl):
-        raise ValueError(f"VEGAFUSE_PERSISTENT_PREFETCH={n}: set bytes (0: none) on a target with the L2 prefetch")
+    none on a target without one)."""
+    n = _switch("VEGAFUSE_PERSISTENT_PREFETCH", t.pdl_prefetch if t.pdl else 0, 0, "a number of bytes (0: none)")
+    if n and not t.pdl:
+        raise ValueError(f"VEGAFUSE_PERSISTENT_PREFETCH={n}: {t.name} has no L2 prefetch here (no dependent "
+                         "launch: VEGAFUSE_CUDA_PDL=0 or not Hopper); unset it")
     return n
 
 
@@ -66,31 +80,28 @@ def _prefetch(s: L.Phase, n: int, pad="  ") -> list:
     weights = _weights(clear_of_templates(s.kernel)) if n else []
     if not weights:
         return []
-    return ([f"{pad}// before the barrier: the first {n} bytes of each weight of {s.name} into L2, a share a workgroup"]
+    return ([f"{pad}// before the barrier: the first {n} bytes (at most) of each weight of {s.name} into L2, a share a workgroup"]
             + [f"{pad}vf_prefetch_l2({names[p.name]}, {min(n, int(p.size * L.ITEMSIZE[p.dtype]))}ull);" for p in weights])
 
 
-def _call(s: L.Phase, m: L.Kernel, pad="  ") -> list:
-    """A phase run by the launch's workgroups: in one call each where it computes the same for any
-    grid (``any_grid``), else its own workgroups taken in turn."""
+def _call(s: L.Phase, m: L.Kernel, ns: str, pad="  ") -> list:
+    """A phase (its function ``ns::run``) run by the launch's workgroups: in one call each
+    where it computes the same for any grid (``any_grid``), else its own workgroups taken in turn."""
     args = ", ".join(a + ("_" if p.kind == "scalar" else "") for p, a in zip(m.params, s.args))
     if any_grid(m):
         return [f"{pad}// {s.name}: its grid-stride loops over the launch's workgroups",
-                f"{pad}{m.name}(dim3(blockIdx.x), dim3(gridDim.x), {args});"]
-    g = m.launch.grid
+                f"{pad}{ns}::run(dim3(blockIdx.x), dim3(gridDim.x), {args});"]
+    g = m.launch.grid                                # taken in turn: right for a launch of any size
     return [f"{pad}// {s.name}: {g} workgroup{'s' if g > 1 else ''}, taken in turn",
             f"{pad}for (unsigned int w = blockIdx.x; w < {g}; w += gridDim.x)",
-            f"{pad}  {m.name}(dim3(w), dim3({g}), {args});"]
+            f"{pad}  {ns}::run(dim3(w), dim3({g}), {args});"]
 
 
 def workgroups_per_cu() -> int:
     """Workgroups of a persistent kernel resident on each compute unit (``VEGAFUSE_PERSISTENT_PER_CU``,
     default 2, measured against 1, 3 and 4 in docs/performance.md): more hide more of each phase's
     latency, at fewer registers a thread."""
-    n = env_int("VEGAFUSE_PERSISTENT_PER_CU", 2)
-    if n < 1:
-        raise ValueError(f"VEGAFUSE_PERSISTENT_PER_CU={n}: set it to 1 or more workgroups a compute unit")
-    return n
+    return _switch("VEGAFUSE_PERSISTENT_PER_CU", 2, 1, "1 or more workgroups a compute unit")
 
 
 def _occupancy(t, block: int, per_cu: int) -> str:
@@ -98,6 +109,14 @@ def _occupancy(t, block: int, per_cu: int) -> str:
     compute unit: NVIDIA counts workgroups an SM, HIP waves a SIMD (``amdgpu_waves_per_eu``)."""
     n = per_cu if t.vendor == "nvidia" else max(1, per_cu * block // t.wave // t.simds_per_cu)
     return f", {n}" if n > 1 else ""
+
+
+def _unique(name: str, taken: set) -> str:
+    """``name``, numbered where it is ``taken``."""
+    new, i = name, 1
+    while new in taken:
+        new, i = f"{name}{i}", i + 1
+    return new
 
 
 def render_persistent(k: L.Kernel, t) -> HipKernel:
@@ -124,15 +143,17 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
             + "// the phases' arrays in dynamic LDS: declared in each, sized at launch\n#define VF_DYNAMIC_LDS(name, bytes) "
             "extern __shared__ __attribute__((aligned(16))) unsigned char name[]\n")
     written = {p.name for p in k.params if p.role != "in"}
-    lines, lds = [], 0
+    lines, lds, space = [], 0, {}
     for pk in distinct:
         m = mapped[id(pk)]
         coherent = {p.name for s in phases if s.kernel is pk for p, a in zip(m.params, s.args) if a in written}
         dynamic = [a for a in m.body if isinstance(a, L.Array) and a.space == "lds"]
         lds = max(lds, sum(map(_lds_size, dynamic)))
-        lines += file_scope(m) + [f"// a phase of {k.name}: blockIdx and gridDim are the phase's own, given by the caller",
-                                  f"__device__ __noinline__ void {m.name}({_phase_signature(m, coherent)}) {{"]
-        lines += function_body(m, dynamic, why="the phases take one buffer in turn") + ["}", ""]
+        ns = space[id(pk)] = _unique(f"phase_{m.name}", set(space.values()))
+        lines += [f"namespace {ns} {{   // a phase of {k.name}"] + file_scope(m)
+        lines += ["// blockIdx and gridDim are the phase's own, given by the caller",
+                  f"__device__ __noinline__ void run({_phase_signature(m, coherent)}) {{"]
+        lines += function_body(m, dynamic, why="the phases take one buffer in turn") + ["}", f"}}  // namespace {ns}", ""]
     n, per_cu = sum(isinstance(s, L.GridBarrier) for s in k.body), workgroups_per_cu()
     grid = t.compute_units * per_cu
     lines += [f"// {k.name}: {len(phases)} phases of one launch, a grid barrier between each two; "
@@ -145,7 +166,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
     at, ahead = 0, prefetch_bytes(t)
     for i, s in enumerate(k.body):
         if isinstance(s, L.Phase):
-            lines += _call(s, mapped[id(s.kernel)])
+            lines += _call(s, mapped[id(s.kernel)], space[id(s.kernel)])
         elif isinstance(s, L.GridBarrier):
             lines += _prefetch(next(x for x in k.body[i:] if isinstance(x, L.Phase)), ahead)
             at += 1

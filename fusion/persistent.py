@@ -20,27 +20,36 @@ of weights and the rest of docs/persistent.md are built on.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import replace
 
 from codegen import loopir as L
 
 
 def enabled(target) -> bool:
-    """Is the step on for ``target`` (``VEGAFUSE_PERSISTENT=1`` and an NVIDIA target)?"""
-    return os.environ.get("VEGAFUSE_PERSISTENT", "0") == "1" and getattr(target, "vendor", "") == "nvidia"
+    """Is the step on for ``target`` (``VEGAFUSE_PERSISTENT=1`` and an NVIDIA target)?  ValueError
+    for a value of the switch other than 0 or 1."""
+    v = os.environ.get("VEGAFUSE_PERSISTENT", "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"VEGAFUSE_PERSISTENT={v!r}: set it to 1 (a run of kernels as one persistent kernel) or 0")
+    return v == "1" and getattr(target, "vendor", "") == "nvidia"
 
 
 def _geometry(k: L.Kernel, target):
     """``(block, act)`` of ``k`` mapped for ``target`` when it can be a phase, else None (``act``: the
     dtype a GEMV keeps its activation in, the prelude's ``vf_act_t``; None for other kernels).  A
     kernel whose prelude helpers read the launch's own workgroup (a q8_1 producer's quantization),
-    one that tiles a matmul for tensor cores and one of another workgroup size cannot be a phase."""
+    one that tiles a matmul for tensor cores, one of another workgroup size and one whose LDS would
+    not let ``workgroups_per_cu()`` workgroups share a compute unit cannot be a phase."""
     from codegen import mma
     from codegen.mapping import map_kernel
+    from codegen.persistent import workgroups_per_cu
     m = map_kernel(k, target)
     if m.launch.block != target.block or any(isinstance(s, (L.QuantizeStored, mma.MatmulTiles))
                                              for s in L.walk_stmts(m.body)):
         return None
+    if m.launch.lds * workgroups_per_cu() > target.lds_per_cu:
+        return None                               # its LDS would keep the launch's workgroups from all being resident
     return m.launch.block, m.launch.act if k.family == "contract" else None
 
 
@@ -84,8 +93,27 @@ def _phase_kernel(group: list) -> L.Kernel:
     names = _shared_names([[p.name for p in k.params] for k in group])
     if len(set(names)) < len(names):                  # two parameters would meet in one name
         names = [p.name for p in first.params]
-    k = L.rename_params(first, {p.name: n for p, n in zip(first.params, names) if p.name != n})
-    return replace(k, name=_shared_names([[g.name] for g in group])[0])
+    renamed = {p.name: n for p, n in zip(first.params, names) if p.name != n}
+    renamed[first.name] = _shared_names([[g.name] for g in group])[0]
+    k = L.rename_params(first, renamed)
+    return replace(k, name=renamed[first.name], body=_comments_renamed(k.body, renamed))
+
+
+def _comments_renamed(body, names: dict):
+    """``body`` with the names in ``names`` ({old: new}) renamed in its comments too."""
+    if not names:
+        return body
+    word = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    out = []
+    for s in body:
+        if isinstance(s, L.Comment):
+            s = L.Comment(word.sub(lambda m: names[m.group(1)], s.text))
+        elif isinstance(s, L.Loop):
+            s = replace(s, body=_comments_renamed(s.body, names))
+        elif isinstance(s, L.If):
+            s = L.If(s.cond, _comments_renamed(s.then, names), _comments_renamed(s.orelse, names))
+        out.append(s)
+    return tuple(out)
 
 
 def _merge(params: dict, p: L.Param) -> None:

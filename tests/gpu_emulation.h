@@ -17,7 +17,10 @@ static std::barrier<>* vf_emu_block;
 static std::vector<std::unique_ptr<std::barrier<>>> vf_emu_waves;
 static float vf_emu_lanes[1024];
 #define __shared__ static
-#define VF_DYNAMIC_LDS(name, bytes) static unsigned char name[bytes] __attribute__((aligned(16)))
+// dynamic LDS: one buffer, which every declaration names (a persistent kernel's phases take it in turn)
+static unsigned char vf_emu_dynamic_lds[256 * 1024] __attribute__((aligned(16)));
+#define VF_DYNAMIC_LDS(name, bytes) \
+  static_assert((bytes) <= sizeof(vf_emu_dynamic_lds)); unsigned char* const name = vf_emu_dynamic_lds
 #define __device__
 #define __global__
 #define __forceinline__ inline

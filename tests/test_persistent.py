@@ -2,6 +2,8 @@
 as phases of one launch with grid barriers between them, against the float64 interpreter on the CPU
 emulation of the sm_90 text (a grid of one workgroup there; the H200 runs it on every SM in
 ``tests/test_cuda.py``)."""
+import re
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from codegen import loopir as L
 from codegen.hip import render_hip
 from codegen.targets import get_target
 from fusion.persistent import make_persistent
-from stdlib import llama
+from stdlib import llama, nn
 from stdlib.config import LlamaConfig
 from tests.emulation import GXX
 
@@ -55,7 +57,7 @@ def test_a_decode_plan_becomes_one_persistent_kernel_with_a_phase_a_kernel():
     assert qkv[1] is qkv[2] and qkv[0] is not qkv[1]
     assert "params_layers_wq" in [p.name for p in qkv[1].params]
     src = render_hip(k, t).source
-    assert src.count("__device__ __noinline__ void layers_causal_attention(const dim3 blockIdx, const dim3 gridDim") == 1
+    assert src.count("namespace phase_layers_causal_attention {") == 1 and src.count("phase_layers_causal_attention::run(") == 3
     assert src.count("vf_grid_barrier(&vf_grid_arrived, ") == len(phases) - 1
 
 
@@ -121,3 +123,38 @@ def test_the_persistent_decode_kernel_compiles_for_gfx906():
     assert h.grid == (2 * t.compute_units, 1, 1) and "__launch_bounds__(256, 2)" in h.source
     (meta,) = compile_hip(h.source, "persistent").metadata()["amdhsa.kernels"]
     assert meta[".wavefront_size"] == 64 and meta[".vgpr_count"] <= 128 and meta[".vgpr_spill_count"] == 0
+
+
+@pytest.mark.parametrize("name,value", [("VEGAFUSE_PERSISTENT", "yes"), ("VEGAFUSE_PERSISTENT_PER_CU", "0"),
+                                        ("VEGAFUSE_PERSISTENT_PER_CU", "1.5"), ("VEGAFUSE_PERSISTENT_PREFETCH", "-5")])
+def test_a_bad_switch_value_is_one_line_naming_the_switch(name, value, monkeypatch):
+    from codegen.persistent import prefetch_bytes, workgroups_per_cu
+    from fusion.persistent import enabled
+    monkeypatch.setenv(name, value)
+    t = get_target("sm_90")
+    with pytest.raises(ValueError, match=f"^{name}='{re.escape(value)}': set it to .*") as e:
+        enabled(t), workgroups_per_cu(), prefetch_bytes(t)
+    assert "\n" not in str(e.value)
+
+
+def test_kernels_sharing_a_name_or_a_parameter_each_keep_their_own_phase(monkeypatch):
+    """Two phase kernels whose names meet once the differing numbers are dropped (``linear_p_w_1``,
+    ``linear_p_w_2`` shared as ``linear_p_w`` beside a kernel of that name), and a phase parameter that
+    one call binds to a kernel input and another to a buffer a phase writes, against the float64
+    interpreter on the emulation."""
+    from tests.emu_device import emu_backend
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    m = lambda n: (rng.standard_normal((n, 256)) / 16).astype(np.float16)      # noqa: E731
+    p = {"w0": m(256), "w_1": m(256), "w_2": m(256), "w": m(128)}
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+
+    def f(p, x):
+        x = x + nn.linear(x, p["w_1"])                    # reads the input x, then (below) the x it wrote
+        x = x + nn.linear(x, p["w_2"])
+        h = nn.linear(nn.silu(nn.linear(x, p["w0"])), p["w_1"])
+        return nn.linear(nn.linear(h, p["w_2"]), p["w"])
+    jf = dsl.jit(f, backend=emu_backend())
+    want = jf.lower(p, x).program.run(*dsl.tree_flatten([p, x])[0], compute_dtype="f64")[0]
+    got = np.asarray(jf(p, x), np.float64)
+    assert [ck.kernel.family for ck in jf.compile(p, x).kernels] == ["persistent"]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())

@@ -274,7 +274,8 @@ extern "C" __global__ void vf_fill(void* out, unsigned long long n, unsigned int
                         "cuOccupancyMaxActiveBlocksPerMultiprocessor", name)
         if sms * per_sm < h.grid[0]:
             raise CudaError(f"kernel {name}: a persistent kernel of {h.grid[0]} workgroups, but this GPU holds "
-                            f"{sms * per_sm} at once ({sms} SMs x {per_sm}); unset VEGAFUSE_PERSISTENT")
+                            f"{sms * per_sm} at once ({sms} SMs x {per_sm}); lower VEGAFUSE_PERSISTENT_PER_CU or "
+                            "unset VEGAFUSE_PERSISTENT")
 
 
 class NVRTCCompiler(Compiler):
