@@ -725,16 +725,21 @@ def local_names(body):
     return list(dict.fromkeys(out))
 
 
+def fresh_name(base: str, taken) -> str:
+    """``base``, or ``base1``, ``base2``, ... the first not in ``taken``."""
+    new, i = base, 1
+    while new in taken:
+        new, i = f"{base}{i}", i + 1
+    return new
+
+
 def tidy_names(k: "Kernel", reserved=()) -> "Kernel":
     """Locals named after what they hold, without the counters that keep them unique while
     lowering (``acc_w_gate_47`` -> ``acc_w_gate``); a number is added back only on a clash."""
     taken = {p.name for p in k.params} | set(reserved)
     names = {}
     for n in local_names(k.body):
-        base = re.sub(r"_\d+$", "", n) or n
-        new, i = base, 1
-        while new in taken:
-            new, i = f"{base}{i}", i + 1
+        new = fresh_name(re.sub(r"_\d+$", "", n) or n, taken)
         taken.add(new)
         names[n] = new
 

@@ -246,16 +246,22 @@ def _one_workgroup(body, t):
 
 
 # ------------------------------------------------------------------------------ attention
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int, least: int | None = None, what: str = "") -> int:
     """The whole number an environment switch sets (``VEGAFUSE_ATT_VGPRS``, ``VEGAFUSE_ATT_CHUNK``), else
-    ``default``; ValueError naming the switch when it is not a whole number."""
+    ``default``; ValueError naming the switch when it is not a whole number or is below ``least``
+    (the message says ``what`` to set it to, where given)."""
     v = os.environ.get(name)
     if v is None or v == "":
         return default
     try:
-        return int(v)
+        n = int(v)
     except ValueError:
-        raise ValueError(f"{name}={v!r} is not a whole number; set it to one (e.g. {name}=128) or unset it") from None
+        n = None
+    if n is not None and (least is None or n >= least):
+        return n
+    if what:
+        raise ValueError(f"{name}={v!r}: set it to {what}, or unset it (default {default})")
+    raise ValueError(f"{name}={v!r} is not a whole number; set it to one (e.g. {name}=128) or unset it") from None
 
 
 ATT_ROWS = 16              # rows (query positions x the heads of a KV group) a prefill tile aims for

@@ -16,13 +16,11 @@ another workgroup's writes within a launch.
 """
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import replace
 
 from . import loopir as L
 from .hip import CTYPE, HipKernel, _lds_size, _signature, _weights, file_scope, function_body, parameter
-from .mapping import clear_of_templates, map_kernel
+from .mapping import clear_of_templates, env_int, map_kernel
 from .prelude import grid_barrier, prelude
 
 
@@ -52,21 +50,11 @@ def any_grid(m: L.Kernel) -> bool:
     return True
 
 
-def _switch(name: str, default: int, least: int, what: str) -> int:
-    """The whole number ``name`` sets (at least ``least``), else ``default``; ValueError saying ``what`` it sets."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not re.fullmatch(r"\d+", raw) or int(raw) < least:
-        raise ValueError(f"{name}={raw!r}: set it to {what}, or unset it (default {default})")
-    return int(raw)
-
-
 def prefetch_bytes(t) -> int:
     """Bytes of each weight of the next phase a persistent kernel asks of L2 before a grid barrier
     (``VEGAFUSE_PERSISTENT_PREFETCH``; default the target's prefetch before a dependent launch's wait,
     none on a target without one)."""
-    n = _switch("VEGAFUSE_PERSISTENT_PREFETCH", t.pdl_prefetch if t.pdl else 0, 0, "a number of bytes (0: none)")
+    n = env_int("VEGAFUSE_PERSISTENT_PREFETCH", t.pdl_prefetch if t.pdl else 0, 0, "a number of bytes (0: none)")
     if n and not t.pdl:
         raise ValueError(f"VEGAFUSE_PERSISTENT_PREFETCH={n}: {t.name} has no L2 prefetch here (no dependent "
                          "launch: VEGAFUSE_CUDA_PDL=0 or not Hopper); unset it")
@@ -101,7 +89,7 @@ def workgroups_per_cu() -> int:
     """Workgroups of a persistent kernel resident on each compute unit (``VEGAFUSE_PERSISTENT_PER_CU``,
     default 2, measured against 1, 3 and 4 in docs/performance.md): more hide more of each phase's
     latency, at fewer registers a thread."""
-    return _switch("VEGAFUSE_PERSISTENT_PER_CU", 2, 1, "1 or more workgroups a compute unit")
+    return env_int("VEGAFUSE_PERSISTENT_PER_CU", 2, 1, "1 or more workgroups a compute unit")
 
 
 def _occupancy(t, block: int, per_cu: int) -> str:
@@ -109,14 +97,6 @@ def _occupancy(t, block: int, per_cu: int) -> str:
     compute unit: NVIDIA counts workgroups an SM, HIP waves a SIMD (``amdgpu_waves_per_eu``)."""
     n = per_cu if t.vendor == "nvidia" else max(1, per_cu * block // t.wave // t.simds_per_cu)
     return f", {n}" if n > 1 else ""
-
-
-def _unique(name: str, taken: set) -> str:
-    """``name``, numbered where it is ``taken``."""
-    new, i = name, 1
-    while new in taken:
-        new, i = f"{name}{i}", i + 1
-    return new
 
 
 def render_persistent(k: L.Kernel, t) -> HipKernel:
@@ -149,7 +129,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         coherent = {p.name for s in phases if s.kernel is pk for p, a in zip(m.params, s.args) if a in written}
         dynamic = [a for a in m.body if isinstance(a, L.Array) and a.space == "lds"]
         lds = max(lds, sum(map(_lds_size, dynamic)))
-        ns = space[id(pk)] = _unique(f"phase_{m.name}", set(space.values()))
+        ns = space[id(pk)] = L.fresh_name(f"phase_{m.name}", set(space.values()))
         lines += [f"namespace {ns} {{   // a phase of {k.name}"] + file_scope(m)
         lines += ["// blockIdx and gridDim are the phase's own, given by the caller",
                   f"__device__ __noinline__ void run({_phase_signature(m, coherent)}) {{"]
