@@ -509,6 +509,20 @@ def render_kernel(k: L.Kernel, prefetch: int = 0, weights=(), dynamic=(), static
     return "\n".join(lines + ["}"]) + "\n"
 
 
+def prelude_parts(kernels, mapped) -> dict:
+    """Which of the prelude's optional parts ``kernels`` (Loop IR, with ``mapped``: the same kernels
+    mapped) need, as ``prelude``'s keyword arguments: quantized weights or q8_1 blocks (``quant``),
+    a producer's q8_1 dtype (``q8``), decode attention (``attention``), tensor-core tiles (``mma``), a
+    split reduction's arrivals (``arrive``)."""
+    params = [p for k in kernels for p in k.params]
+    stmts = [s for m in mapped for s in L.walk_stmts(m.body)]
+    q8 = next((p.dtype for p in params if p.dtype in L.ACT_Q8), None)          # a producer's q8_1 blocks
+    return dict(quant=q8 is not None or any(p.dtype in L.QUANT_DTYPES for p in params), q8=q8,
+                attention=any(isinstance(s, L.Attention) for s in stmts),
+                mma=any(isinstance(s, mma.MatmulTiles) for s in stmts),
+                arrive=any(isinstance(s, L.Arrive) for s in stmts))
+
+
 def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
     """HIP source of one kernel for ``target`` (a name or a Target), with its launch geometry.
     ``k`` is mapped for ``target`` first unless it is mapped already (then only the prelude
@@ -518,15 +532,10 @@ def render_hip(k: L.Kernel, target="gfx906") -> HipKernel:
         from .persistent import render_persistent
         return render_persistent(k, t)
     m = L.tidy_names(map_kernel(k, t), reserved=("vf_lane", "vf_wave"))
-    q8 = next((p.dtype for p in k.params if p.dtype in L.ACT_Q8), None)          # a producer's q8_1 blocks
-    quant = q8 is not None or any(p.dtype in L.QUANT_DTYPES for p in k.params)
-    att = any(isinstance(s, L.Attention) for s in m.body)
-    arrive = any(isinstance(s, L.Arrive) for s in m.body)
-    tiled = any(isinstance(s, mma.MatmulTiles) for s in m.body)
     # VF_BLOCK is the launch's workgroup size (a balanced GEMV takes its own, codegen.mapping._balanced)
     own = replace(t, block=m.launch.block) if m.launch.bounds == "VF_BLOCK" else t
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
-            + prelude(own, m.launch.act, quant, att, tiled, q8, arrive))
+            + prelude(own, m.launch.act, **prelude_parts([k], [m])))
     prefetch = t.pdl_prefetch if t.pdl else 0
     dynamic = dynamic_arrays(m, t.max_static_lds, lds_budget(t))
     if dynamic:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import loopir as L
-from .hip import CTYPE, HipKernel, _lds_size, _signature, _weights, file_scope, function_body, parameter
+from .hip import CTYPE, HipKernel, _lds_size, _signature, _weights, file_scope, function_body, parameter, prelude_parts
 from .mapping import clear_of_templates, env_int, map_kernel
 from .prelude import grid_barrier, prelude
 
@@ -112,13 +112,8 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         raise ValueError(f"persistent kernel {k.name}: its phases map onto {sorted(geometry)} (workgroup size, "
                          "GEMV activation dtype); a persistent kernel has one of each")
     (block,), act = blocks, (acts or {"f32"}).pop()
-    bodies = [s for m in mapped.values() for s in L.walk_stmts(m.body)]
-    quant = any(p.dtype in L.QUANT_DTYPES for pk in distinct for p in pk.params)
-    q8 = next((p.dtype for pk in distinct for p in pk.params if p.dtype in L.ACT_Q8), None)
-    att = any(isinstance(s, L.Attention) for s in bodies)
-    arrive = any(isinstance(s, L.Arrive) for s in bodies)
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
-            + prelude(replace(t, block=block), act, quant or q8 is not None, att, False, q8, arrive)
+            + prelude(replace(t, block=block), act, **prelude_parts(distinct, list(mapped.values())))
             + grid_barrier(t)
             + "// the phases' arrays in dynamic LDS: declared in each, sized at launch\n#define VF_DYNAMIC_LDS(name, bytes) "
             "extern __shared__ __attribute__((aligned(16))) unsigned char name[]\n")

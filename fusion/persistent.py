@@ -36,38 +36,45 @@ def enabled(target) -> bool:
 
 
 def _geometry(k: L.Kernel, target):
-    """``(block, act)`` of ``k`` mapped for ``target`` when it can be a phase, else None (``act``: the
-    dtype a GEMV keeps its activation in, the prelude's ``vf_act_t``; None for other kernels).  A
-    kernel whose prelude helpers read the launch's own workgroup (a q8_1 producer's quantization),
-    one that tiles a matmul for tensor cores, one of another workgroup size and one whose LDS would
-    not let ``workgroups_per_cu()`` workgroups share a compute unit cannot be a phase."""
+    """``(block, act, dynamic, static)`` of ``k`` mapped for ``target`` when it can be a phase, else
+    None.  ``act``: the dtype a GEMV keeps its activation in, the prelude's ``vf_act_t`` (None for
+    other kernels); ``dynamic``: the bytes of its LDS arrays (in a persistent kernel, the phases take
+    one dynamic buffer in turn); ``static``: the rest of its LDS, its templates' own arrays (each
+    distinct phase keeps its own).  A kernel whose prelude helpers read the launch's own workgroup
+    (a q8_1 producer's quantization), one that tiles a matmul for tensor cores and one of another
+    workgroup size cannot be a phase."""
     from codegen import mma
     from codegen.mapping import map_kernel
-    from codegen.persistent import workgroups_per_cu
     m = map_kernel(k, target)
     if m.launch.block != target.block or any(isinstance(s, (L.QuantizeStored, mma.MatmulTiles))
                                              for s in L.walk_stmts(m.body)):
         return None
-    if m.launch.lds * workgroups_per_cu() > target.lds_per_cu:
-        return None                               # its LDS would keep the launch's workgroups from all being resident
-    return m.launch.block, m.launch.act if k.family == "contract" else None
+    dynamic = sum(a.size * L.ITEMSIZE[a.dtype] for a in m.body if isinstance(a, L.Array) and a.space == "lds")
+    return m.launch.block, m.launch.act if k.family == "contract" else None, dynamic, m.launch.lds - dynamic
 
 
 def _runs(kernels, target):
     """The runs of consecutive kernels that can share a launch (one workgroup size, one GEMV
-    activation dtype), each of at least two kernels."""
-    runs, run, act = [], [], None
+    activation dtype, and LDS for ``workgroups_per_cu()`` workgroups a compute unit: the largest
+    phase's arrays and every distinct phase's template arrays), each of at least two kernels."""
+    from codegen.persistent import workgroups_per_cu
+    room = target.lds_per_cu // workgroups_per_cu()
+    runs, run, act, dynamic, static = [], [], None, 0, {}
     for k in kernels:
         g = _geometry(k, target)
-        if g is None or (g[1] and act and g[1] != act):
+        if g is not None:
+            key = repr(L.canonicalize(k)) if g[3] else ""
+            need = max(dynamic, g[2]) + sum({**static, key: g[3]}.values())
+            if g[2] + g[3] > room:
+                g = None                             # it would keep the launch's workgroups from all being resident
+        if g is None or (g[1] and act and g[1] != act) or (run and need > room):
             runs.append(run)
-            run, act = [], None
+            run, act, dynamic, static = [], None, 0, {}
         if g is not None:
             run.append(k)
-            act = act or g[1]
+            act, dynamic = act or g[1], max(dynamic, g[2])
+            static[key] = g[3]
     return [r for r in runs + [run] if len(r) > 1]
-
-
 def _shared_names(names: list) -> list:
     """One name for each position of ``names`` (a list of names per kernel of a group): the name
     the kernels share, or where they differ only in numbers, the name without those numbers."""

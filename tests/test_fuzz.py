@@ -87,3 +87,24 @@ def test_fresh_seed_programs_of_the_newer_families_compile_for_gfx906():
                     raise AssertionError(f"fuzz seed {seed}, program {i}: {e}") from e
                 compiled += 1
     assert compiled >= 10, compiled
+
+
+def test_a_predicate_on_its_tie_may_go_either_way_and_only_that_is_excused():
+    """``lax.cond(s > 0)`` on a sum that float64 makes exactly 0 (a value and its negation) takes either
+    branch in a kernel's rounding: the float64 run with that comparison decided the other way is the
+    other branch's value; a program with no comparison on its tie has no such run."""
+    import dsl
+
+    def f(x):
+        v = dsl.stack([x, -x], axis=0)
+        return dsl.lax.cond(v.sum() > 0, lambda t: t * 2.0, lambda t: t - 1.0, v),
+    x = (np.random.default_rng().standard_normal(47) * 0.7 + 0.1).astype(np.float32)
+    prog = dsl.jit(f).lower(x).program
+    want = np.stack([x, -x]).astype(np.float64)
+    (flipped,) = fuzz._ties_flipped(prog, [x], 1e-4, 1.0)
+    np.testing.assert_allclose(flipped, want * 2.0, rtol=1e-12)                     # 0 > 0 decided true
+    np.testing.assert_allclose(prog.run(x, compute_dtype="f64")[0], want - 1.0, rtol=1e-12)
+
+    def g(x):
+        return dsl.lax.cond(x.sum() > x.sum() + 1.0, lambda t: t * 2.0, lambda t: t - 1.0, x),
+    assert fuzz._ties_flipped(dsl.jit(g).lower(x).program, [x], 1e-4, 1.0) is None

@@ -158,3 +158,23 @@ def test_kernels_sharing_a_name_or_a_parameter_each_keep_their_own_phase(monkeyp
     got = np.asarray(jf(p, x), np.float64)
     assert [ck.kernel.family for ck in jf.compile(p, x).kernels] == ["persistent"]
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+def test_a_run_ends_where_its_phases_lds_would_keep_a_workgroup_off_its_compute_unit(monkeypatch):
+    """The LDS a persistent kernel needs is its largest phase's arrays (the phases take one dynamic
+    buffer in turn) plus each distinct phase's template arrays (kept apart): a run is cut before the
+    kernel that would pass the room of ``VEGAFUSE_PERSISTENT_PER_CU`` workgroups."""
+    from fusion import persistent
+    t = get_target("sm_90")
+    room = t.lds_per_cu // 2
+    geometry = {"a": (256, "f32", 9000, 0), "b": (256, "f32", 2000, room // 2), "c": (256, "f32", 8000, room // 2 - 10000),
+                "d": (256, "f32", 1000, room // 4), "e": (256, "f32", room, 1), "f": (256, None, 100, 0)}
+    monkeypatch.setattr(persistent, "_geometry", lambda k, t: geometry[k.name])
+    monkeypatch.setattr(L, "canonicalize", lambda k: k.name)
+    kernels = [L.Kernel(n, "contract", (), ()) for n in "abcdbef"]
+    names = [[k.name for k in r] for r in persistent._runs(kernels, t)]
+    # a, b, c: 9000 + room // 2 + room // 2 - 10000 fits, d's templates would pass it; d, b fit, b
+    # counted once; e alone passes the room (a launch of its own), so f is left alone
+    assert names == [["a", "b", "c"], ["d", "b"]]
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_PER_CU", "1")          # twice the room: e's arrays pass it beside the rest
+    assert [[k.name for k in r] for r in persistent._runs(kernels, t)] == [["a", "b", "c", "d", "b"], ["e", "f"]]
