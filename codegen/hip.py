@@ -328,6 +328,10 @@ STMT = {
     L.CopyQ8: lambda s, pad: [f"{pad}vf_copy_q8_1({s.dst}, {s.src}, {s.blocks});"],
     L.CopyF32: lambda s, pad: [f"{pad}vf_copy_f32({s.dst}, {s.src}, {s.n});"],
     L.QuantizeStored: _quantize_stored,
+    L.RingDot: lambda s, pad: [f"{pad}vf_chunk = vf_ring_dot<{s.k}, {s.kc}, {s.cg}, {s.rpt}>(vf_ring, vf_chunk, {s.act}, "
+                               f"{s.sums}, {bare(s.slots)});"],
+    L.RingProduce: lambda s, pad: [f"{pad}vf_chunk = vf_ring_produce(vf_ring, vf_chunk, vf_tiled + {bare(s.first)}, "
+                                   f"{bare(s.slots)}, {s.k}, {s.kc});"],
 }
 
 

@@ -455,10 +455,40 @@ class Phase:
     run by the persistent kernel's workgroups as if it were launched alone (each takes its workgroups
     in turn), with ``args`` (names of the persistent kernel's parameters) bound to its parameters in
     order.  Phases equal up to names (the same layer again) share one ``kernel``; ``name`` is the
-    plan's kernel the phase stands for."""
+    plan's kernel the phase stands for.  ``tiled``: for a GEMV phase fed by the ring (``codegen/ring.py``),
+    the persistent kernel's parameter that holds its weights tiled, else ""."""
     kernel: "Kernel"
     args: tuple
     name: str
+    tiled: str = ""
+
+
+@dataclass(frozen=True)
+class RingDot:
+    """GPU, a persistent kernel's GEMV phase fed by its ring (``codegen/ring.py``): the dot products of
+    ``slots`` weight rows (a block's, stored tiled: each chunk ``kc`` columns of all of them) with the
+    ``k`` values of ``act`` (LDS), the chunks taken from the ring in turn.  Thread t keeps the 8 columns
+    ``t % cg`` of each chunk for the rows ``t / cg + i * (workgroup / cg)``, ``i < rpt``, summing in
+    registers over the chunks; the ``min(cg, 32)`` lanes of a warp on a row add theirs, and row s's
+    ``cg / min(cg, 32)`` partial sums end at ``sums[s * cg / min(cg, 32) ...]``."""
+    k: int
+    kc: int
+    cg: int
+    rpt: int
+    act: str
+    sums: str
+    slots: "Expr"
+
+
+@dataclass(frozen=True)
+class RingProduce:
+    """GPU, the producer warp's side of a ``RingDot``: the ``slots`` rows' chunks of ``kc`` columns (``k`` in
+    all) from the tiled weights at element ``first`` (of the phase's share of the tiled buffer), each
+    copied into the next free slot of the ring."""
+    k: int
+    kc: int
+    first: "Expr"
+    slots: "Expr"
 
 
 @dataclass(frozen=True)
@@ -468,7 +498,7 @@ class GridBarrier:
 
 
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8,
-             CopyQ8, CopyF32, QuantizeStored, Arrive, Phase, GridBarrier]
+             CopyQ8, CopyF32, QuantizeStored, Arrive, Phase, GridBarrier, RingDot, RingProduce]
 
 
 @dataclass(frozen=True)
@@ -611,6 +641,10 @@ def stmt_exprs(s):
         return (s.pos,)
     if isinstance(s, QuantizeQ8):
         return (s.group, s.active) + tuple(s.values)
+    if isinstance(s, RingDot):
+        return (s.slots,)
+    if isinstance(s, RingProduce):
+        return (s.first, s.slots)
     return ()
 
 
@@ -661,7 +695,11 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
         if isinstance(s, Arrive):
             return Arrive(name(s.count), s.parts)
         if isinstance(s, Phase):
-            return Phase(s.kernel, tuple(name(a) for a in s.args), s.name)
+            return Phase(s.kernel, tuple(name(a) for a in s.args), s.name, name(s.tiled) if s.tiled else "")
+        if isinstance(s, RingDot):
+            return replace(s, act=name(s.act), sums=name(s.sums), slots=ex(s.slots))
+        if isinstance(s, RingProduce):
+            return replace(s, first=ex(s.first), slots=ex(s.slots))
         if isinstance(s, CopyQ8):
             return CopyQ8(name(s.dst), name(s.src), s.blocks)
         if isinstance(s, CopyF32):
@@ -1107,6 +1145,12 @@ def format_kernel(k: Kernel) -> str:
             elif isinstance(s, Attention):
                 lines.append(f"{pad}{s.out} = attention({s.q}, {s.k}, {s.v}, pos={format_expr(s.pos)}, "
                              f"heads={s.hq}/{s.hkv}, t={s.t}, s={s.s}, d={s.d}, scale={s.scale!r})")
+            elif isinstance(s, RingDot):
+                lines.append(f"{pad}{s.sums}[slot, part] = partial dots of {format_expr(s.slots)} tiled rows (k={s.k}) "
+                             f"with {s.act}, from the ring ({s.kc} columns a chunk, {s.rpt} rows a thread)")
+            elif isinstance(s, RingProduce):
+                lines.append(f"{pad}ring <- {format_expr(s.slots)} tiled rows from element {format_expr(s.first)} "
+                             f"(k={s.k}, {s.kc} columns a chunk)")
     emit(k.body, 1)
     return "\n".join(lines)
 

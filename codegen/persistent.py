@@ -19,20 +19,25 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import loopir as L
-from .hip import CTYPE, HipKernel, _lds_size, _signature, _weights, file_scope, function_body, parameter, prelude_parts
-from .mapping import clear_of_templates, env_int, map_kernel
+from . import ring
+from .hip import (CTYPE, HipKernel, _lds_size, _signature, _weights, file_scope, function_body, parameter, prelude_parts,
+                  stmts)
+from .mapping import _lds_bytes, clear_of_templates, env_int, map_kernel
 from .prelude import grid_barrier, prelude
+from .prelude import ring as prelude_ring
 
 
-def _phase_signature(k: L.Kernel, coherent: set) -> str:
-    """``k``'s parameters, those in ``coherent`` (written by a phase) without ``__restrict__``."""
+def _phase_signature(k: L.Kernel, coherent: set, ring_phase: bool = False) -> str:
+    """``k``'s parameters, those in ``coherent`` (written by a phase) without ``__restrict__``; a phase
+    fed by the ring takes the ring and the number of its next chunk first."""
     args = []
     for p in k.params:
         if p.kind == "buffer" and p.name in coherent:
             args.append(f"{'const ' if p.role == 'in' else ''}{CTYPE[p.dtype]}* {p.name}")
         else:
             args.append(parameter(p))
-    return ", ".join(["const dim3 blockIdx", "const dim3 gridDim"] + args)
+    ring_args = ["const vf_ring_t vf_ring", "unsigned int vf_chunk"] if ring_phase else []
+    return ", ".join(["const dim3 blockIdx", "const dim3 gridDim"] + ring_args + args)
 
 
 def any_grid(m: L.Kernel) -> bool:
@@ -72,10 +77,13 @@ def _prefetch(s: L.Phase, n: int, pad="  ") -> list:
             + [f"{pad}vf_prefetch_l2({names[p.name]}, {min(n, int(p.size * L.ITEMSIZE[p.dtype]))}ull);" for p in weights])
 
 
-def _call(s: L.Phase, m: L.Kernel, ns: str, pad="  ") -> list:
+def _call(s: L.Phase, m: L.Kernel, ns: str, pad="  ", ring: bool = False) -> list:
     """A phase (its function ``ns::run``) run by the launch's workgroups: in one call each
     where it computes the same for any grid (``any_grid``), else its own workgroups taken in turn."""
     args = ", ".join(a + ("_" if p.kind == "scalar" else "") for p, a in zip(m.params, s.args))
+    if ring:
+        return [f"{pad}// {s.name}: its blocks of rows over the launch's workgroups, their weights from the ring",
+                f"{pad}vf_chunk = {ns}::run(dim3(blockIdx.x), dim3(gridDim.x), vf_ring, vf_chunk, {args});"]
     if any_grid(m):
         return [f"{pad}// {s.name}: its grid-stride loops over the launch's workgroups",
                 f"{pad}{ns}::run(dim3(blockIdx.x), dim3(gridDim.x), {args});"]
@@ -99,9 +107,66 @@ def _occupancy(t, block: int, per_cu: int) -> str:
     return f", {n}" if n > 1 else ""
 
 
+def ring_flight() -> int:
+    """Chunks the ring's producer keeps in flight at most (``VEGAFUSE_PERSISTENT_FLIGHT``, default 2: more
+    lengthen the queue every latency-bound load of the chain waits in, docs/performance.md)."""
+    return env_int("VEGAFUSE_PERSISTENT_FLIGHT", 2, 1, "1 or more chunks in flight")
+
+
+def ring_quiet() -> bool:
+    """Does the ring's producer pause while its consumers wait at a grid barrier
+    (``VEGAFUSE_PERSISTENT_QUIET``, default 1)?"""
+    return env_int("VEGAFUSE_PERSISTENT_QUIET", 1, 0, "1 (the producer pauses at grid barriers) or 0") > 0
+
+
+def _ring_slots(t, per_cu: int, lds: int, static: int) -> int:
+    """Slots of ``SLOT_BYTES`` the ring has beside ``lds`` dynamic and ``static`` bytes, at most 10,
+    with ``per_cu`` workgroups a compute unit."""
+    room = min(t.lds_per_cu // per_cu, t.max_lds or t.lds_per_cu) - lds - static - 1024
+    return max(0, min(10, room // ring.SLOT_BYTES))
+
+
+def ring_phases(phases, mapped: dict, grid: int, block: int) -> dict:
+    """``{id(phase kernel): (RingGemv, Tiles)}`` for the ``phases`` fed by the ring (their ``tiled`` set
+    by the plan step), ``mapped`` the phase kernels mapped, for a launch of ``grid`` workgroups of
+    ``block`` consumer threads."""
+    out = {}
+    for s in phases:
+        if s.tiled and id(s.kernel) not in out:
+            g = ring.ring_gemv(mapped[id(s.kernel)])
+            out[id(s.kernel)] = g, ring.tiles(g, grid, block)
+    return out
+
+
+def _shares(phases, rings):
+    """``(element offset, phase, RingGemv, Tiles)`` of each ring phase's share of the tiled weights, in order."""
+    at = 0
+    for s in phases:
+        if id(s.kernel) in rings:
+            g, tl = rings[id(s.kernel)]
+            yield at, s, g, tl
+            at += g.slots * g.k
+
+
+def tiling(k: L.Kernel, t) -> list:
+    """How the persistent kernel ``k`` (the plan's, with its own names) for ``t`` lays out its tiled
+    weights: ``(element offset, RingGemv, Tiles, {phase weight: k's buffer})`` per ring phase, in order
+    (``codegen.ring.tile`` fills each share)."""
+    phases = [s for s in k.body if isinstance(s, L.Phase)]
+    mapped = {id(s.kernel): map_kernel(s.kernel, t) for s in phases if s.tiled}
+    if not mapped:
+        return []
+    block = next(iter(mapped.values())).launch.block
+    rings = ring_phases(phases, mapped, t.compute_units * workgroups_per_cu(), block)
+    return [(at, g, tl, {w: dict(zip((p.name for p in s.kernel.params), s.args))[w] for seg in g.segments for w in seg.weights})
+            for at, s, g, tl in _shares(phases, rings)]
+
+
 def render_persistent(k: L.Kernel, t) -> HipKernel:
     """HIP source of the persistent kernel ``k`` for ``t`` (a Target), with its launch:
     ``workgroups_per_cu()`` workgroups a compute unit, the dynamic LDS its largest phase takes.
+    With a parameter of tiled weights (``fusion.persistent.tiled_name``) its GEMV phases take their
+    weights from a ring (``codegen/ring.py``), filled by one more warp a workgroup.
     Raises ValueError when its phases do not map onto one workgroup size and activation dtype."""
     phases = [s for s in k.body if isinstance(s, L.Phase)]
     distinct = list({id(s.kernel): s.kernel for s in phases}.values())
@@ -112,9 +177,16 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         raise ValueError(f"persistent kernel {k.name}: its phases map onto {sorted(geometry)} (workgroup size, "
                          "GEMV activation dtype); a persistent kernel has one of each")
     (block,), act = blocks, (acts or {"f32"}).pop()
+    n, per_cu = sum(isinstance(s, L.GridBarrier) for s in k.body), workgroups_per_cu()
+    grid = t.compute_units * per_cu
+    static = sum(m.launch.lds - _lds_bytes([a for a in m.body if isinstance(a, L.Array)]) for m in mapped.values())
+    rings = ring_phases(phases, mapped, grid, block)   # phase kernel -> (RingGemv, Tiles)
+    for i, (g, tl) in rings.items():
+        mapped[i] = replace(mapped[i], body=ring.consumer(g, tl))
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
+            + (_CONSUMERS if rings else "")
             + prelude(replace(t, block=block), act, **prelude_parts(distinct, list(mapped.values())))
-            + grid_barrier(t)
+            + grid_barrier(t) + (prelude_ring(t) if rings else "")
             + "// the phases' arrays in dynamic LDS: declared in each, sized at launch\n#define VF_DYNAMIC_LDS(name, bytes) "
             "extern __shared__ __attribute__((aligned(16))) unsigned char name[]\n")
     written = {p.name for p in k.params if p.role != "in"}
@@ -126,28 +198,67 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         lds = max(lds, sum(map(_lds_size, dynamic)))
         ns = space[id(pk)] = L.fresh_name(f"phase_{m.name}", set(space.values()))
         lines += [f"namespace {ns} {{   // a phase of {k.name}"] + file_scope(m)
+        if id(pk) in rings:
+            lines += _producer(ring.producer(*rings[id(pk)]))
         lines += ["// blockIdx and gridDim are the phase's own, given by the caller",
-                  f"__device__ __noinline__ void run({_phase_signature(m, coherent)}) {{"]
-        lines += function_body(m, dynamic, why="the phases take one buffer in turn") + ["}", f"}}  // namespace {ns}", ""]
-    n, per_cu = sum(isinstance(s, L.GridBarrier) for s in k.body), workgroups_per_cu()
-    grid = t.compute_units * per_cu
+                  f"__device__ __noinline__ {'unsigned int' if id(pk) in rings else 'void'} "
+                  f"run({_phase_signature(m, coherent, id(pk) in rings)}) {{"]
+        lines += function_body(m, dynamic, why="the phases take one buffer in turn")
+        lines += (["  return vf_chunk;"] if id(pk) in rings else []) + ["}", f"}}  // namespace {ns}", ""]
+    slots = _ring_slots(t, per_cu, lds, static) if rings else 0
+    if rings and slots < 2:
+        raise ValueError(f"persistent kernel {k.name}: no room for a ring of two {ring.SLOT_BYTES}-byte slots beside "
+                         f"{lds} bytes of LDS with {per_cu} workgroups a compute unit; set VEGAFUSE_PERSISTENT_RING=0")
+    ring_at = -(-lds // 128) * 128
+    total = ring_at + slots * ring.SLOT_BYTES if rings else lds
+    threads = block + (32 if rings else 0)
     lines += [f"// {k.name}: {len(phases)} phases of one launch, a grid barrier between each two; "
               f"{k.bytes} bytes moved, {k.flops} flops per call",
               f"// the grid: {per_cu} workgroup{'s' if per_cu > 1 else ''} a compute unit, all resident",
               "__device__ unsigned int vf_grid_arrived, vf_grid_left;   // zero between launches",
-              f'extern "C" __global__ void __launch_bounds__({block}{_occupancy(t, block, per_cu)}) {k.name}({_signature(k)}) {{',
-              "  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
+              f'extern "C" __global__ void __launch_bounds__({threads}{_occupancy(t, threads, per_cu)}) {k.name}({_signature(k)}) {{']
+    if rings:
+        quiet = ring_quiet()
+        lines += [f"  // the ring: {slots} slots of {ring.SLOT_BYTES} bytes after the phases' {lds} bytes of LDS",
+                  f"  __shared__ unsigned long long vf_ring_barriers[{2 * slots}];"]
+        lines += ["  __shared__ unsigned int vf_quiet;   // 1 while the consumers wait at a grid barrier"] if quiet else []
+        lines += [f"  VF_DYNAMIC_LDS(vf_lds, {total});",
+                  f"  const vf_ring_t vf_ring = vf_ring_start(vf_lds + {ring_at}, vf_ring_barriers, {slots}, {ring.SLOT_BYTES}, "
+                  f"{ring_flight()}, {'&vf_quiet' if quiet else '0'});",
+                  "  if (threadIdx.x >= VF_BLOCK) {   // the producer warp: every ring phase's chunks, in the phases' order",
+                  "    if (threadIdx.x == VF_BLOCK) {",
+                  "      unsigned int vf_chunk = 0;"]
+        for at, s, g, tl in _shares(phases, rings):
+            lines.append(f"      vf_chunk = {space[id(s.kernel)]}::produce(dim3(blockIdx.x), dim3(gridDim.x), vf_ring, "
+                         f"vf_chunk, {s.tiled} + {at});   // {s.name}")
+        lines += ["    }", "    return;", "  }", "  unsigned int vf_chunk = 0;"]
+    lines += ["  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
               "  VF_GRID_LAUNCH_DEPENDENTS();"]
-    at, ahead = 0, prefetch_bytes(t)
+    at, ahead = 0, prefetch_bytes(t) if not rings else 0
     for i, s in enumerate(k.body):
         if isinstance(s, L.Phase):
-            lines += _call(s, mapped[id(s.kernel)], space[id(s.kernel)])
+            lines += _call(s, mapped[id(s.kernel)], space[id(s.kernel)], ring=id(s.kernel) in rings)
         elif isinstance(s, L.GridBarrier):
             lines += _prefetch(next(x for x in k.body[i:] if isinstance(x, L.Phase)), ahead)
             at += 1
-            lines.append(f"  vf_grid_barrier(&vf_grid_arrived, {at});" + (f"   // {at} of {n}" if at == 1 else ""))
+            barrier = f"vf_ring_grid_barrier(vf_ring, &vf_grid_arrived, {at});" if rings else f"vf_grid_barrier(&vf_grid_arrived, {at});"
+            lines.append(f"  {barrier}" + (f"   // {at} of {n}" if at == 1 else ""))
     lines += ["  vf_grid_leave(&vf_grid_arrived, &vf_grid_left);", "}"]
-    m = replace(k, launch=L.Launch(grid, block, str(block), f"{len(phases)} phases, {per_cu} workgroups a compute unit",
-                                   0, act))
+    how = f"{len(phases)} phases, {per_cu} workgroups a compute unit" + (f", a ring of {slots} slots" if rings else "")
+    m = replace(k, launch=L.Launch(grid, threads, str(threads), how, 0, act))
     src = head + "\n" + "\n".join(lines) + "\n"
-    return HipKernel(k.name, src, (grid, 1, 1), (block, 1, 1), lds, m, t, len(head) + 1)
+    return HipKernel(k.name, src, (grid, 1, 1), (threads, 1, 1), total, m, t, len(head) + 1)
+
+
+_CONSUMERS = """// a workgroup of VF_BLOCK threads that run the phases and one warp that fills the ring of weights: the
+// phases' workgroup barrier is named barrier 1 of the VF_BLOCK threads, which the producer warp never joins
+#define __syncthreads() asm volatile("bar.sync 1, %0;" :: "n"(VF_BLOCK) : "memory")
+"""
+
+
+def _producer(body) -> list:
+    """The producer warp's walk over a ring phase (``codegen.ring.producer``), as the phase's function
+    ``produce``."""
+    return ["// the producer warp's side: this workgroup's blocks' chunks into the ring, in the consumers' order",
+            "__device__ __noinline__ unsigned int produce(const dim3 blockIdx, const dim3 gridDim, const vf_ring_t vf_ring, "
+            "unsigned int vf_chunk, const vf_half* __restrict__ vf_tiled) {"] + stmts(body) + ["  return vf_chunk;", "}"]

@@ -901,13 +901,16 @@ _GRID_BARRIER = r"""// a persistent kernel's grid barrier (every workgroup resid
 // all gridDim.x workgroups have arrived at it, and every thread's global writes before it are seen by every
 // thread after it (the workgroup's writes meet at __syncthreads; thread 0 fences them, counts, polls with
 // acquire loads and fences again before the workgroup goes on)
-__device__ __forceinline__ void vf_grid_barrier(unsigned int* arrived, unsigned int n) {
+// (`quiet`, unless null, is 1 meanwhile: a ring's producer pauses)
+__device__ __forceinline__ void vf_grid_barrier(unsigned int* arrived, unsigned int n, volatile unsigned int* quiet = 0) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (quiet) *quiet = 1;
     __threadfence();
     atomicAdd(arrived, 1u);
     while (vf_load_acquire(arrived) < n * gridDim.x) VF_POLL_PAUSE();
     __threadfence();
+    if (quiet) *quiet = 0;
   }
   __syncthreads();
 }
@@ -919,6 +922,129 @@ __device__ __forceinline__ void vf_grid_leave(unsigned int* arrived, unsigned in
   }
 }
 """
+
+
+_RING_NV = r"""// the ring's barriers and copies (sm_90): an mbarrier a slot in LDS, completed by arrivals and by the bytes
+// of the bulk copy (cp.async.bulk) it waits for
+__device__ __forceinline__ unsigned int vf_lds_address(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void vf_mbar_init(unsigned long long* b, unsigned int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(vf_lds_address(b)), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void vf_mbar_arrive(unsigned long long* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(vf_lds_address(b)) : "memory");
+}
+__device__ __forceinline__ void vf_mbar_wait(unsigned long long* b, unsigned int parity) {
+  unsigned int done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(vf_lds_address(b)), "r"(parity) : "memory");
+  } while (!done);
+}
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global memory into LDS; completes b
+__device__ __forceinline__ void vf_bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* b) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(vf_lds_address(b)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(vf_lds_address(dst)), "l"(src), "r"(bytes), "r"(vf_lds_address(b)) : "memory");
+}
+// every thread of the workgroup, the producer warp too (the consumers' barrier is a named one)
+__device__ __forceinline__ void vf_all_threads_sync() { asm volatile("bar.sync 0;" ::: "memory"); }
+__device__ __forceinline__ void vf_mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+"""
+
+RING = r"""// a persistent kernel's ring (codegen/ring.py): its GEMV phases' weights stream through `slots` LDS slots of
+// `slot_bytes`, chunk c in slot c % slots, copied in by the producer warp ahead of the consumers (the
+// workgroup's other threads); a slot's full barrier completes when its chunk has landed, its empty one when
+// every consumer warp is done with it.  The producer keeps at most `flight` chunks in flight.
+// With `quiet`, the producer issues nothing while the consumers wait at a grid barrier, so that the barrier's add
+// and polls cross an idle memory system.
+struct vf_ring_t {
+  unsigned char* data;
+  unsigned long long* full;
+  unsigned long long* empty;
+  unsigned int slots, slot_bytes, flight;
+  volatile unsigned int* quiet;                     // null: the producer never pauses
+};
+__device__ __forceinline__ vf_ring_t vf_ring_start(unsigned char* data, unsigned long long* bars, unsigned int slots,
+                                                  unsigned int slot_bytes, unsigned int flight,
+                                                  volatile unsigned int* quiet) {
+  const vf_ring_t r = {data, bars, bars + slots, slots, slot_bytes, flight, quiet};
+  if (threadIdx.x == 0) {
+    if (quiet) *quiet = 0;
+    for (unsigned int i = 0; i < slots; ++i) {
+      vf_mbar_init(&r.full[i], 1);                  // the producer's arrival, with its copy's bytes
+      vf_mbar_init(&r.empty[i], VF_BLOCK / 32);     // each consumer warp's
+    }
+    vf_mbar_init_fence();
+  }
+  vf_all_threads_sync();
+  return r;
+}
+// the producer: `slots` rows' chunks of KC columns (K in all) from src (chunk by chunk, each row-major), each
+// into the next slot once it is free; returns the next chunk's number
+__device__ __forceinline__ unsigned int vf_ring_produce(const vf_ring_t r, unsigned int c, const vf_half* src, int slots,
+                                                       int K, int KC) {
+  for (int j = 0; j < K; j += KC, ++c) {
+    const unsigned int slot = c % r.slots, bytes = 2u * slots * min(KC, K - j);
+    if (c >= r.slots) vf_mbar_wait(&r.empty[slot], (c / r.slots - 1) & 1);
+    if (r.flight < r.slots && c >= r.flight)
+      vf_mbar_wait(&r.full[(c - r.flight) % r.slots], ((c - r.flight) / r.slots) & 1);
+    if (r.quiet)
+      while (*r.quiet) VF_POLL_PAUSE();
+    if (bytes) vf_bulk_copy(r.data + slot * r.slot_bytes, src, bytes, &r.full[slot]);
+    else vf_mbar_arrive(&r.full[slot]);
+    src += bytes / 2;
+  }
+  return c;
+}
+// the consumers: a block's `slots` rows of K columns dotted with act, their chunks of KC columns from the ring;
+// thread t sums columns 8 (t % CG) .. 8 (t % CG) + 7 of each chunk for rows t / CG + i (VF_BLOCK / CG), i < RPT,
+// in registers; then the W = min(CG, 32) lanes of a warp on a row add theirs, and row s's CG / W partial sums
+// end in sums[s CG / W ...]; returns the next chunk's number
+template <int K, int KC, int CG, int RPT>
+__device__ __forceinline__ unsigned int vf_ring_dot(const vf_ring_t r, unsigned int c, const vf_act_t* act, float* sums,
+                                                   int slots) {
+  constexpr int RG = VF_BLOCK / CG;                 // rows side by side
+  const int col = threadIdx.x % CG * 8, rg = threadIdx.x / CG;
+  float acc[RPT];
+  #pragma unroll
+  for (int i = 0; i < RPT; ++i) acc[i] = 0.0f;
+  for (int j = 0; j < K; j += KC, ++c) {
+    const unsigned int slot = c % r.slots;
+    const int kc = min(KC, K - j);
+    vf_mbar_wait(&r.full[slot], (c / r.slots) & 1);
+    const vf_half* w = (const vf_half*)(r.data + slot * r.slot_bytes);
+    if (col < kc) {
+      #pragma unroll
+      for (int i = 0; i < RPT; ++i)
+        if (rg + i * RG < slots) acc[i] = vf_dot8_h(acc[i], w + (rg + i * RG) * kc + col, act + j + col);
+    }
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) vf_mbar_arrive(&r.empty[slot]);
+  }
+  constexpr int W = CG < 32 ? CG : 32;
+  #pragma unroll
+  for (int i = 0; i < RPT; ++i) {
+    float v = acc[i];
+    #pragma unroll
+    for (int o = W / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (rg + i * RG < slots && threadIdx.x % W == 0) sums[(rg + i * RG) * (CG / W) + threadIdx.x % CG / W] = v;
+  }
+  return c;
+}
+// the grid barrier with the producer quiet while thread 0 counts in and polls (the consumers are done with their
+// phase's chunks then, so none waits for a chunk the pause holds back)
+__device__ __forceinline__ void vf_ring_grid_barrier(const vf_ring_t r, unsigned int* arrived, unsigned int n) {
+  vf_grid_barrier(arrived, n, r.quiet);
+}
+"""
+
+
+def ring(t) -> str:
+    """The ring's helpers (``codegen/ring.py``): NVIDIA's barriers and bulk copies, then the producer's and
+    the consumers' loops.  Raises ValueError for a target without bulk copies."""
+    if t.vendor != "nvidia":
+        raise ValueError(f"{t.name}: the persistent kernel's ring needs bulk copies into LDS (sm_90)")
+    return _RING_NV + RING
 
 
 def grid_barrier(t) -> str:

@@ -70,6 +70,9 @@ class Executable:
             if name not in self.plan.scalars:
                 bufs[name] = a
         self._slots = self.device.scalar_slots(self.plan.scalars)
+        for ck in self.kernels:
+            if ck.kernel.family == "persistent":
+                self._tile_weights(ck, bufs)
         launches = []
         for ck in self.kernels:
             args = {p.name: bufs[p.name] for p in ck.kernel.params if p.kind == "buffer"}
@@ -77,6 +80,22 @@ class Executable:
         self._plan_run = self.device.plan(launches, self._slots)
         self._bound = [id(a) if not isinstance(a, int) else None for a in arrays]
         self._bound_refs = arrays
+
+    def _tile_weights(self, ck, bufs):
+        """Fill a persistent kernel's tiled weights (``codegen.ring.tile``) from the weights bound now:
+        each ring phase's share, in the kernel's order, copied to the device once per binding."""
+        from codegen.persistent import tiling
+        from codegen.ring import tile
+        from fusion.persistent import tiled_name
+        host, parts = {}, []
+        for at, g, tl, names in tiling(ck.kernel, self.device.compiler.target):
+            assert at == sum(map(len, parts)), "the tiled weights' shares follow one another"
+            for arg in names.values():
+                if arg not in host:
+                    host[arg] = self.device.to_host(bufs[arg])
+            parts.append(tile(g, tl, {w: host[arg] for w, arg in names.items()}))
+        if parts:
+            self.device.copy_in(bufs[tiled_name(ck.kernel.name)], np.concatenate(parts))
 
     def bind(self, *leaves):
         """Put the inputs where the kernels read them; returns the device buffers by input name.

@@ -35,6 +35,20 @@ def enabled(target) -> bool:
     return v == "1" and getattr(target, "vendor", "") == "nvidia"
 
 
+def tiled_name(kernel_name: str) -> str:
+    """The persistent kernel's parameter holding its ring phases' weights, tiled (``codegen.ring.tile``)."""
+    return f"{kernel_name}_tiled_weights"
+
+
+def ring_enabled() -> bool:
+    """Do the persistent kernel's GEMV phases take their weights from a ring (``VEGAFUSE_PERSISTENT_RING=1``,
+    ``codegen/ring.py``)?  ValueError for another value than 0 or 1."""
+    v = os.environ.get("VEGAFUSE_PERSISTENT_RING", "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"VEGAFUSE_PERSISTENT_RING={v!r}: set it to 1 (GEMV phases fed by a ring of weights) or 0")
+    return v == "1"
+
+
 def _geometry(k: L.Kernel, target):
     """``(block, act, dynamic, static)`` of ``k`` mapped for ``target`` when it can be a phase, else
     None.  ``act``: the dtype a GEMV keeps its activation in, the prelude's ``vf_act_t`` (None for
@@ -132,9 +146,23 @@ def _merge(params: dict, p: L.Param) -> None:
         params[p.name] = replace(q, role="inout")
 
 
-def persistent_kernel(run: list, name: str) -> L.Kernel:
+def _ring_phases(phases, target) -> dict:
+    """``{id(phase kernel): values of its tiled weights}`` for the phases whose GEMVs the ring can feed
+    (``codegen.ring.ring_gemv``)."""
+    from codegen.mapping import map_kernel
+    from codegen.ring import ring_gemv
+    sizes = {}
+    for s in phases:
+        if id(s.kernel) not in sizes:
+            g = ring_gemv(map_kernel(s.kernel, target))
+            sizes[id(s.kernel)] = g.slots * g.k if g else 0
+    return {i: n for i, n in sizes.items() if n}
+
+
+def persistent_kernel(run: list, name: str, target=None) -> L.Kernel:
     """One kernel of family "persistent" for ``run`` (consecutive kernels of the plan, in order):
-    a ``Phase`` for each, a ``GridBarrier`` between each two."""
+    a ``Phase`` for each, a ``GridBarrier`` between each two.  With ``target`` and the ring on
+    (``ring_enabled``), its GEMV phases' weights come tiled in one more parameter (``tiled_name``)."""
     groups = {}
     for k in run:
         groups.setdefault(repr(L.canonicalize(k)), []).append(k)
@@ -147,6 +175,11 @@ def persistent_kernel(run: list, name: str) -> L.Kernel:
         for p in k.params:
             _merge(params, p)
         body += ([L.GridBarrier()] if i else []) + [L.Phase(phase_of[id(k)], tuple(p.name for p in k.params), k.name)]
+    rings = _ring_phases([s for s in body if isinstance(s, L.Phase)], target) if target and ring_enabled() else {}
+    tiled = sum(rings.get(id(s.kernel), 0) for s in body if isinstance(s, L.Phase))
+    if tiled:
+        params[tiled_name(name)] = L.Param(tiled_name(name), "f16", "buffer", (tiled,), "in")
+        body = [replace(s, tiled=tiled_name(name)) if isinstance(s, L.Phase) and id(s.kernel) in rings else s for s in body]
     return L.Kernel(name, "persistent", tuple(params.values()), tuple(body),
                     ops=tuple(op for k in run for op in k.ops), bytes=sum(k.bytes for k in run),
                     flops=sum(k.flops for k in run), eqns=tuple(e for k in run for e in k.eqns))
@@ -160,11 +193,12 @@ def make_persistent(plan, target):
         return plan
     first = {id(r[0]): r for r in runs}
     inside = {id(k) for r in runs for k in r}
-    kernels, n = [], 0
+    kernels, buffers, n = [], dict(plan.buffers), 0
     for k in plan.kernels:
         if id(k) in first:
-            kernels.append(persistent_kernel(first[id(k)], "persistent" + (str(n) if n else "")))
+            kernels.append(persistent_kernel(first[id(k)], "persistent" + (str(n) if n else ""), target))
+            buffers.update({p.name: (p.shape, p.dtype) for p in kernels[-1].params if p.name == tiled_name(kernels[-1].name)})
             n += 1
         elif id(k) not in inside:
             kernels.append(k)
-    return replace(plan, kernels=kernels)
+    return replace(plan, kernels=kernels, buffers=buffers)

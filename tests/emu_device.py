@@ -51,7 +51,7 @@ class EmuCompiler(Compiler):
     def __init__(self, target):
         super().__init__()
         self.target = target
-        self.identity = {**self.identity, "header": open(HEADER).read(), "helpers": helpers()}
+        self.identity = {**self.identity, "header": open(HEADER).read(), "helpers": helpers() + prelude.RING}
 
     def render(self, kernel):
         h = render_hip(kernel, self.target)
@@ -60,7 +60,11 @@ class EmuCompiler(Compiler):
         defines += f"#define VF_ATT_BLOCK {h.block[0]}\n#define VF_UNROLL_K\n"
         defines += "#define VF_ACT_F16\n" if h.kernel.launch.act == "f16" else ""
         grid = 1 if kernel.family == "persistent" else h.grid[0]    # the workgroups run in turn: a grid barrier needs one
-        return emulation_source(h, defines, helpers()) + f"// launch {grid} {h.block[0]}\n"
+        extra = ""
+        if "vf_ring_start(" in h.body:               # a ring: __syncthreads is its consumers' barrier
+            defines += f"#define VF_SYNC_THREADS {h.block[0] - 32}\n"
+            extra = prelude.RING
+        return emulation_source(h, defines, helpers() + extra) + f"// launch {grid} {h.block[0]}\n"
 
     def compile(self, source, name):
         with tempfile.TemporaryDirectory() as d:

@@ -1,6 +1,6 @@
 """Random DSL programs against the float64 reference interpreter.
 
-    python -m tests.fuzz -n 10000 --seed S [--jobs 2] [--backend cpu|cpu+gfx906|emu|emu-persistent]
+    python -m tests.fuzz -n 10000 --seed S [--jobs 2] [--backend cpu|cpu+gfx906|emu|emu-persistent|emu-ring]
 
 A program is a list of ops whose parameters are *relative* (fractions in [0, 1)
 that pick axes, sizes, operands): they are resolved against the shapes at hand
@@ -111,6 +111,11 @@ OPS += ["bisect", "bisect"]
 # or none; each x is read by the next layer's contraction and its add (fusion.partition's MAX_SHARED_LOADS
 # stores it once its expression loads too many buffers, as with the epilogue rule off)
 OPS += ["residual"]
+# a one-row chain of f16 GEMVs, as a decode layer's MLP: RMS-normalized with a gain, a gate and an up projection
+# (SiLU * up: two weight rows a row), the down projection onto the residual, 1 to 3 times; K not always a
+# multiple of 64 and N of odd sizes: a persistent kernel's ring phases with partial chunks and blocks of rows of
+# unequal numbers of weight rows (codegen/ring.py; --backend emu-ring)
+OPS += ["gemv_chain"] * 3
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -343,6 +348,16 @@ class Writer:
             return self.control(name, an, av, pk, p)
         if name == "bisect":
             return self.bisect(an, av, p)
+        if name == "gemv_chain":
+            k = [64, 136, 200, 512, 1000][int(p[0] * 5)]
+            n = [24, 96, 264, 520][int(p[1] * 4)]
+            x, _ = self.emit(f"{self.new_input((1, k), 'f32')} + dsl.tanh({an}.astype('f32').mean())")
+            for _ in range(1 + int(p[2] * 3)):
+                g, w1, w2, wd = (self.new_input(s_, "f16") for s_ in ((k,), (n, k), (n, k), (k, n)))
+                h = f"({x} / dsl.sqrt(({x} * {x}).mean(axis=-1, keepdims=True) + 0.5) * {g})"
+                m, _ = self.emit(f"dsl.nn.silu(dsl.dot_t({h}, {w1}) * {round(1 / np.sqrt(k), 4)}) * dsl.dot_t({h}, {w2})")
+                x, _ = self.emit(f"{x} + dsl.dot_t({m}, {wd}) * {round(0.5 / np.sqrt(n * k), 5)}")
+            return x, self.ns[x]
         if name == "residual":
             if nd == 0 or av.shape[-1] > 128:
                 return None
@@ -730,20 +745,28 @@ def source(w, seed):
 
 
 # ----------------------------------------------------------------------------- running one program
+SWITCHED = {   # backends that are the emulated GPU path with switches set
+    "emu-persistent": {"VEGAFUSE_PERSISTENT": "1"},
+    "emu-ring": {"VEGAFUSE_PERSISTENT": "1", "VEGAFUSE_PERSISTENT_RING": "1"},
+}
+
+
 def run_source(src, backend="cpu"):
     """Run a script written by ``source``; returns (status, detail).  ``backend`` "emu-persistent":
-    the emulated GPU path with ``VEGAFUSE_PERSISTENT=1`` (runs of kernels as one persistent kernel)."""
-    if backend == "emu-persistent":
-        before = os.environ.get("VEGAFUSE_PERSISTENT")
-        os.environ["VEGAFUSE_PERSISTENT"] = "1"
-        try:
-            return _run_source(src, "emu")
-        finally:
-            if before is None:
-                del os.environ["VEGAFUSE_PERSISTENT"]
+    the emulated GPU path with ``VEGAFUSE_PERSISTENT=1`` (runs of kernels as one persistent kernel);
+    "emu-ring": the same with its GEMV phases fed by the ring (``VEGAFUSE_PERSISTENT_RING=1``)."""
+    if backend not in SWITCHED:
+        return _run_source(src, backend)
+    before = {k: os.environ.get(k) for k in SWITCHED[backend]}
+    os.environ.update(SWITCHED[backend])
+    try:
+        return _run_source(src, "emu")
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
             else:
-                os.environ["VEGAFUSE_PERSISTENT"] = before
-    return _run_source(src, backend)
+                os.environ[k] = v
 
 
 def _run_source(src, backend):
@@ -1079,7 +1102,7 @@ def main(argv=None):
     ap.add_argument("--backend", default="cpu", help="backend the programs run on (default cpu; cpu+gfx906: "
                     "also compile every kernel for gfx906 through hiprtc; emu: the GPU path, each kernel's "
                     "sm_90 text run on the CPU by tests/emu_device.py; emu-persistent: the same with "
-                    "VEGAFUSE_PERSISTENT=1)")
+                    "VEGAFUSE_PERSISTENT=1; emu-ring: and VEGAFUSE_PERSISTENT_RING=1)")
     ap.add_argument("--batch", type=int, default=50, help="programs per child process")
     ap.add_argument("--no-shrink", action="store_true", help="print failures as generated")
     ap.add_argument("--time-limit", type=float, default=TIME_LIMIT,

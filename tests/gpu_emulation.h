@@ -13,7 +13,11 @@ using std::max;
 using std::min;
 struct vf_dim { unsigned x; };
 static thread_local vf_dim threadIdx, blockIdx, gridDim;
-static std::barrier<>* vf_emu_block;
+static std::barrier<>* vf_emu_block;   // __syncthreads: VF_SYNC_THREADS (a persistent kernel's ring: its consumers)
+static std::barrier<>* vf_emu_all;     // every thread of the workgroup
+#ifndef VF_SYNC_THREADS
+#define VF_SYNC_THREADS VF_ATT_BLOCK
+#endif
 static std::vector<std::unique_ptr<std::barrier<>>> vf_emu_waves;
 static float vf_emu_lanes[1024];
 #define __shared__ static
@@ -43,11 +47,14 @@ static inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exc
 // a persistent kernel's phases take their own workgroup index (codegen/persistent.py); its grid barrier, run
 // here with a grid of one workgroup (the workgroups of a grid run in turn)
 struct dim3 { unsigned x; explicit dim3(unsigned x_) : x(x_) {} };
-static inline void vf_grid_barrier(unsigned* arrived, unsigned n) {
+#define VF_POLL_PAUSE() std::this_thread::yield()
+static inline void vf_grid_barrier(unsigned* arrived, unsigned n, volatile unsigned* quiet = nullptr) {
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (quiet) __atomic_store_n(quiet, 1u, __ATOMIC_SEQ_CST);
     __atomic_fetch_add(arrived, 1u, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) < n * gridDim.x) std::this_thread::yield();
+    if (quiet) __atomic_store_n(quiet, 0u, __ATOMIC_SEQ_CST);
   }
   __syncthreads();
 }
@@ -75,6 +82,7 @@ static inline float vf_shfl_xor(float v, int m) {          // every lane of the 
   wave.arrive_and_wait();
   return other;
 }
+static inline float __shfl_xor_sync(unsigned, float v, int m) { return vf_shfl_xor(v, m); }
 static inline int vf_shfl_xor_i(int v, int m) {            // the same for ints (the int8 GEMV's helpers)
   float f, o;
   std::memcpy(&f, &v, 4);
@@ -138,24 +146,52 @@ static inline void vf_store8(vf_half* dst, vf_h8 v) { vf_emu_align16(dst); std::
 static inline void vf_load8f(float* v, const float* p) { vf_emu_align16(p); for (int i = 0; i < 8; ++i) v[i] = p[i]; }
 static inline void vf_load8f(float* v, const vf_half* p) { vf_emu_align16(p); for (int i = 0; i < 8; ++i) v[i] = (float)p[i]; }
 static inline vf_h8 vf_pack8(const float* v) { vf_h8 r; for (int i = 0; i < 8; ++i) r.h[i] = (vf_half)v[i]; return r; }
+// a persistent kernel's ring (codegen/prelude.py RING): an mbarrier is one 64-bit word, its expected arrivals
+// (bits 0-15), arrivals so far (16-31), bytes awaited (32-62) and phase parity (63); a bulk copy is a memcpy
+// between its expected bytes and their completion
+static inline void vf_mbar_init(unsigned long long* b, unsigned arrivals) { __atomic_store_n(b, arrivals, __ATOMIC_SEQ_CST); }
+static inline void vf_mbar_update(unsigned long long* b, unsigned long long arrive, long long bytes) {
+  unsigned long long v = __atomic_load_n(b, __ATOMIC_SEQ_CST), n;
+  do {
+    const unsigned long long expected = v & 0xffff, arrived = ((v >> 16) & 0xffff) + arrive;
+    const long long tx = (long long)((v >> 32) & 0x7fffffff) + bytes;
+    n = (v & (1ull << 63)) | (tx << 32) | (arrived << 16) | expected;
+    if (arrived == expected && tx == 0) n = ((v & (1ull << 63)) ^ (1ull << 63)) | expected;   // the phase completes
+  } while (!__atomic_compare_exchange_n(b, &v, n, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+}
+static inline void vf_mbar_arrive(unsigned long long* b) { vf_mbar_update(b, 1, 0); }
+static inline void vf_mbar_wait(unsigned long long* b, unsigned parity) {
+  while ((__atomic_load_n(b, __ATOMIC_ACQUIRE) >> 63) == parity) std::this_thread::yield();
+}
+static inline void vf_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* b) {
+  vf_emu_align16(dst);
+  vf_emu_align16(src);
+  vf_mbar_update(b, 1, bytes);
+  std::memcpy(dst, src, bytes);
+  vf_mbar_update(b, 0, -(long long)bytes);
+}
+static inline void vf_all_threads_sync() { vf_emu_all->arrive_and_wait(); }
+static inline void vf_mbar_init_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+static inline void __syncwarp() { vf_emu_waves[threadIdx.x / VF_WAVE]->arrive_and_wait(); }
 // run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads, in order or (after emulate_reversed(1))
 // from the last to the first
 static int vf_emu_reversed = 0;
 #define VF_EMULATE(KERNEL, ...)                                                                    \
   extern "C" void emulate_reversed(int r) { vf_emu_reversed = r; }                                  \
   extern "C" void emulate(void** a, int grid) {                                                     \
-    std::barrier<> block(VF_ATT_BLOCK);                                                             \
+    std::barrier<> block(VF_SYNC_THREADS), all(VF_ATT_BLOCK);                                        \
     vf_emu_block = &block;                                                                          \
+    vf_emu_all = &all;                                                                              \
     vf_emu_waves.clear();                                                                           \
     for (int w = 0; w < VF_ATT_BLOCK / VF_WAVE; ++w) vf_emu_waves.emplace_back(new std::barrier<>(VF_WAVE)); \
     std::vector<std::thread> threads;                                                               \
     for (unsigned t = 0; t < VF_ATT_BLOCK; ++t)                                                     \
-      threads.emplace_back([=, &block] {                                                            \
+      threads.emplace_back([=, &all] {                                                              \
         threadIdx.x = t; gridDim.x = grid;                                                          \
         for (int b = 0; b < grid; ++b) {                                                           \
           blockIdx.x = vf_emu_reversed ? grid - 1 - b : b;                                          \
           KERNEL(__VA_ARGS__);                                                                      \
-          block.arrive_and_wait();                                                                  \
+          all.arrive_and_wait();                                                                    \
         }                                                                                           \
       });                                                                                           \
     for (auto& t : threads) t.join();                                                               \

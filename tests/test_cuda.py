@@ -896,13 +896,16 @@ def test_marginal_costs_double_each_kernel_group_and_leave_the_ids_as_they_were(
     assert m.decode_greedy(first, 8) == before
 
 
+@pytest.mark.parametrize("ring", ["0", "1"], ids=["scaffold", "ring"])
 @pytest.mark.parametrize("shape", [{}, {"n_layers": 2, "context": 64, "vocab": 32000, "dim": 1536, "heads": (12, 2),
                                        "head_dim": 128, "ffn": 8960}], ids=["tiny", "qwen2.5-1.5b-layers"])
-def test_a_persistent_decode_step_matches_the_float64_interpreter(shape, monkeypatch):
+def test_a_persistent_decode_step_matches_the_float64_interpreter(shape, ring, monkeypatch):
     """``VEGAFUSE_PERSISTENT=1``: the step's kernels as phases of one launch, a workgroup on every SM,
-    grid barriers between them (``tests/test_persistent.py`` runs the same on the CPU emulation)."""
+    grid barriers between them (``tests/test_persistent.py`` runs the same on the CPU emulation); with
+    ``VEGAFUSE_PERSISTENT_RING=1`` its GEMV phases' weights stream through the ring (``codegen/ring.py``)."""
     from tests.test_persistent import check_decode_steps
     monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_RING", ring)
     check_decode_steps("cuda", (0, 7, 40) if shape else (0, 5, 11), **shape)
 
 

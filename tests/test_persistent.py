@@ -86,20 +86,27 @@ def check_decode_steps(backend, positions, **shape):
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
-def test_a_persistent_decode_step_matches_the_float64_interpreter_over_positions(monkeypatch):
+@pytest.mark.parametrize("ring", ["0", "1"], ids=["scaffold", "ring"])
+def test_a_persistent_decode_step_matches_the_float64_interpreter_over_positions(ring, monkeypatch):
+    """The scaffold, and with ``VEGAFUSE_PERSISTENT_RING=1`` its GEMV phases fed by the ring: on a grid of
+    one workgroup every block of rows goes through the ring's slots in turn (their chunks wrap around
+    it many times)."""
     from tests.emu_device import emu_backend
     monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_RING", ring)
     check_decode_steps(emu_backend(), (0, 5, 11))
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
-def test_fresh_random_programs_through_persistent_kernels_match_the_float64_interpreter():
+@pytest.mark.parametrize("backend", ["emu-persistent", "emu-ring"])
+def test_fresh_random_programs_through_persistent_kernels_match_the_float64_interpreter(backend):
     """The fuzzer's programs (about half make a persistent kernel: runs of elementwise, reduction and
-    contraction kernels as phases) on the emulated GPU path with ``VEGAFUSE_PERSISTENT=1``."""
+    contraction kernels as phases) on the emulated GPU path with ``VEGAFUSE_PERSISTENT=1``, and with the
+    ring feeding the GEMV phases (``emu-ring``)."""
     from tests import fuzz
     seed = int(np.random.SeedSequence().entropy % 2 ** 31)
-    print(f"fuzz seed {seed}: rerun with python -m tests.fuzz -n 6 --seed {seed} --backend emu-persistent")
-    counts, failures, _ = fuzz.run_many(6, seed, jobs=2, batch=6, backend="emu-persistent", progress=False)
+    print(f"fuzz seed {seed}: rerun with python -m tests.fuzz -n 6 --seed {seed} --backend {backend}")
+    counts, failures, _ = fuzz.run_many(6, seed, jobs=2, batch=6, backend=backend, progress=False)
     report = "\n".join(f"program {f['index']}: {f['status']}: {f['detail']}\n{f.get('repro', '')}" for f in failures)
     assert not failures, f"seed {seed}:\n{report}"
     assert sum(counts.values()) == 6, counts
@@ -178,3 +185,43 @@ def test_a_run_ends_where_its_phases_lds_would_keep_a_workgroup_off_its_compute_
     assert names == [["a", "b", "c"], ["d", "b"]]
     monkeypatch.setenv("VEGAFUSE_PERSISTENT_PER_CU", "1")          # twice the room: e's arrays pass it beside the rest
     assert [[k.name for k in r] for r in persistent._runs(kernels, t)] == [["a", "b", "c", "d", "b"], ["e", "f"]]
+
+
+def _mlp_phase(k, n):
+    """The mapped sm_90 GEMV kernel of ``silu(h @ w1.T) * (h @ w2.T)`` (h one row of ``k``, ``n`` outputs),
+    its RingGemv (None where the ring cannot feed it) and fresh random weights."""
+    from codegen.mapping import map_kernel
+    from codegen.ring import ring_gemv
+    from engine.pipeline import lower_program
+    w1, w2 = (rng.standard_normal((n, k)).astype(np.float16) for _ in range(2))
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    plan = lower_program(dsl.jit(lambda x, w1, w2: nn.silu(nn.linear(x, w1)) * nn.linear(x, w2)).lower(x, w1, w2))
+    (kernel,) = [q for q in plan.kernels if q.family == "contract"]
+    m = map_kernel(kernel, get_target("sm_90"))
+    names = [p.name for p in kernel.params if p.dtype == "f16"]
+    return ring_gemv(m), dict(zip(names, (w1, w2)))
+
+
+def test_the_tiled_weights_hold_each_blocks_rows_chunk_by_chunk():
+    """``codegen.ring.tile`` against the layout written out by hand: for each block of rows, for each chunk of
+    ``kc`` columns (the last one short: k = 136), each row's gate and up weight rows in turn."""
+    from codegen.ring import tile, tiles
+    g, weights = _mlp_phase(136, 37)
+    assert g is not None and [len(s.accs) for s in g.segments] == [2]
+    t = tiles(g, 5, 256)                       # 5 workgroups: blocks of 8 rows, the last of 5
+    assert (t.rows, t.kc) == (8, 128)
+    w1, w2 = weights.values()
+    want = []
+    for b in range(0, 37, t.rows):
+        rows = range(b, min(b + t.rows, 37))
+        for j in range(0, 136, t.kc):
+            for r in rows:
+                want += [w1[r, j:j + t.kc], w2[r, j:j + t.kc]]
+    np.testing.assert_array_equal(tile(g, t, weights), np.concatenate(want))
+
+
+def test_a_gemv_narrower_than_a_chunk_is_not_fed_by_the_ring():
+    """A chunk is at least 64 columns (8 lanes of 8): a GEMV of k = 48 stays a plain phase (the fuzzer found
+    the tiles' search looping for ever on one)."""
+    assert _mlp_phase(48, 16)[0] is None
+    assert _mlp_phase(64, 16)[0] is not None
