@@ -331,7 +331,7 @@ STMT = {
     L.RingDot: lambda s, pad: [f"{pad}vf_chunk = vf_ring_dot<{s.k}, {s.kc}, {s.cg}, {s.rpt}>(vf_ring, vf_chunk, {s.act}, "
                                f"{s.sums}, {bare(s.slots)});"],
     L.RingProduce: lambda s, pad: [f"{pad}vf_chunk = vf_ring_produce(vf_ring, vf_chunk, vf_tiled + {bare(s.first)}, "
-                                   f"{bare(s.slots)}, {s.k}, {s.kc});"],
+                                   f"{bare(s.slots)}, {s.k}, {s.kc}, {s.flight});"],
 }
 
 

@@ -484,11 +484,12 @@ class RingDot:
 class RingProduce:
     """GPU, the producer warp's side of a ``RingDot``: the ``slots`` rows' chunks of ``kc`` columns (``k`` in
     all) from the tiled weights at element ``first`` (of the phase's share of the tiled buffer), each
-    copied into the next free slot of the ring."""
+    copied into the next free slot of the ring, at most ``flight`` of them in flight."""
     k: int
     kc: int
     first: "Expr"
     slots: "Expr"
+    flight: int = 2
 
 
 @dataclass(frozen=True)
@@ -1150,7 +1151,7 @@ def format_kernel(k: Kernel) -> str:
                              f"with {s.act}, from the ring ({s.kc} columns a chunk, {s.rpt} rows a thread)")
             elif isinstance(s, RingProduce):
                 lines.append(f"{pad}ring <- {format_expr(s.slots)} tiled rows from element {format_expr(s.first)} "
-                             f"(k={s.k}, {s.kc} columns a chunk)")
+                             f"(k={s.k}, {s.kc} columns a chunk, {s.flight} in flight)")
     emit(k.body, 1)
     return "\n".join(lines)
 

@@ -425,7 +425,8 @@ def decode_tiles(a: L.Attention, t: Target):
     keys in flight, then with 1, whose queries fit ``DECODE_FLOATS`` values per lane and whose
     registers (``decode_vgprs``) fit ``t.attention_decode_vgprs`` or else ``t.attention_vgprs`` (sm_90:
     170, the most keys in flight that a long cache needs; gfx906: 128, two waves per SIMD and no
-    scratch at any group size); ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none: A/B; where nothing fits
+    scratch at any group size); ``VEGAFUSE_ATT_VGPRS`` sets the budget, 0 none, ``VEGAFUSE_ATT_HEADS`` the
+    most heads a workgroup: A/B; where nothing fits
     it, one head and one key in flight).  ``t.attention_waves`` waves a workgroup (sm_90: 8, gfx906: 4;
     ``VEGAFUSE_ATT_WAVES`` sets it: A/B).  Splits: the chunk where ``t.attention_workgroups_per_cu``
     workgroups per CU cover the full cache (sm_90: 2, gfx906: 1), in whole steps of the workgroup
@@ -445,6 +446,7 @@ def decode_tiles(a: L.Attention, t: Target):
     upl = -(-units // lanes)
     budget = env_int("VEGAFUSE_ATT_VGPRS", t.attention_decode_vgprs or t.attention_vgprs)
     heads = sorted({-(-group // n) for n in range(1, group + 1)}, reverse=True)   # the group over 1, 2, ... workgroups
+    heads = [h for h in heads if h <= env_int("VEGAFUSE_ATT_HEADS", group, 1, "1 or more query heads a workgroup")]
     if not budget:
         heads = [h for h in heads if group % h == 0]
     choices = [(h, u) for h in heads for u in (4, 2)] + [(h, 1) for h in heads]

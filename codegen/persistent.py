@@ -16,6 +16,7 @@ another workgroup's writes within a launch.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from . import loopir as L
@@ -93,11 +94,28 @@ def _call(s: L.Phase, m: L.Kernel, ns: str, pad="  ", ring: bool = False) -> lis
             f"{pad}  {ns}::run(dim3(w), dim3({g}), {args});"]
 
 
-def workgroups_per_cu() -> int:
-    """Workgroups of a persistent kernel resident on each compute unit (``VEGAFUSE_PERSISTENT_PER_CU``,
-    default 2, measured against 1, 3 and 4 in docs/performance.md): more hide more of each phase's
-    latency, at fewer registers a thread."""
-    return env_int("VEGAFUSE_PERSISTENT_PER_CU", 2, 1, "1 or more workgroups a compute unit")
+def switch(name: str, default: str, what: str) -> bool:
+    """An on/off switch: ``name`` in the environment, 1 or 0 (``default`` unset); ValueError naming it,
+    and ``what`` 1 turns on, for any other value."""
+    v = os.environ.get(name, default).strip() or default
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r}: set it to 1 ({what}) or 0")
+    return v == "1"
+
+
+def ring_on(t) -> bool:
+    """Do a persistent kernel's GEMV phases for ``t`` take their weights from a ring (``codegen/ring.py``):
+    an NVIDIA target (bulk copies into LDS) and ``VEGAFUSE_PERSISTENT_RING`` 1, the default (0.99x of
+    the separate kernels where the phases without it run at 0.87x, docs/performance.md)?"""
+    return switch("VEGAFUSE_PERSISTENT_RING", "1", "GEMV phases fed by a ring of weights") and t.vendor == "nvidia"
+
+
+def workgroups_per_cu(ring: bool = False) -> int:
+    """Workgroups of a persistent kernel resident on each compute unit (``VEGAFUSE_PERSISTENT_PER_CU``):
+    by default 2 (measured against 1, 3 and 4 in docs/performance.md: more hide more of each phase's
+    latency, at fewer registers a thread), or 1 with a ring (``ring``), whose producer hides it and
+    whose slots take the LDS (1 against 2: docs/performance.md)."""
+    return env_int("VEGAFUSE_PERSISTENT_PER_CU", 1 if ring else 2, 1, "1 or more workgroups a compute unit")
 
 
 def _occupancy(t, block: int, per_cu: int) -> str:
@@ -108,15 +126,16 @@ def _occupancy(t, block: int, per_cu: int) -> str:
 
 
 def ring_flight() -> int:
-    """Chunks the ring's producer keeps in flight at most (``VEGAFUSE_PERSISTENT_FLIGHT``, default 2: more
-    lengthen the queue every latency-bound load of the chain waits in, docs/performance.md)."""
-    return env_int("VEGAFUSE_PERSISTENT_FLIGHT", 2, 1, "1 or more chunks in flight")
+    """Bytes of a phase's chunks the ring's producer keeps in flight at most (``VEGAFUSE_PERSISTENT_FLIGHT``,
+    default 36864, two of the probe's chunks: more lengthen the queue every latency-bound load of the chain
+    waits in, docs/performance.md)."""
+    return env_int("VEGAFUSE_PERSISTENT_FLIGHT", 36864, 1, "a number of bytes")
 
 
 def ring_quiet() -> bool:
     """Does the ring's producer pause while its consumers wait at a grid barrier
     (``VEGAFUSE_PERSISTENT_QUIET``, default 1)?"""
-    return env_int("VEGAFUSE_PERSISTENT_QUIET", 1, 0, "1 (the producer pauses at grid barriers) or 0") > 0
+    return switch("VEGAFUSE_PERSISTENT_QUIET", "1", "the ring's producer pauses at grid barriers")
 
 
 def _ring_slots(t, per_cu: int, lds: int, static: int) -> int:
@@ -157,7 +176,7 @@ def tiling(k: L.Kernel, t) -> list:
     if not mapped:
         return []
     block = next(iter(mapped.values())).launch.block
-    rings = ring_phases(phases, mapped, t.compute_units * workgroups_per_cu(), block)
+    rings = ring_phases(phases, mapped, t.compute_units * workgroups_per_cu(True), block)
     return [(at, g, tl, {w: dict(zip((p.name for p in s.kernel.params), s.args))[w] for seg in g.segments for w in seg.weights})
             for at, s, g, tl in _shares(phases, rings)]
 
@@ -177,10 +196,10 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         raise ValueError(f"persistent kernel {k.name}: its phases map onto {sorted(geometry)} (workgroup size, "
                          "GEMV activation dtype); a persistent kernel has one of each")
     (block,), act = blocks, (acts or {"f32"}).pop()
-    n, per_cu = sum(isinstance(s, L.GridBarrier) for s in k.body), workgroups_per_cu()
-    grid = t.compute_units * per_cu
     static = sum(m.launch.lds - _lds_bytes([a for a in m.body if isinstance(a, L.Array)]) for m in mapped.values())
-    rings = ring_phases(phases, mapped, grid, block)   # phase kernel -> (RingGemv, Tiles)
+    rings = ring_phases(phases, mapped, t.compute_units * workgroups_per_cu(True), block)   # -> (RingGemv, Tiles)
+    n, per_cu = sum(isinstance(s, L.GridBarrier) for s in k.body), workgroups_per_cu(bool(rings))
+    grid = t.compute_units * per_cu
     for i, (g, tl) in rings.items():
         mapped[i] = replace(mapped[i], body=ring.consumer(g, tl))
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
@@ -199,7 +218,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         ns = space[id(pk)] = L.fresh_name(f"phase_{m.name}", set(space.values()))
         lines += [f"namespace {ns} {{   // a phase of {k.name}"] + file_scope(m)
         if id(pk) in rings:
-            lines += _producer(ring.producer(*rings[id(pk)]))
+            lines += _producer(ring.producer(*rings[id(pk)], ring_flight()))
         lines += ["// blockIdx and gridDim are the phase's own, given by the caller",
                   f"__device__ __noinline__ {'unsigned int' if id(pk) in rings else 'void'} "
                   f"run({_phase_signature(m, coherent, id(pk) in rings)}) {{"]
@@ -224,7 +243,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         lines += ["  __shared__ unsigned int vf_quiet;   // 1 while the consumers wait at a grid barrier"] if quiet else []
         lines += [f"  VF_DYNAMIC_LDS(vf_lds, {total});",
                   f"  const vf_ring_t vf_ring = vf_ring_start(vf_lds + {ring_at}, vf_ring_barriers, {slots}, {ring.SLOT_BYTES}, "
-                  f"{ring_flight()}, {'&vf_quiet' if quiet else '0'});",
+                  f"{'&vf_quiet' if quiet else '0'});",
                   "  if (threadIdx.x >= VF_BLOCK) {   // the producer warp: every ring phase's chunks, in the phases' order",
                   "    if (threadIdx.x == VF_BLOCK) {",
                   "      unsigned int vf_chunk = 0;"]

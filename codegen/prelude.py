@@ -954,20 +954,19 @@ __device__ __forceinline__ void vf_mbar_init_fence() { asm volatile("fence.mbarr
 RING = r"""// a persistent kernel's ring (codegen/ring.py): its GEMV phases' weights stream through `slots` LDS slots of
 // `slot_bytes`, chunk c in slot c % slots, copied in by the producer warp ahead of the consumers (the
 // workgroup's other threads); a slot's full barrier completes when its chunk has landed, its empty one when
-// every consumer warp is done with it.  The producer keeps at most `flight` chunks in flight.
+// every consumer warp is done with it.
 // With `quiet`, the producer issues nothing while the consumers wait at a grid barrier, so that the barrier's add
 // and polls cross an idle memory system.
 struct vf_ring_t {
   unsigned char* data;
   unsigned long long* full;
   unsigned long long* empty;
-  unsigned int slots, slot_bytes, flight;
+  unsigned int slots, slot_bytes;
   volatile unsigned int* quiet;                     // null: the producer never pauses
 };
 __device__ __forceinline__ vf_ring_t vf_ring_start(unsigned char* data, unsigned long long* bars, unsigned int slots,
-                                                  unsigned int slot_bytes, unsigned int flight,
-                                                  volatile unsigned int* quiet) {
-  const vf_ring_t r = {data, bars, bars + slots, slots, slot_bytes, flight, quiet};
+                                                  unsigned int slot_bytes, volatile unsigned int* quiet) {
+  const vf_ring_t r = {data, bars, bars + slots, slots, slot_bytes, quiet};
   if (threadIdx.x == 0) {
     if (quiet) *quiet = 0;
     for (unsigned int i = 0; i < slots; ++i) {
@@ -980,14 +979,15 @@ __device__ __forceinline__ vf_ring_t vf_ring_start(unsigned char* data, unsigned
   return r;
 }
 // the producer: `slots` rows' chunks of KC columns (K in all) from src (chunk by chunk, each row-major), each
-// into the next slot once it is free; returns the next chunk's number
+// into the next slot once it is free, at most `flight` of them in flight (more only lengthen the queue every
+// latency-bound load of the phases waits in); returns the next chunk's number
 __device__ __forceinline__ unsigned int vf_ring_produce(const vf_ring_t r, unsigned int c, const vf_half* src, int slots,
-                                                       int K, int KC) {
+                                                       int K, int KC, unsigned int flight) {
   for (int j = 0; j < K; j += KC, ++c) {
     const unsigned int slot = c % r.slots, bytes = 2u * slots * min(KC, K - j);
     if (c >= r.slots) vf_mbar_wait(&r.empty[slot], (c / r.slots - 1) & 1);
-    if (r.flight < r.slots && c >= r.flight)
-      vf_mbar_wait(&r.full[(c - r.flight) % r.slots], ((c - r.flight) / r.slots) & 1);
+    if (flight < r.slots && c >= flight)
+      vf_mbar_wait(&r.full[(c - flight) % r.slots], ((c - flight) / r.slots) & 1);
     if (r.quiet)
       while (*r.quiet) VF_POLL_PAUSE();
     if (bytes) vf_bulk_copy(r.data + slot * r.slot_bytes, src, bytes, &r.full[slot]);

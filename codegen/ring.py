@@ -20,7 +20,7 @@ sides in Loop IR; ``tile`` lays the weights out.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,8 +32,7 @@ SLOT_BYTES = 18432         # a ring slot: a chunk of at most this many bytes (th
 @dataclass(frozen=True)
 class Segment:
     """Rows ``lo`` to ``hi`` of a GEMV phase whose dot products are ``accs`` (names), the i-th reading
-    row ``rows[i]`` (an expression of the row) of weight ``weights[i]``; ``body``: the statements the
-    row runs, its dot products among them."""
+    row ``rows[i]`` (an expression of the row) of weight ``weights[i]``."""
     lo: int
     hi: int
     accs: tuple
@@ -184,30 +183,39 @@ def _minus(e, n: int):
     return L.Bin("sub", e, L.c(n)) if n else e
 
 
-def _block(g: RingGemv, t: Tiles, beta: str):
-    """The declarations of block ``beta``: its first row, its first slot and its slots."""
+def _block(g: RingGemv, t: Tiles, beta: str, first: str, slots: str):
+    """Block ``beta``'s first row, its end, and the declarations of its first slot and its slots."""
     lo = L.mul(L.Sym(beta, "i32"), L.c(t.rows))
     hi = L.Bin("min", L.add(lo, L.c(t.rows)), L.c(g.n))
-    return lo, hi, [L.Declare("first_slot", "i32", cum(g, lo)),
-                    L.Declare("slots", "i32", L.Bin("sub", cum(g, hi), L.Sym("first_slot", "i32")))]
+    return lo, hi, [L.Declare(first, "i32", cum(g, lo)),
+                    L.Declare(slots, "i32", L.Bin("sub", cum(g, hi), L.Sym(first, "i32")))]
+
+
+def _names(g: RingGemv, *bases) -> list:
+    """Names for ``bases`` that none of the phase's own locals take."""
+    taken = set(L.local_names((g.loop,) + g.prologue))
+    out = []
+    for b in bases:
+        out.append(L.fresh_name(b, taken))
+        taken.add(out[-1])
+    return out
 
 
 def consumer(g: RingGemv, t: Tiles, name: str = "vf_sums") -> tuple:
     """The phase's body as the ring's consumer: the prologue, then for each block of rows its dot
     products from the ring (``RingDot``) and its rows' epilogues, a row a thread."""
-    beta = L.fresh_name("block", set(L.local_names((g.loop,) + g.prologue)))
-    lo, hi, decls = _block(g, t, beta)
-    rowsum = L.fresh_name("cg", set(L.local_names((g.loop,))))
+    beta, first, slots, part = _names(g, "block", "first_slot", "slots", "part")
+    lo, hi, decls = _block(g, t, beta, first, slots)
 
     def leaf(body, seg, base):
         out = []
         for s in body:
             if isinstance(s, L.Reduce):
                 rel = L.Bin("sub", L.add(L.c(base), L.mul(L.c(len(seg.accs)), _minus(L.Sym(g.row, "i32"), seg.lo))),
-                            L.Sym("first_slot", "i32"))
-                accs = tuple(L.Acc(a, "add", L.Load(name, L.add(L.mul(L.add(rel, L.c(i)), L.c(t.parts)), L.Sym(rowsum, "i32")),
+                            L.Sym(first, "i32"))
+                accs = tuple(L.Acc(a, "add", L.Load(name, L.add(L.mul(L.add(rel, L.c(i)), L.c(t.parts)), L.Sym(part, "i32")),
                                                    "f32")) for i, a in enumerate(seg.accs))
-                out.append(L.Reduce(rowsum, L.c(0), L.c(t.parts), accs))
+                out.append(L.Reduce(part, L.c(0), L.c(t.parts), accs))
             elif isinstance(s, L.If) and any(isinstance(x, L.Hw) for x in L.walk_exprs(s.cond)):
                 out += list(s.then)                       # the row's lane guard: a thread a row now
             else:
@@ -222,10 +230,9 @@ def consumer(g: RingGemv, t: Tiles, name: str = "vf_sums") -> tuple:
         return leaf(body, seg, cum(g, seg.lo))
 
     epilogue = L.Loop(g.row, lo, hi, rows(g.loop.body, 0, g.n), map="block")
-    used = {x for s in L.walk_stmts((g.loop,)) for e in L.stmt_exprs(s) for x in L.walk_exprs(e) if isinstance(x, L.Load)}
-    keep = tuple(s for s in g.prologue if not (isinstance(s, L.Array) and s.name == "vf_part"
-                                               and not any(x.buf == "vf_part" for x in used)))
-    dot = L.RingDot(g.k, t.kc, t.cg, t.rpt, g.act, name, L.Sym("slots", "i32"))
+    # the waves' partial sums of a row that the mapping split (vf_part): no longer read
+    keep = tuple(s for s in g.prologue if not (isinstance(s, L.Array) and s.name == "vf_part"))
+    dot = L.RingDot(g.k, t.kc, t.cg, t.rpt, g.act, name, L.Sym(slots, "i32"))
     return keep + (L.Array(name, "f32", t.most * t.parts, "lds"),
                    L.Comment(f"blocks of {t.rows} rows, a workgroup each; their weights from the ring, "
                              f"{t.kc} columns a chunk, {t.cg} threads on a chunk, {t.rpt} rows a thread"),
@@ -233,12 +240,14 @@ def consumer(g: RingGemv, t: Tiles, name: str = "vf_sums") -> tuple:
                           map="grid"))
 
 
-def producer(g: RingGemv, t: Tiles) -> tuple:
-    """The producer warp's walk over the phase: each block the launch's workgroup takes, its chunks."""
-    lo, hi, decls = _block(g, t, "block")
+def producer(g: RingGemv, t: Tiles, flight_bytes: int) -> tuple:
+    """The producer warp's walk over the phase: each block the launch's workgroup takes, its chunks, as many
+    in flight as hold ``flight_bytes`` (two at least)."""
+    decls = _block(g, t, "block", "first_slot", "slots")[2]
+    flight = max(2, -(-flight_bytes // (t.most * t.kc * 2)))
     return (L.Loop("block", L.c(0), L.c(-(-g.n // t.rows)),
                    tuple(decls) + (L.RingProduce(g.k, t.kc, L.mul(L.Sym("first_slot", "i32"), L.c(g.k)),
-                                                 L.Sym("slots", "i32")),), map="grid"),)
+                                                 L.Sym("slots", "i32"), flight),), map="grid"),)
 
 
 # ------------------------------------------------------------------------------ evaluating rows, the layout

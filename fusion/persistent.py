@@ -19,7 +19,6 @@ of weights and the rest of docs/persistent.md are built on.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import replace
 
@@ -29,24 +28,14 @@ from codegen import loopir as L
 def enabled(target) -> bool:
     """Is the step on for ``target`` (``VEGAFUSE_PERSISTENT=1`` and an NVIDIA target)?  ValueError
     for a value of the switch other than 0 or 1."""
-    v = os.environ.get("VEGAFUSE_PERSISTENT", "0").strip() or "0"
-    if v not in ("0", "1"):
-        raise ValueError(f"VEGAFUSE_PERSISTENT={v!r}: set it to 1 (a run of kernels as one persistent kernel) or 0")
-    return v == "1" and getattr(target, "vendor", "") == "nvidia"
+    from codegen.persistent import switch
+    return switch("VEGAFUSE_PERSISTENT", "0", "a run of kernels as one persistent kernel") and \
+        getattr(target, "vendor", "") == "nvidia"
 
 
 def tiled_name(kernel_name: str) -> str:
     """The persistent kernel's parameter holding its ring phases' weights, tiled (``codegen.ring.tile``)."""
     return f"{kernel_name}_tiled_weights"
-
-
-def ring_enabled() -> bool:
-    """Do the persistent kernel's GEMV phases take their weights from a ring (``VEGAFUSE_PERSISTENT_RING=1``,
-    ``codegen/ring.py``)?  ValueError for another value than 0 or 1."""
-    v = os.environ.get("VEGAFUSE_PERSISTENT_RING", "0").strip() or "0"
-    if v not in ("0", "1"):
-        raise ValueError(f"VEGAFUSE_PERSISTENT_RING={v!r}: set it to 1 (GEMV phases fed by a ring of weights) or 0")
-    return v == "1"
 
 
 def _geometry(k: L.Kernel, target):
@@ -70,9 +59,13 @@ def _geometry(k: L.Kernel, target):
 def _runs(kernels, target):
     """The runs of consecutive kernels that can share a launch (one workgroup size, one GEMV
     activation dtype, and LDS for ``workgroups_per_cu()`` workgroups a compute unit: the largest
-    phase's arrays and every distinct phase's template arrays), each of at least two kernels."""
-    from codegen.persistent import workgroups_per_cu
-    room = target.lds_per_cu // workgroups_per_cu()
+    phase's arrays and every distinct phase's template arrays, and with the ring two of its slots),
+    each of at least two kernels."""
+    from codegen.persistent import ring_on, workgroups_per_cu
+    from codegen.ring import SLOT_BYTES
+    room = target.lds_per_cu // workgroups_per_cu(False)          # as the phases run without a ring,
+    if ring_on(target):                              # and with one: a workgroup a CU, two slots beside them
+        room = min(room, target.lds_per_cu // workgroups_per_cu(True) - 2 * SLOT_BYTES - 1024)
     runs, run, act, dynamic, static = [], [], None, 0, {}
     for k in kernels:
         g = _geometry(k, target)
@@ -162,7 +155,7 @@ def _ring_phases(phases, target) -> dict:
 def persistent_kernel(run: list, name: str, target=None) -> L.Kernel:
     """One kernel of family "persistent" for ``run`` (consecutive kernels of the plan, in order):
     a ``Phase`` for each, a ``GridBarrier`` between each two.  With ``target`` and the ring on
-    (``ring_enabled``), its GEMV phases' weights come tiled in one more parameter (``tiled_name``)."""
+    (``codegen.persistent.ring_on``), its GEMV phases' weights come tiled in one more parameter (``tiled_name``)."""
     groups = {}
     for k in run:
         groups.setdefault(repr(L.canonicalize(k)), []).append(k)
@@ -175,7 +168,9 @@ def persistent_kernel(run: list, name: str, target=None) -> L.Kernel:
         for p in k.params:
             _merge(params, p)
         body += ([L.GridBarrier()] if i else []) + [L.Phase(phase_of[id(k)], tuple(p.name for p in k.params), k.name)]
-    rings = _ring_phases([s for s in body if isinstance(s, L.Phase)], target) if target and ring_enabled() else {}
+    from codegen.persistent import ring_on
+    ring = target is not None and ring_on(target)
+    rings = _ring_phases([s for s in body if isinstance(s, L.Phase)], target) if ring else {}
     tiled = sum(rings.get(id(s.kernel), 0) for s in body if isinstance(s, L.Phase))
     if tiled:
         params[tiled_name(name)] = L.Param(tiled_name(name), "f16", "buffer", (tiled,), "in")

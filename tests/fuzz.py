@@ -746,15 +746,15 @@ def source(w, seed):
 
 # ----------------------------------------------------------------------------- running one program
 SWITCHED = {   # backends that are the emulated GPU path with switches set
-    "emu-persistent": {"VEGAFUSE_PERSISTENT": "1"},
+    "emu-persistent": {"VEGAFUSE_PERSISTENT": "1", "VEGAFUSE_PERSISTENT_RING": "0"},
     "emu-ring": {"VEGAFUSE_PERSISTENT": "1", "VEGAFUSE_PERSISTENT_RING": "1"},
 }
 
 
 def run_source(src, backend="cpu"):
     """Run a script written by ``source``; returns (status, detail).  ``backend`` "emu-persistent":
-    the emulated GPU path with ``VEGAFUSE_PERSISTENT=1`` (runs of kernels as one persistent kernel);
-    "emu-ring": the same with its GEMV phases fed by the ring (``VEGAFUSE_PERSISTENT_RING=1``)."""
+    the emulated GPU path with ``VEGAFUSE_PERSISTENT=1`` (runs of kernels as one persistent kernel) and
+    ``VEGAFUSE_PERSISTENT_RING=0``; "emu-ring": the same with its GEMV phases fed by the ring."""
     if backend not in SWITCHED:
         return _run_source(src, backend)
     before = {k: os.environ.get(k) for k in SWITCHED[backend]}
@@ -970,6 +970,12 @@ def shrink(prog, status, check, seed, index, budget=150):
 
 # ----------------------------------------------------------------------------- processes
 TIME_LIMIT = 120.0          # seconds one program may run (the slowest take a few)
+EMU_TIME_LIMIT = 600.0      # on the emulated GPU (a thread per GPU thread: a sort over a wide workgroup takes 90 s alone)
+
+
+def time_limit_of(backend: str, given: float | None = None) -> float:
+    """Seconds a program may run on ``backend`` before it counts as a hang (``given``, else the default)."""
+    return given if given is not None else EMU_TIME_LIMIT if backend.startswith("emu") else TIME_LIMIT
 
 
 def worker(seed, indices, backend, shrink_failures, time_limit=TIME_LIMIT):
@@ -1033,10 +1039,12 @@ def _hang_detail(err, limit):
 
 
 def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, progress=True, start=0,
-             time_limit=TIME_LIMIT):
+             time_limit=None):
     """Run programs ``start .. start+n-1`` of ``seed``; returns ({status: count}, failures, seconds).
-    A program that runs longer than ``time_limit`` seconds is a failure of status "hang"."""
+    A program that runs longer than ``time_limit`` seconds (default ``time_limit_of(backend)``) is a
+    failure of status "hang"."""
     t0 = time.time()
+    time_limit = time_limit_of(backend, time_limit)
     pending = [list(range(b, min(b + batch, start + n))) for b in range(start, start + n, batch)]
     counts = {"ok": 0, "invalid": 0, "mismatch": 0, "exception": 0, "crash": 0, "hang": 0}
     failures, running, done = [], [], 0
@@ -1102,17 +1110,19 @@ def main(argv=None):
     ap.add_argument("--backend", default="cpu", help="backend the programs run on (default cpu; cpu+gfx906: "
                     "also compile every kernel for gfx906 through hiprtc; emu: the GPU path, each kernel's "
                     "sm_90 text run on the CPU by tests/emu_device.py; emu-persistent: the same with "
-                    "VEGAFUSE_PERSISTENT=1; emu-ring: and VEGAFUSE_PERSISTENT_RING=1)")
+                    "VEGAFUSE_PERSISTENT=1 VEGAFUSE_PERSISTENT_RING=0; emu-ring: with the ring, =1)")
     ap.add_argument("--batch", type=int, default=50, help="programs per child process")
     ap.add_argument("--no-shrink", action="store_true", help="print failures as generated")
-    ap.add_argument("--time-limit", type=float, default=TIME_LIMIT,
-                    help=f"seconds a program may run before it counts as a hang (default {TIME_LIMIT:g})")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help=f"seconds a program may run before it counts as a hang (default {TIME_LIMIT:g}, "
+                         f"{EMU_TIME_LIMIT:g} on the emulated GPU)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--indices", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2 ** 31)
     if a.worker:
-        worker(seed, [int(i) for i in a.indices.split(",") if i], a.backend, not a.no_shrink, a.time_limit)
+        worker(seed, [int(i) for i in a.indices.split(",") if i], a.backend, not a.no_shrink,
+               time_limit_of(a.backend, a.time_limit))
         return 0
     print(f"seed {seed}, {a.n} programs, backend {a.backend}, {a.jobs} job{'' if a.jobs == 1 else 's'}", file=sys.stderr)
     counts, failures, secs = run_many(a.n, seed, a.jobs, a.backend, a.batch, not a.no_shrink, start=a.start,

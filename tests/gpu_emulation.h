@@ -158,10 +158,12 @@ static inline void vf_mbar_update(unsigned long long* b, unsigned long long arri
     n = (v & (1ull << 63)) | (tx << 32) | (arrived << 16) | expected;
     if (arrived == expected && tx == 0) n = ((v & (1ull << 63)) ^ (1ull << 63)) | expected;   // the phase completes
   } while (!__atomic_compare_exchange_n(b, &v, n, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+  if ((n ^ v) >> 63) std::atomic_ref<unsigned long long>(*b).notify_all();   // the phase completed: wake its waiters
 }
 static inline void vf_mbar_arrive(unsigned long long* b) { vf_mbar_update(b, 1, 0); }
-static inline void vf_mbar_wait(unsigned long long* b, unsigned parity) {
-  while ((__atomic_load_n(b, __ATOMIC_ACQUIRE) >> 63) == parity) std::this_thread::yield();
+static inline void vf_mbar_wait(unsigned long long* b, unsigned parity) {   // asleep until the phase completes
+  std::atomic_ref<unsigned long long> a(*b);
+  for (unsigned long long v = a.load(); (v >> 63) == parity; v = a.load()) a.wait(v);
 }
 static inline void vf_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* b) {
   vf_emu_align16(dst);

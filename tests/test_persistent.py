@@ -42,7 +42,9 @@ def tiny_qwen2(n_layers=3, context=16, vocab=320, dim=64, heads=(4, 2), head_dim
     return step, params, cache
 
 
-def test_a_decode_plan_becomes_one_persistent_kernel_with_a_phase_a_kernel():
+@pytest.mark.parametrize("ring", ["1", "0"], ids=["ring", "scaffold"])
+def test_a_decode_plan_becomes_one_persistent_kernel_with_a_phase_a_kernel(ring, monkeypatch):
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_RING", ring)
     step, params, cache = tiny_qwen2()
     from engine.pipeline import lower_program
     plan = lower_program(dsl.jit(step).lower(params, np.array([5], np.int32), 3, 0, cache))
@@ -58,7 +60,12 @@ def test_a_decode_plan_becomes_one_persistent_kernel_with_a_phase_a_kernel():
     assert "params_layers_wq" in [p.name for p in qkv[1].params]
     src = render_hip(k, t).source
     assert src.count("namespace phase_layers_causal_attention {") == 1 and src.count("phase_layers_causal_attention::run(") == 3
-    assert src.count("vf_grid_barrier(&vf_grid_arrived, ") == len(phases) - 1
+    barrier = "vf_ring_grid_barrier(vf_ring, &vf_grid_arrived, " if ring == "1" else "vf_grid_barrier(&vf_grid_arrived, "
+    assert src.count(barrier) == len(phases) - 1
+    # with the ring, every GEMV phase (QKV, O, gate/up, down a layer, the LM head) takes its weights from it
+    fed = [s.name for s in phases if s.tiled]
+    assert len(fed) == (3 * 4 + 1 if ring == "1" else 0) and all("causal_attention" not in n for n in fed)
+    assert src.count("::produce(dim3(blockIdx.x)") == len(fed) and ("persistent_tiled_weights" in src) == (ring == "1")
 
 
 def check_decode_steps(backend, positions, **shape):
@@ -133,14 +140,16 @@ def test_the_persistent_decode_kernel_compiles_for_gfx906():
 
 
 @pytest.mark.parametrize("name,value", [("VEGAFUSE_PERSISTENT", "yes"), ("VEGAFUSE_PERSISTENT_PER_CU", "0"),
-                                        ("VEGAFUSE_PERSISTENT_PER_CU", "1.5"), ("VEGAFUSE_PERSISTENT_PREFETCH", "-5")])
+                                        ("VEGAFUSE_PERSISTENT_PER_CU", "1.5"), ("VEGAFUSE_PERSISTENT_PREFETCH", "-5"),
+                                        ("VEGAFUSE_PERSISTENT_RING", "2"), ("VEGAFUSE_PERSISTENT_FLIGHT", "0"),
+                                        ("VEGAFUSE_PERSISTENT_QUIET", "on")])
 def test_a_bad_switch_value_is_one_line_naming_the_switch(name, value, monkeypatch):
-    from codegen.persistent import prefetch_bytes, workgroups_per_cu
+    from codegen.persistent import prefetch_bytes, ring_flight, ring_on, ring_quiet, workgroups_per_cu
     from fusion.persistent import enabled
     monkeypatch.setenv(name, value)
     t = get_target("sm_90")
     with pytest.raises(ValueError, match=f"^{name}='{re.escape(value)}': set it to .*") as e:
-        enabled(t), workgroups_per_cu(), prefetch_bytes(t)
+        enabled(t), workgroups_per_cu(), prefetch_bytes(t), ring_on(t), ring_flight(), ring_quiet()
     assert "\n" not in str(e.value)
 
 
@@ -172,6 +181,7 @@ def test_a_run_ends_where_its_phases_lds_would_keep_a_workgroup_off_its_compute_
     buffer in turn) plus each distinct phase's template arrays (kept apart): a run is cut before the
     kernel that would pass the room of ``VEGAFUSE_PERSISTENT_PER_CU`` workgroups."""
     from fusion import persistent
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_RING", "0")
     t = get_target("sm_90")
     room = t.lds_per_cu // 2
     geometry = {"a": (256, "f32", 9000, 0), "b": (256, "f32", 2000, room // 2), "c": (256, "f32", 8000, room // 2 - 10000),
@@ -185,6 +195,10 @@ def test_a_run_ends_where_its_phases_lds_would_keep_a_workgroup_off_its_compute_
     assert names == [["a", "b", "c"], ["d", "b"]]
     monkeypatch.setenv("VEGAFUSE_PERSISTENT_PER_CU", "1")          # twice the room: e's arrays pass it beside the rest
     assert [[k.name for k in r] for r in persistent._runs(kernels, t)] == [["a", "b", "c", "d", "b"], ["e", "f"]]
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_RING", "1")            # a workgroup a CU, less two slots of the ring
+    assert [[k.name for k in r] for r in persistent._runs(kernels, t)] == [["a", "b", "c", "d", "b"], ["e", "f"]]
+    monkeypatch.delenv("VEGAFUSE_PERSISTENT_PER_CU")               # the room of two (a kernel may have no GEMV
+    assert [[k.name for k in r] for r in persistent._runs(kernels, t)] == names      # the ring feeds: 2 a CU)
 
 
 def _mlp_phase(k, n):
