@@ -184,8 +184,8 @@ def tiling(k: L.Kernel, t) -> list:
 def render_persistent(k: L.Kernel, t) -> HipKernel:
     """HIP source of the persistent kernel ``k`` for ``t`` (a Target), with its launch:
     ``workgroups_per_cu()`` workgroups a compute unit, the dynamic LDS its largest phase takes.
-    With a parameter of tiled weights (``fusion.persistent.tiled_name``) its GEMV phases take their
-    weights from a ring (``codegen/ring.py``), filled by one more warp a workgroup.
+    Its phases marked ``tiled`` by the plan step take their weights from a ring (``codegen/ring.py``),
+    filled by one more warp a workgroup.
     Raises ValueError when its phases do not map onto one workgroup size and activation dtype."""
     phases = [s for s in k.body if isinstance(s, L.Phase)]
     distinct = list({id(s.kernel): s.kernel for s in phases}.values())
@@ -216,14 +216,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         dynamic = [a for a in m.body if isinstance(a, L.Array) and a.space == "lds"]
         lds = max(lds, sum(map(_lds_size, dynamic)))
         ns = space[id(pk)] = L.fresh_name(f"phase_{m.name}", set(space.values()))
-        lines += [f"namespace {ns} {{   // a phase of {k.name}"] + file_scope(m)
-        if id(pk) in rings:
-            lines += _producer(ring.producer(*rings[id(pk)], ring_flight()))
-        lines += ["// blockIdx and gridDim are the phase's own, given by the caller",
-                  f"__device__ __noinline__ {'unsigned int' if id(pk) in rings else 'void'} "
-                  f"run({_phase_signature(m, coherent, id(pk) in rings)}) {{"]
-        lines += function_body(m, dynamic, why="the phases take one buffer in turn")
-        lines += (["  return vf_chunk;"] if id(pk) in rings else []) + ["}", f"}}  // namespace {ns}", ""]
+        lines += _phase(k, m, ns, coherent, dynamic, rings.get(id(pk)))
     slots = _ring_slots(t, per_cu, lds, static) if rings else 0
     if rings and slots < 2:
         raise ValueError(f"persistent kernel {k.name}: no room for a ring of two {ring.SLOT_BYTES}-byte slots beside "
@@ -237,20 +230,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
               "__device__ unsigned int vf_grid_arrived, vf_grid_left;   // zero between launches",
               f'extern "C" __global__ void __launch_bounds__({threads}{_occupancy(t, threads, per_cu)}) {k.name}({_signature(k)}) {{']
     if rings:
-        quiet = ring_quiet()
-        lines += [f"  // the ring: {slots} slots of {ring.SLOT_BYTES} bytes after the phases' {lds} bytes of LDS",
-                  f"  __shared__ unsigned long long vf_ring_barriers[{2 * slots}];"]
-        lines += ["  __shared__ unsigned int vf_quiet;   // 1 while the consumers wait at a grid barrier"] if quiet else []
-        lines += [f"  VF_DYNAMIC_LDS(vf_lds, {total});",
-                  f"  const vf_ring_t vf_ring = vf_ring_start(vf_lds + {ring_at}, vf_ring_barriers, {slots}, {ring.SLOT_BYTES}, "
-                  f"{'&vf_quiet' if quiet else '0'});",
-                  "  if (threadIdx.x >= VF_BLOCK) {   // the producer warp: every ring phase's chunks, in the phases' order",
-                  "    if (threadIdx.x == VF_BLOCK) {",
-                  "      unsigned int vf_chunk = 0;"]
-        for at, s, g, tl in _shares(phases, rings):
-            lines.append(f"      vf_chunk = {space[id(s.kernel)]}::produce(dim3(blockIdx.x), dim3(gridDim.x), vf_ring, "
-                         f"vf_chunk, {s.tiled} + {at});   // {s.name}")
-        lines += ["    }", "    return;", "  }", "  unsigned int vf_chunk = 0;"]
+        lines += _ring_start(phases, rings, space, slots, lds, total)
     lines += ["  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
               "  VF_GRID_LAUNCH_DEPENDENTS();"]
     at, ahead = 0, prefetch_bytes(t) if not rings else 0
@@ -267,6 +247,38 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
     m = replace(k, launch=L.Launch(grid, threads, str(threads), how, 0, act))
     src = head + "\n" + "\n".join(lines) + "\n"
     return HipKernel(k.name, src, (grid, 1, 1), (threads, 1, 1), total, m, t, len(head) + 1)
+
+
+def _phase(k: L.Kernel, m: L.Kernel, ns: str, coherent: set, dynamic: list, fed=None) -> list:
+    """The namespace ``ns`` of phase kernel ``m`` (mapped) of the persistent kernel ``k``: its file-scope
+    lines and its function ``run``; a phase ``fed`` by the ring (its RingGemv and Tiles) also has the
+    producer's walk over it, ``produce``, and both return the number of the next chunk."""
+    lines = [f"namespace {ns} {{   // a phase of {k.name}"] + file_scope(m)
+    if fed:
+        lines += _producer(ring.producer(*fed, ring_flight()))
+    lines += ["// blockIdx and gridDim are the phase's own, given by the caller",
+              f"__device__ __noinline__ {'unsigned int' if fed else 'void'} run({_phase_signature(m, coherent, bool(fed))}) {{"]
+    lines += function_body(m, dynamic, why="the phases take one buffer in turn")
+    return lines + (["  return vf_chunk;"] if fed else []) + ["}", f"}}  // namespace {ns}", ""]
+
+
+def _ring_start(phases, rings, space, slots: int, lds: int, total: int) -> list:
+    """The kernel's first lines with a ring: the ring of ``slots`` slots after the phases' ``lds`` bytes
+    (``total`` dynamic LDS in all), then the producer warp's walk over every ring phase, in order."""
+    quiet = ring_quiet()
+    lines = [f"  // the ring: {slots} slots of {ring.SLOT_BYTES} bytes after the phases' {lds} bytes of LDS",
+             f"  __shared__ unsigned long long vf_ring_barriers[{2 * slots}];"]
+    lines += ["  __shared__ unsigned int vf_quiet;   // 1 while the consumers wait at a grid barrier"] if quiet else []
+    lines += [f"  VF_DYNAMIC_LDS(vf_lds, {total});",
+              f"  const vf_ring_t vf_ring = vf_ring_start(vf_lds + {-(-lds // 128) * 128}, vf_ring_barriers, {slots}, "
+              f"{ring.SLOT_BYTES}, {'&vf_quiet' if quiet else '0'});",
+              "  if (threadIdx.x >= VF_BLOCK) {   // the producer warp: every ring phase's chunks, in the phases' order",
+              "    if (threadIdx.x == VF_BLOCK) {",
+              "      unsigned int vf_chunk = 0;"]
+    for at, s, g, tl in _shares(phases, rings):
+        lines.append(f"      vf_chunk = {space[id(s.kernel)]}::produce(dim3(blockIdx.x), dim3(gridDim.x), vf_ring, "
+                     f"vf_chunk, {s.tiled} + {at});   // {s.name}")
+    return lines + ["    }", "    return;", "  }", "  unsigned int vf_chunk = 0;"]
 
 
 _CONSUMERS = """// a workgroup of VF_BLOCK threads that run the phases and one warp that fills the ring of weights: the
