@@ -107,7 +107,8 @@ def ring_on(t) -> bool:
     """Do a persistent kernel's GEMV phases for ``t`` take their weights from a ring (``codegen/ring.py``):
     an NVIDIA target (bulk copies into LDS) and ``VEGAFUSE_PERSISTENT_RING`` 1, the default (0.99x of
     the separate kernels where the phases without it run at 0.87x, docs/performance.md)?"""
-    return switch("VEGAFUSE_PERSISTENT_RING", "1", "GEMV phases fed by a ring of weights") and t.vendor == "nvidia"
+    return switch("VEGAFUSE_PERSISTENT_RING", "1", "GEMV phases fed by a ring of weights") and \
+        getattr(t, "vendor", "") == "nvidia"
 
 
 def workgroups_per_cu(ring: bool = False) -> int:

@@ -54,14 +54,15 @@ def for_device(plan, device):
     ``VEGAFUSE_PERSISTENT=1`` on NVIDIA, runs of kernels made one persistent kernel
     (``fusion.persistent``)."""
     target = getattr(device.compiler, "target", None) if device is not None else None
+    from fusion import persistent
+    on = persistent.enabled(target)                  # the switches' values are checked on every device
     if target is None:
         return plan
     if getattr(target, "int8_dot", False):
         from codegen.loopir import int8_activation
         from fusion.q8 import quantize_at_producers
         plan = quantize_at_producers(plan, int8_activation(), target)
-    from fusion import persistent
-    return persistent.make_persistent(plan, target) if persistent.enabled(target) else plan
+    return persistent.make_persistent(plan, target) if on else plan
 
 
 def lower_program(traced, fusion=None):

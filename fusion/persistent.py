@@ -26,16 +26,13 @@ from codegen import loopir as L
 
 
 def enabled(target) -> bool:
-    """Is the step on for ``target`` (``VEGAFUSE_PERSISTENT=1`` and an NVIDIA target)?  ValueError
-    for a value of the switch other than 0 or 1."""
-    from codegen.persistent import switch
-    return switch("VEGAFUSE_PERSISTENT", "0", "a run of kernels as one persistent kernel") and \
-        getattr(target, "vendor", "") == "nvidia"
-
-
-def tiled_name(kernel_name: str) -> str:
-    """The persistent kernel's parameter holding its ring phases' weights, tiled (``codegen.ring.tile``)."""
-    return f"{kernel_name}_tiled_weights"
+    """Is the step on for ``target`` (``VEGAFUSE_PERSISTENT=1`` and an NVIDIA target; ``target`` None
+    for a device without one, the CPU)?  ValueError for a value of the switch, or of
+    ``VEGAFUSE_PERSISTENT_RING``, other than 0 or 1, whatever the device."""
+    from codegen.persistent import ring_on, switch
+    on = switch("VEGAFUSE_PERSISTENT", "0", "a run of kernels as one persistent kernel")
+    ring_on(target)                                  # its value checked here too
+    return on and getattr(target, "vendor", "") == "nvidia"
 
 
 def _geometry(k: L.Kernel, target):

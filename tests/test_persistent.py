@@ -239,3 +239,12 @@ def test_a_gemv_narrower_than_a_chunk_is_not_fed_by_the_ring():
     the tiles' search looping for ever on one)."""
     assert _mlp_phase(48, 16)[0] is None
     assert _mlp_phase(64, 16)[0] is not None
+
+
+@pytest.mark.parametrize("name,value", [("VEGAFUSE_PERSISTENT", "yes"), ("VEGAFUSE_PERSISTENT_RING", "2")])
+def test_a_bad_persistent_switch_is_one_line_on_the_cpu_too(name, value, monkeypatch):
+    """The CPU backend ignores the switches but not a value that is neither 0 nor 1."""
+    monkeypatch.setenv(name, value)
+    x = rng.standard_normal(8).astype(np.float32)
+    with pytest.raises(ValueError, match=f"^{name}='{value}': set it to 1 .* or 0$"):
+        dsl.jit(lambda x: x * 2.0)(x)
