@@ -456,11 +456,13 @@ class Phase:
     in turn), with ``args`` (names of the persistent kernel's parameters) bound to its parameters in
     order.  Phases equal up to names (the same layer again) share one ``kernel``; ``name`` is the
     plan's kernel the phase stands for.  ``tiled``: for a GEMV phase fed by the ring (``codegen/ring.py``),
-    the persistent kernel's parameter that holds its weights tiled, else ""."""
+    the persistent kernel's parameter that holds its weights tiled, else ""; ``grid``: then the launch's
+    workgroups, which its tiles are made for (chosen once, by the plan step)."""
     kernel: "Kernel"
     args: tuple
     name: str
     tiled: str = ""
+    grid: int = 0
 
 
 @dataclass(frozen=True)
@@ -696,7 +698,7 @@ def rewrite(body, ex=lambda e: e, name=lambda n: n):
         if isinstance(s, Arrive):
             return Arrive(name(s.count), s.parts)
         if isinstance(s, Phase):
-            return Phase(s.kernel, tuple(name(a) for a in s.args), s.name, name(s.tiled) if s.tiled else "")
+            return Phase(s.kernel, tuple(name(a) for a in s.args), s.name, name(s.tiled) if s.tiled else "", s.grid)
         if isinstance(s, RingDot):
             return replace(s, act=name(s.act), sums=name(s.sums), slots=ex(s.slots))
         if isinstance(s, RingProduce):

@@ -146,26 +146,33 @@ def _ring_slots(t, per_cu: int, lds: int, static: int) -> int:
     return max(0, min(10, room // ring.SLOT_BYTES))
 
 
-def ring_phases(phases, mapped: dict, grid: int, block: int) -> dict:
-    """``{id(phase kernel): (RingGemv, Tiles)}`` for the ``phases`` fed by the ring (their ``tiled`` set
-    by the plan step), ``mapped`` the phase kernels mapped, for a launch of ``grid`` workgroups of
-    ``block`` consumer threads."""
-    out = {}
+def ring_grid(t) -> int:
+    """The workgroups of a persistent kernel with a ring on ``t``: ``workgroups_per_cu(True)`` a compute
+    unit.  ValueError where that leaves no room in LDS for two of the ring's slots."""
+    per_cu = workgroups_per_cu(True)
+    most = t.lds_per_cu // (2 * ring.SLOT_BYTES + 4096)
+    if per_cu > most:
+        raise ValueError(f"VEGAFUSE_PERSISTENT_PER_CU={per_cu}: set it to at most {most} with the ring of weights "
+                         f"(two {ring.SLOT_BYTES}-byte slots a workgroup), or set VEGAFUSE_PERSISTENT_RING=0")
+    return t.compute_units * per_cu
+
+
+def shares(phases, t, mapped=None) -> list:
+    """``(element offset, phase, RingGemv, Tiles)`` of each phase fed by the ring (``tiled`` set by the plan
+    step), in order: its share of the tiled weights, its tiles made for the phase's ``grid``.  ``mapped``:
+    ``{id(phase kernel): mapped kernel}`` (else they are mapped for ``t`` here)."""
+    out, at, made = [], 0, {}
     for s in phases:
-        if s.tiled and id(s.kernel) not in out:
-            g = ring.ring_gemv(mapped[id(s.kernel)])
-            out[id(s.kernel)] = g, ring.tiles(g, grid, block)
+        if not s.tiled:
+            continue
+        if (id(s.kernel), s.grid) not in made:
+            m = mapped[id(s.kernel)] if mapped else map_kernel(s.kernel, t)
+            g = ring.ring_gemv(m)
+            made[id(s.kernel), s.grid] = g, ring.tiles(g, s.grid, m.launch.block)
+        g, tl = made[id(s.kernel), s.grid]
+        out.append((at, s, g, tl))
+        at += g.slots * g.k
     return out
-
-
-def _shares(phases, rings):
-    """``(element offset, phase, RingGemv, Tiles)`` of each ring phase's share of the tiled weights, in order."""
-    at = 0
-    for s in phases:
-        if id(s.kernel) in rings:
-            g, tl = rings[id(s.kernel)]
-            yield at, s, g, tl
-            at += g.slots * g.k
 
 
 def tiling(k: L.Kernel, t) -> list:
@@ -173,13 +180,8 @@ def tiling(k: L.Kernel, t) -> list:
     weights: ``(element offset, RingGemv, Tiles, {phase weight: k's buffer})`` per ring phase, in order
     (``codegen.ring.tile`` fills each share)."""
     phases = [s for s in k.body if isinstance(s, L.Phase)]
-    mapped = {id(s.kernel): map_kernel(s.kernel, t) for s in phases if s.tiled}
-    if not mapped:
-        return []
-    block = next(iter(mapped.values())).launch.block
-    rings = ring_phases(phases, mapped, t.compute_units * workgroups_per_cu(True), block)
     return [(at, g, tl, {w: dict(zip((p.name for p in s.kernel.params), s.args))[w] for seg in g.segments for w in seg.weights})
-            for at, s, g, tl in _shares(phases, rings)]
+            for at, s, g, tl in shares(phases, t)]
 
 
 def render_persistent(k: L.Kernel, t) -> HipKernel:
@@ -198,11 +200,12 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
                          "GEMV activation dtype); a persistent kernel has one of each")
     (block,), act = blocks, (acts or {"f32"}).pop()
     static = sum(m.launch.lds - _lds_bytes([a for a in m.body if isinstance(a, L.Array)]) for m in mapped.values())
-    rings = ring_phases(phases, mapped, t.compute_units * workgroups_per_cu(True), block)   # -> (RingGemv, Tiles)
-    n, per_cu = sum(isinstance(s, L.GridBarrier) for s in k.body), workgroups_per_cu(bool(rings))
-    grid = t.compute_units * per_cu
+    fed = shares(phases, t, mapped)
+    rings = {id(s.kernel): (g, tl) for _, s, g, tl in fed}           # phase kernel -> (RingGemv, Tiles)
+    grid = fed[0][1].grid if fed else t.compute_units * workgroups_per_cu(False)
+    n, per_cu = sum(isinstance(s, L.GridBarrier) for s in k.body), grid // t.compute_units
     for i, (g, tl) in rings.items():
-        mapped[i] = replace(mapped[i], body=ring.consumer(g, tl))
+        mapped[i] = replace(mapped[i], body=ring.consumer(g, tl), launch=replace(mapped[i].launch, how=ring.how(tl)))
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
             + (_CONSUMERS if rings else "")
             + prelude(replace(t, block=block), act, **prelude_parts(distinct, list(mapped.values())))
@@ -231,7 +234,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
               "__device__ unsigned int vf_grid_arrived, vf_grid_left;   // zero between launches",
               f'extern "C" __global__ void __launch_bounds__({threads}{_occupancy(t, threads, per_cu)}) {k.name}({_signature(k)}) {{']
     if rings:
-        lines += _ring_start(phases, rings, space, slots, lds, total)
+        lines += _ring_start(fed, space, slots, lds, total)
     lines += ["  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
               "  VF_GRID_LAUNCH_DEPENDENTS();"]
     at, ahead = 0, prefetch_bytes(t) if not rings else 0
@@ -244,7 +247,8 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
             barrier = f"vf_ring_grid_barrier(vf_ring, &vf_grid_arrived, {at});" if rings else f"vf_grid_barrier(&vf_grid_arrived, {at});"
             lines.append(f"  {barrier}" + (f"   // {at} of {n}" if at == 1 else ""))
     lines += ["  vf_grid_leave(&vf_grid_arrived, &vf_grid_left);", "}"]
-    how = f"{len(phases)} phases, {per_cu} workgroups a compute unit" + (f", a ring of {slots} slots" if rings else "")
+    how = (f"{len(phases)} phases, {per_cu} workgroup{'s' if per_cu > 1 else ''} a compute unit"
+           + (f", a ring of {slots} slots" if rings else ""))
     m = replace(k, launch=L.Launch(grid, threads, str(threads), how, 0, act))
     src = head + "\n" + "\n".join(lines) + "\n"
     return HipKernel(k.name, src, (grid, 1, 1), (threads, 1, 1), total, m, t, len(head) + 1)
@@ -263,9 +267,10 @@ def _phase(k: L.Kernel, m: L.Kernel, ns: str, coherent: set, dynamic: list, fed=
     return lines + (["  return vf_chunk;"] if fed else []) + ["}", f"}}  // namespace {ns}", ""]
 
 
-def _ring_start(phases, rings, space, slots: int, lds: int, total: int) -> list:
+def _ring_start(fed: list, space, slots: int, lds: int, total: int) -> list:
     """The kernel's first lines with a ring: the ring of ``slots`` slots after the phases' ``lds`` bytes
-    (``total`` dynamic LDS in all), then the producer warp's walk over every ring phase, in order."""
+    (``total`` dynamic LDS in all), then the producer warp's walk over every ring phase (``fed``:
+    ``shares``), in order."""
     quiet = ring_quiet()
     lines = [f"  // the ring: {slots} slots of {ring.SLOT_BYTES} bytes after the phases' {lds} bytes of LDS",
              f"  __shared__ unsigned long long vf_ring_barriers[{2 * slots}];"]
@@ -276,7 +281,7 @@ def _ring_start(phases, rings, space, slots: int, lds: int, total: int) -> list:
               "  if (threadIdx.x >= VF_BLOCK) {   // the producer warp: every ring phase's chunks, in the phases' order",
               "    if (threadIdx.x == VF_BLOCK) {",
               "      unsigned int vf_chunk = 0;"]
-    for at, s, g, tl in _shares(phases, rings):
+    for at, s, g, tl in fed:
         lines.append(f"      vf_chunk = {space[id(s.kernel)]}::produce(dim3(blockIdx.x), dim3(gridDim.x), vf_ring, "
                      f"vf_chunk, {s.tiled} + {at});   // {s.name}")
     return lines + ["    }", "    return;", "  }", "  unsigned int vf_chunk = 0;"]

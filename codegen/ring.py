@@ -52,6 +52,7 @@ class RingGemv:
     segments: tuple
     prologue: tuple
     loop: L.Loop
+    params: tuple = ()         # the kernel's parameter names (the consumer's new locals avoid them)
 
     @property
     def slots(self) -> int:
@@ -133,7 +134,7 @@ def ring_gemv(m: L.Kernel) -> RingGemv | None:
     if act not in arrays or arrays[act].space != "lds" or arrays[act].dtype != "f32":
         return None
     prologue = tuple(s for s in m.body[:m.body.index(loop)])
-    return RingGemv(loop.var, loop.stop.value, k, act, tuple(segments), prologue, loop)
+    return RingGemv(loop.var, loop.stop.value, k, act, tuple(segments), prologue, loop, tuple(p.name for p in m.params))
 
 
 # ------------------------------------------------------------------------------ the tiles
@@ -192,13 +193,20 @@ def _block(g: RingGemv, t: Tiles, beta: str, first: str, slots: str):
 
 
 def _names(g: RingGemv, *bases) -> list:
-    """Names for ``bases`` that none of the phase's own locals take."""
-    taken = set(L.local_names((g.loop,) + g.prologue))
+    """Names for ``bases`` that none of the phase's own locals and parameters take."""
+    taken = set(L.local_names((g.loop,) + g.prologue)) | set(g.params)
     out = []
     for b in bases:
         out.append(L.fresh_name(b, taken))
         taken.add(out[-1])
     return out
+
+
+def how(t: Tiles) -> str:
+    """The mapping's line for a phase fed by the ring."""
+    return (f"a block of {t.rows} row{'s' if t.rows > 1 else ''} a workgroup, its weight rows from the ring in chunks of "
+            f"{t.kc} columns; {t.cg} threads on a chunk's columns, 8 each, {t.rpt} weight row{'s' if t.rpt > 1 else ''} a "
+            "thread, summed in registers; the epilogue a row a thread")
 
 
 def consumer(g: RingGemv, t: Tiles, name: str = "vf_sums") -> tuple:
@@ -234,8 +242,9 @@ def consumer(g: RingGemv, t: Tiles, name: str = "vf_sums") -> tuple:
     keep = tuple(s for s in g.prologue if not (isinstance(s, L.Array) and s.name == "vf_part"))
     dot = L.RingDot(g.k, t.kc, t.cg, t.rpt, g.act, name, L.Sym(slots, "i32"))
     return keep + (L.Array(name, "f32", t.most * t.parts, "lds"),
-                   L.Comment(f"blocks of {t.rows} rows, a workgroup each; their weights from the ring, "
-                             f"{t.kc} columns a chunk, {t.cg} threads on a chunk, {t.rpt} rows a thread"),
+                   L.Comment(f"blocks of {t.rows} row{'s' if t.rows > 1 else ''}, a workgroup each; their weights from "
+                             f"the ring, {t.kc} columns a chunk, {t.cg} threads on a chunk, {t.rpt} weight "
+                             f"row{'s' if t.rpt > 1 else ''} a thread"),
                    L.Loop(beta, L.c(0), L.c(-(-g.n // t.rows)), tuple(decls) + (dot, L.Barrier(), epilogue, L.Barrier()),
                           map="grid"))
 
@@ -244,7 +253,7 @@ def producer(g: RingGemv, t: Tiles, flight_bytes: int) -> tuple:
     """The producer warp's walk over the phase: each block the launch's workgroup takes, its chunks, as many
     in flight as hold ``flight_bytes`` (two at least)."""
     decls = _block(g, t, "block", "first_slot", "slots")[2]
-    flight = max(2, -(-flight_bytes // (t.most * t.kc * 2)))
+    flight = min(max(2, -(-flight_bytes // (t.most * t.kc * 2))), 1 << 16)     # as many as the ring holds, past its size
     return (L.Loop("block", L.c(0), L.c(-(-g.n // t.rows)),
                    tuple(decls) + (L.RingProduce(g.k, t.kc, L.mul(L.Sym("first_slot", "i32"), L.c(g.k)),
                                                  L.Sym("slots", "i32"), flight),), map="grid"),)

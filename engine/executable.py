@@ -39,6 +39,7 @@ class Executable:
                 self._buffers[name] = self.device.empty(shape, dtype)
         self._bound = None
         self._bound_refs = None
+        self._tiled_from = set()        # the inputs a persistent kernel's tiled weights were made from
         self._plan_run = None
         self._slots = None
 
@@ -70,9 +71,7 @@ class Executable:
             if name not in self.plan.scalars:
                 bufs[name] = a
         self._slots = self.device.scalar_slots(self.plan.scalars)
-        for ck in self.kernels:
-            if ck.kernel.family == "persistent":
-                self._tile_weights(ck, bufs)
+        self._tile_all(bufs)
         launches = []
         for ck in self.kernels:
             args = {p.name: bufs[p.name] for p in ck.kernel.params if p.kind == "buffer"}
@@ -81,21 +80,29 @@ class Executable:
         self._bound = [id(a) if not isinstance(a, int) else None for a in arrays]
         self._bound_refs = arrays
 
-    def _tile_weights(self, ck, bufs):
-        """Fill a persistent kernel's tiled weights (``codegen.ring.tile``) from the weights bound now:
-        each ring phase's share, in the kernel's order, copied to the device once per binding."""
+    def _tile_all(self, bufs):
+        """Fill each persistent kernel's tiled weights (``codegen.ring.tile``) from the weights in ``bufs``
+        (buffer name -> device array): each ring phase's share, in the kernel's order.  Done at binding,
+        and again by ``bind`` when a staged (small) weight was copied in anew; a weight changed in place
+        on the device is not seen."""
+        from codegen.loopir import Phase
         from codegen.persistent import tiling
         from codegen.ring import tile
-        from fusion.persistent import tiled_name
-        host, parts = {}, []
-        for at, g, tl, names in tiling(ck.kernel, self.device.compiler.target):
-            assert at == sum(map(len, parts)), "the tiled weights' shares follow one another"
-            for arg in names.values():
-                if arg not in host:
-                    host[arg] = self.device.to_host(bufs[arg])
-            parts.append(tile(g, tl, {w: host[arg] for w, arg in names.items()}))
-        if parts:
-            self.device.copy_in(bufs[tiled_name(ck.kernel.name)], np.concatenate(parts))
+        self._tiled_from = set()
+        for ck in self.kernels:
+            if ck.kernel.family != "persistent":
+                continue
+            host, parts = {}, []
+            for at, g, tl, names in tiling(ck.kernel, self.device.compiler.target):
+                assert at == sum(map(len, parts)), "the tiled weights' shares follow one another"
+                for arg in names.values():
+                    if arg not in host:
+                        host[arg] = self.device.to_host(bufs[arg])
+                parts.append(tile(g, tl, {w: host[arg] for w, arg in names.items()}))
+            if parts:
+                (name,) = {s.tiled for s in ck.kernel.body if isinstance(s, Phase) and s.tiled}
+                self.device.copy_in(bufs[name], np.concatenate(parts))
+                self._tiled_from |= set(host)
 
     def bind(self, *leaves):
         """Put the inputs where the kernels read them; returns the device buffers by input name.
@@ -104,7 +111,7 @@ class Executable:
         in place on the CPU and uploaded once on a GPU; device arrays are used as they are."""
         if len(leaves) != len(self.plan.inputs):
             raise TypeError(f"expected {len(self.plan.inputs)} array arguments, got {len(leaves)}")
-        dev, arrays = self.device, []
+        dev, arrays, staged = self.device, [], set()
         donated = set(self.plan.aliases.values())
         for v, name, x in zip(self.program.inputs, self.plan.inputs, leaves):
             if name in self.plan.scalars:
@@ -131,6 +138,7 @@ class Executable:
                 stage = self._buffers.setdefault(name, dev.empty(v.shape, v.dtype))
                 dev.copy_in(stage, a)
                 arrays.append(stage)
+                staged.add(name)
                 continue
             if a.dtype != dt or not a.flags.c_contiguous:
                 if name in donated:
@@ -140,6 +148,8 @@ class Executable:
             arrays.append(dev.resident(a))
         if [id(a) if not isinstance(a, int) else None for a in arrays] != self._bound:
             self._bind(arrays)
+        elif staged & self._tiled_from:                # a small weight the ring's tiles hold, copied in anew
+            self._tile_all({**self._buffers, **dict(zip(self.plan.inputs, arrays))})
         for name, x in zip(self.plan.inputs, arrays):
             if name in self.plan.scalars:
                 self._slots[name] = x

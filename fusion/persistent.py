@@ -58,11 +58,12 @@ def _runs(kernels, target):
     activation dtype, and LDS for ``workgroups_per_cu()`` workgroups a compute unit: the largest
     phase's arrays and every distinct phase's template arrays, and with the ring two of its slots),
     each of at least two kernels."""
-    from codegen.persistent import ring_on, workgroups_per_cu
+    from codegen.persistent import ring_grid, ring_on, workgroups_per_cu
     from codegen.ring import SLOT_BYTES
     room = target.lds_per_cu // workgroups_per_cu(False)          # as the phases run without a ring,
     if ring_on(target):                              # and with one: a workgroup a CU, two slots beside them
-        room = min(room, target.lds_per_cu // workgroups_per_cu(True) - 2 * SLOT_BYTES - 1024)
+        per_cu = ring_grid(target) // target.compute_units
+        room = min(room, target.lds_per_cu // per_cu - 2 * SLOT_BYTES - 1024)
     runs, run, act, dynamic, static = [], [], None, 0, {}
     for k in kernels:
         g = _geometry(k, target)
@@ -79,6 +80,8 @@ def _runs(kernels, target):
             act, dynamic = act or g[1], max(dynamic, g[2])
             static[key] = g[3]
     return [r for r in runs + [run] if len(r) > 1]
+
+
 def _shared_names(names: list) -> list:
     """One name for each position of ``names`` (a list of names per kernel of a group): the name
     the kernels share, or where they differ only in numbers, the name without those numbers."""
@@ -136,23 +139,27 @@ def _merge(params: dict, p: L.Param) -> None:
         params[p.name] = replace(q, role="inout")
 
 
-def _ring_phases(phases, target) -> dict:
-    """``{id(phase kernel): values of its tiled weights}`` for the phases whose GEMVs the ring can feed
-    (``codegen.ring.ring_gemv``)."""
+def _ring_phases(phases, target, constant: set) -> set:
+    """The ids of the phases whose GEMVs the ring can feed (``codegen.ring.ring_gemv``), their weights
+    all ``constant`` (inputs no kernel writes: the tiles are made once, when they are bound)."""
     from codegen.mapping import map_kernel
     from codegen.ring import ring_gemv
-    sizes = {}
-    for s in phases:
-        if id(s.kernel) not in sizes:
-            g = ring_gemv(map_kernel(s.kernel, target))
-            sizes[id(s.kernel)] = g.slots * g.k if g else 0
-    return {i: n for i, n in sizes.items() if n}
+    gemv, ok = {}, {}
+    for s in phases:                                 # a phase kernel is fed in every call or in none
+        if id(s.kernel) not in gemv:
+            gemv[id(s.kernel)] = ring_gemv(map_kernel(s.kernel, target))
+        g = gemv[id(s.kernel)]
+        names = dict(zip((p.name for p in s.kernel.params), s.args))
+        ok[id(s.kernel)] = ok.get(id(s.kernel), True) and g is not None and all(
+            names[w] in constant for seg in g.segments for w in seg.weights)
+    return {id(s) for s in phases if ok[id(s.kernel)]}
 
 
-def persistent_kernel(run: list, name: str, target=None) -> L.Kernel:
+def persistent_kernel(run: list, name: str, target=None, tiled_name: str = "", constant=frozenset()) -> L.Kernel:
     """One kernel of family "persistent" for ``run`` (consecutive kernels of the plan, in order):
     a ``Phase`` for each, a ``GridBarrier`` between each two.  With ``target`` and the ring on
-    (``codegen.persistent.ring_on``), its GEMV phases' weights come tiled in one more parameter (``tiled_name``)."""
+    (``codegen.persistent.ring_on``), the GEMV phases whose weights are all ``constant`` (buffer names)
+    take them tiled from one more parameter, ``tiled_name``, which those phases name (``Phase.tiled``)."""
     groups = {}
     for k in run:
         groups.setdefault(repr(L.canonicalize(k)), []).append(k)
@@ -165,13 +172,15 @@ def persistent_kernel(run: list, name: str, target=None) -> L.Kernel:
         for p in k.params:
             _merge(params, p)
         body += ([L.GridBarrier()] if i else []) + [L.Phase(phase_of[id(k)], tuple(p.name for p in k.params), k.name)]
-    from codegen.persistent import ring_on
+    from codegen.persistent import ring_grid, ring_on, shares
     ring = target is not None and ring_on(target)
-    rings = _ring_phases([s for s in body if isinstance(s, L.Phase)], target) if ring else {}
-    tiled = sum(rings.get(id(s.kernel), 0) for s in body if isinstance(s, L.Phase))
-    if tiled:
-        params[tiled_name(name)] = L.Param(tiled_name(name), "f16", "buffer", (tiled,), "in")
-        body = [replace(s, tiled=tiled_name(name)) if isinstance(s, L.Phase) and id(s.kernel) in rings else s for s in body]
+    fed = _ring_phases([s for s in body if isinstance(s, L.Phase)], target, constant) if ring else set()
+    if fed:
+        tiled_name = tiled_name or f"{name}_tiled_weights"
+        grid = ring_grid(target)
+        body = [replace(s, tiled=tiled_name, grid=grid) if id(s) in fed else s for s in body]
+        size = sum(g.slots * g.k for _, _, g, _ in shares([s for s in body if isinstance(s, L.Phase)], target))
+        params[tiled_name] = L.Param(tiled_name, "f16", "buffer", (size,), "in")
     return L.Kernel(name, "persistent", tuple(params.values()), tuple(body),
                     ops=tuple(op for k in run for op in k.ops), bytes=sum(k.bytes for k in run),
                     flops=sum(k.flops for k in run), eqns=tuple(e for k in run for e in k.eqns))
@@ -186,10 +195,14 @@ def make_persistent(plan, target):
     first = {id(r[0]): r for r in runs}
     inside = {id(k) for r in runs for k in r}
     kernels, buffers, n = [], dict(plan.buffers), 0
+    written = {p.name for k in plan.kernels for p in k.params if p.role != "in"}
+    constant = set(plan.inputs) - written - set(plan.aliases.values())
     for k in plan.kernels:
         if id(k) in first:
-            kernels.append(persistent_kernel(first[id(k)], "persistent" + (str(n) if n else ""), target))
-            buffers.update({p.name: (p.shape, p.dtype) for p in kernels[-1].params if p.name == tiled_name(kernels[-1].name)})
+            name = "persistent" + (str(n) if n else "")
+            tiled = L.fresh_name(f"{name}_tiled_weights", buffers)
+            kernels.append(persistent_kernel(first[id(k)], name, target, tiled, constant))
+            buffers.update({p.name: (p.shape, p.dtype) for p in kernels[-1].params if p.name == tiled})
             n += 1
         elif id(k) not in inside:
             kernels.append(k)

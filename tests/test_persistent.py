@@ -248,3 +248,72 @@ def test_a_bad_persistent_switch_is_one_line_on_the_cpu_too(name, value, monkeyp
     x = rng.standard_normal(8).astype(np.float32)
     with pytest.raises(ValueError, match=f"^{name}='{value}': set it to 1 .* or 0$"):
         dsl.jit(lambda x: x * 2.0)(x)
+
+
+def _emu_check(f, *args):
+    """``f`` on the emulated GPU against the float64 interpreter (its first output)."""
+    from tests.emu_device import emu_backend
+    jf = dsl.jit(f, backend=emu_backend())
+    want = np.asarray(jf.lower(*args).program.run(*args, compute_dtype="f64")[0], np.float64)
+    out = jf(*args)
+    got = np.asarray(out[0] if isinstance(out, tuple) else out, np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    return jf
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+def test_the_rings_tiles_follow_the_weights_they_are_made_from(monkeypatch):
+    """Small weights are copied into reused staging buffers call after call: the tiles are made again
+    from the new ones.  A GEMV whose f16 "weight" a phase writes (a KV cache) is not fed by the ring.
+    The tiles made for the grid chosen when the plan was made, whatever the switches say at binding."""
+    import dsl.lax as lax
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    x = rng.standard_normal((1, 72)).astype(np.float32)
+    jf = None
+    for _ in range(2):
+        w1, w2 = (rng.standard_normal((64, 72)) / 8).astype(np.float16), (rng.standard_normal((64, 64)) / 8).astype(np.float16)
+        jf = _emu_check(lambda x, w1, w2: nn.linear(nn.silu(nn.linear(x, w1)), w2), x, w1, w2) if jf is None else jf
+        want = jf.lower(x, w1, w2).program.run(x, w1, w2, compute_dtype="f64")[0]
+        np.testing.assert_allclose(np.asarray(jf(x, w1, w2), np.float64), want, rtol=0, atol=2e-3 * np.abs(want).max())
+    (k,) = [ck.kernel for ck in jf.compile(x, w1, w2).kernels]
+    assert sum(bool(s.tiled) for s in k.body if isinstance(s, L.Phase)) == 2
+
+    def written(wq, x, cache, pos):
+        q = nn.linear(x, wq)
+        return nn.linear(q, lax.dynamic_update_slice(cache, q.astype("f16"), (pos, 0))),
+    wq, x64 = (rng.standard_normal((64, 64)) / 8).astype(np.float16), rng.standard_normal((1, 64)).astype(np.float32)
+    _emu_check(written, wq, x64, (rng.standard_normal((16, 64)) / 8).astype(np.float16), 3)
+
+    w1, w2 = (rng.standard_normal((300, 256)) / 16).astype(np.float16), (rng.standard_normal((64, 300)) / 16).astype(np.float16)
+    x256 = rng.standard_normal((1, 256)).astype(np.float32)
+    from tests.emu_device import emu_backend
+    jf = dsl.jit(lambda x, w1, w2: nn.linear(nn.silu(nn.linear(x, w1)), w2), backend=emu_backend())
+    jf.compile(x256, w1, w2)
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_PER_CU", "2")          # after the plan, before the first binding
+    want = jf.lower(x256, w1, w2).program.run(x256, w1, w2, compute_dtype="f64")[0]
+    np.testing.assert_allclose(np.asarray(jf(x256, w1, w2), np.float64), want, rtol=0, atol=2e-3 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+def test_the_rings_names_keep_clear_of_the_users(monkeypatch):
+    """A bias named ``slots`` (a name the ring's consumer declares) and a weight named
+    ``persistent_tiled_weights`` (the tiled weights' own) each keep their meaning."""
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    x, w = rng.standard_normal((1, 64)).astype(np.float32), (rng.standard_normal((64, 64)) / 8).astype(np.float16)
+    b = rng.standard_normal(64).astype(np.float32)
+    _emu_check(lambda x, w, slots: nn.linear(nn.silu(nn.linear(x, w, slots)), w, slots), x, w, b)
+    _emu_check(lambda x, persistent_tiled_weights, w2: nn.linear(nn.silu(nn.linear(x, persistent_tiled_weights)), w2),
+               x, w, (rng.standard_normal((64, 64)) / 8).astype(np.float16))
+
+
+def test_the_rings_switches_at_their_edges(monkeypatch):
+    """As many chunks in flight as the ring holds at most, whatever ``VEGAFUSE_PERSISTENT_FLIGHT`` asks; more
+    workgroups a compute unit than leave two slots of LDS each is one line naming the switch."""
+    from codegen.persistent import ring_grid
+    from codegen.ring import producer, tiles
+    g, _ = _mlp_phase(136, 37)
+    (loop,) = producer(g, tiles(g, 5, 256), 1 << 40)
+    assert next(s for s in loop.body if isinstance(s, L.RingProduce)).flight == 1 << 16
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_PER_CU", "7")
+    with pytest.raises(ValueError, match=r"^VEGAFUSE_PERSISTENT_PER_CU=7: set it to at most 5 with the ring"):
+        ring_grid(get_target("sm_90"))
