@@ -69,6 +69,11 @@ def _segments(body, row, lo, hi):
     return [(lo, hi, body)]
 
 
+def _hw(e) -> bool:
+    """Does the expression read a hardware index (lane, wave, ...)?"""
+    return any(isinstance(x, L.Hw) for x in L.walk_exprs(e))
+
+
 def _weight_row(acc: L.Acc, var: str, act: str, k: int, declared: dict):
     """``(weight, row expression)`` of a dot product ``act[var] * f32(weight[row * k + var])``, or None."""
     v = acc.value
@@ -121,6 +126,10 @@ def ring_gemv(m: L.Kernel) -> RingGemv | None:
         if len(reduces) != 1 or reduces[0].vector != 8 or reduces[0].body or not isinstance(reduces[0].stop, L.Const):
             return None
         r = reduces[0]
+        guards = [s for s in leaf if isinstance(s, L.If) and _hw(s.cond)]
+        epilogue = (guards[0].then if guards else ()) + tuple(s for s in leaf if s is not r and s not in guards)
+        if len(guards) > 1 or any(_hw(e) for s in L.walk_stmts(epilogue) for e in L.stmt_exprs(s)):
+            return None                               # the epilogue runs a row a thread: nothing else reads the lanes
         declared = {s.name: s.init for s in leaf[:leaf.index(r)] if isinstance(s, L.Declare)}
         first = r.accs[0].value
         if act is None and isinstance(first, L.Bin) and isinstance(first.a, L.Load):
@@ -224,14 +233,14 @@ def consumer(g: RingGemv, t: Tiles, name: str = "vf_sums") -> tuple:
                 accs = tuple(L.Acc(a, "add", L.Load(name, L.add(L.mul(L.add(rel, L.c(i)), L.c(t.parts)), L.Sym(part, "i32")),
                                                    "f32")) for i, a in enumerate(seg.accs))
                 out.append(L.Reduce(part, L.c(0), L.c(t.parts), accs))
-            elif isinstance(s, L.If) and any(isinstance(x, L.Hw) for x in L.walk_exprs(s.cond)):
+            elif isinstance(s, L.If) and _hw(s.cond):
                 out += list(s.then)                       # the row's lane guard: a thread a row now
             else:
                 out.append(s)
         return tuple(out)
 
     def rows(body, lo_, hi_):
-        if len(body) == 1 and isinstance(body[0], L.If) and not any(isinstance(x, L.Hw) for x in L.walk_exprs(body[0].cond)):
+        if len(body) == 1 and isinstance(body[0], L.If) and not _hw(body[0].cond):
             cut = body[0].cond.b.value
             return (L.If(body[0].cond, rows(body[0].then, lo_, cut), rows(body[0].orelse, cut, hi_)),)
         seg = next(s for s in g.segments if s.lo == lo_)
