@@ -11,6 +11,7 @@ same mapped kernel gives the same body text on every target.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, replace
@@ -201,7 +202,27 @@ def _exact(s, extent) -> bool:
     return bool(s.lanes) and s.vector == 1 and extent % s.lanes == 0
 
 
+def _block_steps(s, pad):
+    """A block-mapped reduction over a whole number of the workgroup's steps (``whole``): a first loop
+    takes every step's leading loads (the body's first Declares) into registers, so that all are in
+    flight before the body's first store (a store to LDS may alias a generic pointer's load, and the
+    compiler keeps the two in order: a step at a time, a load's latency each)."""
+    n = len(s.body) - len(tuple(itertools.dropwhile(lambda x: isinstance(x, L.Declare), s.body)))
+    lead, rest, steps = s.body[:n], s.body[n:], f"{expr(s.stop)} / VF_BLOCK"
+    head = [f"{pad}#pragma unroll", f"{pad}for (int vf_step = 0; vf_step < {steps}; ++vf_step) {{",
+            f"{pad}  const int {s.var} = threadIdx.x + vf_step * VF_BLOCK;"]
+    out = [f"{pad}{CTYPE[a.dtype]} {a.name} = {_const(a.init)};" for a in s.accs]
+    out += [f"{pad}{CTYPE[d.dtype]} {d.name}_steps[{steps}];   // every step's {d.name}, all loads in flight at once"
+            for d in lead]
+    out += head + [f"{pad}  {d.name}_steps[vf_step] = {bare(d.init)};" for d in lead] + [f"{pad}}}"]
+    out += head + [f"{pad}  const {CTYPE[d.dtype]} {d.name} = {d.name}_steps[vf_step];" for d in lead]
+    out += stmts(rest, pad + "  ") + [x for a in s.accs for x in _reduce_update(s, a, pad + "  ")] + [f"{pad}}}"]
+    return out + [pad + BLOCK_REDUCE[a.op, a.dtype].format(a=a.name, i=a.arg) for a in s.accs]
+
+
 def _reduce(s, pad):
+    if s.map == "block" and s.whole:
+        return _block_steps(s, pad)
     out = []
     for a in s.accs:
         out.append(f"{pad}{CTYPE[a.dtype]} {a.name} = {_const(a.init)};")

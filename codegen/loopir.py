@@ -363,7 +363,9 @@ class Reduce:
     lanes: int = 0                # map="lane": the lanes that share the range (0: the whole wave)
     unroll: int = 0               # GPU unroll hint (loads in flight); 0: the compiler's choice
     whole: bool = False           # map="lane": a lane's few steps all unrolled, each guarded, so that all their
-                                  # loads are in flight at once (codegen.mapping.whole_steps)
+                                  # loads are in flight at once (codegen.mapping.whole_steps); map="block": the
+                                  # range [0, stop) a whole number of the workgroup's steps, the body's leading
+                                  # loads (its first Declares) taken for every step before its first store
     order: str = "inner"          # ORDERS: where the reduction's loop runs, chosen by the scheduler
     body: tuple = ()              # statements each iteration runs first: a GEMV's fill that shares the
                                   # reduction's loop (codegen.prologue; made by the GPU mapping, so the

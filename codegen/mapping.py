@@ -630,7 +630,8 @@ def _contract(body, t, lds_limit, budget):
     if tiled:                                              # many rows: the tiled matmul (codegen/mma.py)
         return tiled
     info = {"q8": not matmul and _int8_path(body, t, budget)}
-    if info["q8"] and prologue.enabled():                  # int8 only: the float fill lost (docs/performance.md)
+    if (info["q8"] or t.norm_after_dot) and prologue.enabled():   # float: only where the target asks (the float
+                                                                  # fill lost in separate kernels, docs/performance.md)
         body = prologue.norm_after_dot(body) or body
     original = body
     body = _matmul_rows(body, t, info, lds_limit) if matmul else _contract_rows(body, t, info)
@@ -1121,8 +1122,10 @@ def _fill_with_norm(r, t, info):
     as ``_quantize_fill``, the reduction taking the same trips over the groups' 4 values; no
     barrier after it: the block sum's own make the activation seen by every wave."""
     st, K = r.body[0], r.stop.value
-    info["act"], info["K"], info["act_dtype"], info["copied"] = st.buf, K, L.int8_activation(), False
     (acc,) = r.accs
+    if not info["q8"]:
+        return _float_fill_with_norm(r, t, info)
+    info["act"], info["K"], info["act_dtype"], info["copied"] = st.buf, K, L.int8_activation(), False
     g, at, active, trips = _groups(K, t)
     sq = prologue.squared(acc.value, st.value)            # the norm's x * x: x read once, into a local
     if sq:
@@ -1139,6 +1142,34 @@ def _fill_with_norm(r, t, info):
     v = v if active == L.Const(True, "bool") else L.Select(active, v, L.Const(0.0, acc.dtype))
     return replace(r, var=g.name, start=L.c(0), stop=L.c(trips), accs=(replace(acc, value=v),), map="block",
                    body=decls + (L.QuantizeQ8(st.buf, g, values, active),), unroll=t.prologue_unroll)
+
+
+def _float_fill_with_norm(r, t, info):
+    """The float fill that ``codegen.prologue`` folded into its norm's reduction: the workgroup's threads
+    take k in turn, each ``x[k]`` read once into a local for both the sum of squares and the fill (its
+    block sum's barriers make the activation seen by every wave)."""
+    st, K, (acc,) = r.body[0], r.stop.value, r.accs
+    dt = act_dtype(t, K)
+    info["act"], info["K"], info["act_dtype"] = st.buf, K, dt
+    sq = prologue.squared(acc.value, st.value)            # the norm's x * x: x read once, into a local
+    decls, value = (), st.value
+    if sq:
+        x = L.Sym("x_0", "f32")                           # "x" once loopir.tidy_names has run
+        decls, value, acc = (L.Declare(x.name, "f32", sq[0]),), L.Bin("mul", x, sq[1]), replace(acc, value=L.Bin("mul", x, x))
+    value = L.Cast(value, dt) if dt != "f32" else value
+    # a whole number of the workgroup's steps, few enough for registers: every step's x loaded at once
+    whole = r.start == L.c(0) and K % t.block == 0 and K // t.block <= WHOLE_FILL_STEPS and _fill_steps_switch()
+    return replace(r, map="block", unroll=0 if whole else t.prologue_unroll, whole=whole, accs=(acc,),
+                   body=decls + (L.Store(st.buf, st.index, value),))
+
+
+WHOLE_FILL_STEPS = 16      # steps a thread of a norm's fill (codegen.prologue) takes with all its loads at once
+
+
+def _fill_steps_switch() -> bool:
+    """``VEGAFUSE_FILL_STEPS=0``: a norm's one-pass fill takes its steps one after another (A/B: with a
+    step a load's latency, the 1.5B persistent kernel's fills took 1.3-1.8 µs against 0.3-0.6)."""
+    return os.environ.get("VEGAFUSE_FILL_STEPS", "1") != "0"
 
 
 def _lanes_per_row(t, K, sizes):

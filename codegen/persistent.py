@@ -126,11 +126,26 @@ def _occupancy(t, block: int, per_cu: int) -> str:
     return f", {n}" if n > 1 else ""
 
 
+def phase_target(t):
+    """The target a persistent kernel's phases are mapped for: ``t``, with a float GEMV's RMSNorm in one
+    pass where the ring feeds them (``Target.norm_after_dot``; ``VEGAFUSE_PERSISTENT_NORM=0`` keeps two)."""
+    one = ring_on(t) and switch("VEGAFUSE_PERSISTENT_NORM", "1", "the ring phases' RMSNorm in one pass")
+    return replace(t, norm_after_dot=True) if one else t
+
+
 def ring_flight() -> int:
     """Bytes of a phase's chunks the ring's producer keeps in flight at most (``VEGAFUSE_PERSISTENT_FLIGHT``,
     default 36864, two of the probe's chunks: more lengthen the queue every latency-bound load of the chain
     waits in, docs/performance.md)."""
     return env_int("VEGAFUSE_PERSISTENT_FLIGHT", 36864, 1, "a number of bytes")
+
+
+def ring_evict_first() -> bool:
+    """Do the ring's copies mark the weights first to leave L2 (``VEGAFUSE_PERSISTENT_EVICT_FIRST``, default 1):
+    a step streams its weights once, through an L2 far smaller than they are, and each phase's chain of
+    small reads (activations, the norms' gains, biases, the KV cache) waits on HBM's latency under
+    load where they have been pushed out (docs/performance.md)?"""
+    return switch("VEGAFUSE_PERSISTENT_EVICT_FIRST", "1", "the ring's weights first out of L2")
 
 
 def ring_quiet() -> bool:
@@ -166,7 +181,7 @@ def shares(phases, t, mapped=None) -> list:
         if not s.tiled:
             continue
         if (id(s.kernel), s.grid) not in made:
-            m = mapped[id(s.kernel)] if mapped else map_kernel(s.kernel, t)
+            m = mapped[id(s.kernel)] if mapped else map_kernel(s.kernel, phase_target(t))
             g = ring.ring_gemv(m)
             made[id(s.kernel), s.grid] = g, ring.tiles(g, s.grid, m.launch.block)
         g, tl = made[id(s.kernel), s.grid]
@@ -192,7 +207,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
     Raises ValueError when its phases do not map onto one workgroup size and activation dtype."""
     phases = [s for s in k.body if isinstance(s, L.Phase)]
     distinct = list({id(s.kernel): s.kernel for s in phases}.values())
-    mapped = {id(pk): L.tidy_names(map_kernel(pk, t), reserved=("vf_lane", "vf_wave")) for pk in distinct}
+    mapped = {id(pk): L.tidy_names(map_kernel(pk, phase_target(t)), reserved=("vf_lane", "vf_wave")) for pk in distinct}
     geometry = {(m.launch.block, m.launch.act if m.family == "contract" else "") for m in mapped.values()}
     blocks, acts = {b for b, _ in geometry}, {a for _, a in geometry} - {""}
     if len(blocks) != 1 or len(acts) > 1:
@@ -209,7 +224,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
             + (_CONSUMERS if rings else "")
             + prelude(replace(t, block=block), act, **prelude_parts(distinct, list(mapped.values())))
-            + grid_barrier(t) + (prelude_ring(t) if rings else "")
+            + grid_barrier(t) + (prelude_ring(t, ring_evict_first()) if rings else "")
             + "// the phases' arrays in dynamic LDS: declared in each, sized at launch\n#define VF_DYNAMIC_LDS(name, bytes) "
             "extern __shared__ __attribute__((aligned(16))) unsigned char name[]\n")
     written = {p.name for p in k.params if p.role != "in"}
@@ -244,7 +259,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         elif isinstance(s, L.GridBarrier):
             lines += _prefetch(next(x for x in k.body[i:] if isinstance(x, L.Phase)), ahead)
             at += 1
-            barrier = f"vf_ring_grid_barrier(vf_ring, &vf_grid_arrived, {at});" if rings else f"vf_grid_barrier(&vf_grid_arrived, {at});"
+            barrier = f"vf_grid_barrier(&vf_grid_arrived, {at}{', vf_ring.quiet' if rings else ''});"
             lines.append(f"  {barrier}" + (f"   // {at} of {n}" if at == 1 else ""))
     lines += ["  vf_grid_leave(&vf_grid_arrived, &vf_grid_left);", "}"]
     how = (f"{len(phases)} phases, {per_cu} workgroup{'s' if per_cu > 1 else ''} a compute unit"

@@ -943,8 +943,7 @@ __device__ __forceinline__ void vf_mbar_wait(unsigned long long* b, unsigned int
 // bytes (a multiple of 16, both addresses 16-byte aligned) from global memory into LDS; completes b
 __device__ __forceinline__ void vf_bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* b) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(vf_lds_address(b)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(vf_lds_address(dst)), "l"(src), "r"(bytes), "r"(vf_lds_address(b)) : "memory");
+{copy}
 }
 // every thread of the workgroup, the producer warp too (the consumers' barrier is a named one)
 __device__ __forceinline__ void vf_all_threads_sync() { asm volatile("bar.sync 0;" ::: "memory"); }
@@ -990,8 +989,7 @@ __device__ __forceinline__ unsigned int vf_ring_produce(const vf_ring_t r, unsig
       vf_mbar_wait(&r.full[(c - flight) % r.slots], ((c - flight) / r.slots) & 1);
     if (r.quiet)
       while (*r.quiet) VF_POLL_PAUSE();
-    if (bytes) vf_bulk_copy(r.data + slot * r.slot_bytes, src, bytes, &r.full[slot]);
-    else vf_mbar_arrive(&r.full[slot]);
+    vf_bulk_copy(r.data + slot * r.slot_bytes, src, bytes, &r.full[slot]);
     src += bytes / 2;
   }
   return c;
@@ -1031,20 +1029,26 @@ __device__ __forceinline__ unsigned int vf_ring_dot(const vf_ring_t r, unsigned 
   }
   return c;
 }
-// the grid barrier with the producer quiet while thread 0 counts in and polls (the consumers are done with their
-// phase's chunks then, so none waits for a chunk the pause holds back)
-__device__ __forceinline__ void vf_ring_grid_barrier(const vf_ring_t r, unsigned int* arrived, unsigned int n) {
-  vf_grid_barrier(arrived, n, r.quiet);
-}
 """
 
 
-def ring(t) -> str:
+_COPY = {False: r"""  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(vf_lds_address(dst)), "l"(src), "r"(bytes), "r"(vf_lds_address(b)) : "memory");""",
+         True: r"""  // read once a step: first out of L2, so that what the phases' chains read there (activations, norms'
+  // gains, biases, the KV cache) stays
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               :: "r"(vf_lds_address(dst)), "l"(src), "r"(bytes), "r"(vf_lds_address(b)), "l"(policy) : "memory");"""}
+
+
+def ring(t, evict_first: bool = False) -> str:
     """The ring's helpers (``codegen/ring.py``): NVIDIA's barriers and bulk copies, then the producer's and
-    the consumers' loops.  Raises ValueError for a target without bulk copies."""
+    the consumers' loops; with ``evict_first``, the copies mark the weights' lines first to leave L2.
+    Raises ValueError for a target without bulk copies."""
     if t.vendor != "nvidia":
         raise ValueError(f"{t.name}: the persistent kernel's ring needs bulk copies into LDS (sm_90)")
-    return _RING_NV + RING
+    return _RING_NV.replace("{copy}", _COPY[evict_first]) + RING
 
 
 def grid_barrier(t) -> str:

@@ -19,6 +19,8 @@ At the edges of f32 it differs: where ``x * g`` itself overflows (the two-pass f
 squares has overflowed already) the rows read ``inf * 0``, NaN, and an ``x`` near 1e-38 is quantized
 in the denormal range rather than normalized first.
 
+The mapping applies it to the int8 path, and to a float GEMV where the target asks
+(``Target.norm_after_dot``: a persistent kernel's phases, ``codegen.persistent.phase_target``).
 ``VEGAFUSE_NORM_AFTER_DOT=0`` keeps the two passes (A/B).
 """
 from __future__ import annotations

@@ -73,6 +73,9 @@ class Target:
                                  # (see the gfx906 entry)
     unroll: int = 4              # GEMV k-loop unroll: independent 16-byte loads in flight per lane
     prologue_unroll: int = 8     # unroll of the GEMV prologue that fills the activation in LDS
+    norm_after_dot: bool = False  # a float GEMV's RMSNorm prologue in one pass, its scale after the dot products
+                                 # (codegen/prologue.py; the int8 path always): set for the persistent kernel's
+                                 # phases (codegen.persistent.phase_target)
     one_workgroup_block: int = 0  # threads of a kernel that runs on one workgroup (the loop family, a reduction
                                  # to a scalar; codegen.mapping.one_workgroup_block): its passes over a row are
                                  # latency-bound, so it takes as many loads in flight as a workgroup holds (0: block)

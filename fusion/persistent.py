@@ -45,7 +45,8 @@ def _geometry(k: L.Kernel, target):
     workgroup size cannot be a phase."""
     from codegen import mma
     from codegen.mapping import map_kernel
-    m = map_kernel(k, target)
+    from codegen.persistent import phase_target
+    m = map_kernel(k, phase_target(target))
     if m.launch.block != target.block or any(isinstance(s, (L.QuantizeStored, mma.MatmulTiles))
                                              for s in L.walk_stmts(m.body)):
         return None
@@ -143,11 +144,12 @@ def _ring_phases(phases, target, constant: set) -> set:
     """The ids of the phases whose GEMVs the ring can feed (``codegen.ring.ring_gemv``), their weights
     all ``constant`` (inputs no kernel writes: the tiles are made once, when they are bound)."""
     from codegen.mapping import map_kernel
+    from codegen.persistent import phase_target
     from codegen.ring import ring_gemv
     gemv, ok = {}, {}
     for s in phases:                                 # a phase kernel is fed in every call or in none
         if id(s.kernel) not in gemv:
-            gemv[id(s.kernel)] = ring_gemv(map_kernel(s.kernel, target))
+            gemv[id(s.kernel)] = ring_gemv(map_kernel(s.kernel, phase_target(target)))
         g = gemv[id(s.kernel)]
         names = dict(zip((p.name for p in s.kernel.params), s.args))
         ok[id(s.kernel)] = ok.get(id(s.kernel), True) and g is not None and all(

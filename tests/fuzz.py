@@ -805,6 +805,7 @@ def _run_source(src, backend):
             return "exception", f"gfx906: {type(e).__name__}: {str(e)[:300]}"
     if native is None:
         return "ok", "ill-conditioned (non-finite in stored dtypes)"
+    covered = _persistent_coverage(jf.compile(*args).plan.kernels) if backend != "cpu" else ""
     native, peak = native
     nops = len(low.program.eqns)
     prims = {e.prim.name for e in low.program.eqns}
@@ -826,7 +827,15 @@ def _run_source(src, backend):
                                          nops, peak, act) for g, t, o in zip(got, ties, low.program.outputs)):
                 return "ok", "ill-conditioned (a comparison on its tie decided the other way)"
             return "mismatch", f"output {i} ({v.dtype}{list(v.shape)}): {bad}"
-    return "ok", ""
+    return "ok", covered
+
+
+def _persistent_coverage(kernels) -> str:
+    """What of a GPU plan's ``kernels`` ran as a persistent kernel: "persistent kernel: N phases, M fed
+    by the ring", or "" (run_many counts these)."""
+    from codegen import loopir as L
+    phases = [s for k in kernels if k.family == "persistent" for s in k.body if isinstance(s, L.Phase)]
+    return f"persistent kernel: {len(phases)} phases, {sum(bool(s.tiled) for s in phases)} fed by the ring" if phases else ""
 
 
 COMPARISONS = ("gt", "ge", "lt", "le", "eq", "ne")
@@ -1038,15 +1047,21 @@ def _hang_detail(err, limit):
     return f"still running after {limit:g} s" + (f", in {frames[0]}" if frames else "")
 
 
+STATUSES = ("ok", "invalid", "mismatch", "exception", "crash", "hang")
+
+
 def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, progress=True, start=0,
              time_limit=None):
-    """Run programs ``start .. start+n-1`` of ``seed``; returns ({status: count}, failures, seconds).
+    """Run programs ``start .. start+n-1`` of ``seed``; returns ({status: count}, failures, seconds); on a
+    persistent backend the counts also hold "persistent" and "ring", the ok programs that made a persistent
+    kernel and those with GEMV phases fed by the ring.
     A program that runs longer than ``time_limit`` seconds (default ``time_limit_of(backend)``) is a
     failure of status "hang"."""
     t0 = time.time()
     time_limit = time_limit_of(backend, time_limit)
     pending = [list(range(b, min(b + batch, start + n))) for b in range(start, start + n, batch)]
-    counts = {"ok": 0, "invalid": 0, "mismatch": 0, "exception": 0, "crash": 0, "hang": 0}
+    counts = dict.fromkeys(STATUSES, 0)
+    counts.update(persistent=0, ring=0) if backend in SWITCHED else None    # of the ok: what they covered
     failures, running, done = [], [], 0
     while pending or running:
         while pending and len(running) < jobs:
@@ -1064,6 +1079,9 @@ def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, pro
                 continue
             seen.add(rec["index"])
             counts[rec["status"]] += 1
+            if rec["status"] == "ok" and rec["detail"].startswith("persistent kernel"):
+                counts["persistent"] += 1
+                counts["ring"] += not rec["detail"].endswith(" 0 fed by the ring")
             if rec["status"] in ("mismatch", "exception"):
                 failures.append(rec)
         rest = [i for i in idx if i not in seen]
@@ -1085,7 +1103,7 @@ def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, pro
                 rest.remove(current)
             if rest:
                 pending.insert(0, rest)
-        done = sum(counts.values())
+        done = sum(counts[k] for k in STATUSES)
         if progress:                        # one updating line on a terminal, a line per batch in a log
             tty = sys.stderr.isatty()
             print(f"{chr(13) if tty else ''}{done}/{n} programs: {_summary(counts)}  ({time.time() - t0:.0f} s)",
@@ -1096,7 +1114,9 @@ def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, pro
 
 
 def _summary(c):
-    return (f"ok {c['ok'] + c['invalid']}, mismatches {c['mismatch']}, exceptions {c['exception']}, "
+    covered = (f" ({c['persistent']} of them a persistent kernel, {c['ring']} with GEMV phases fed by the ring)"
+               if "persistent" in c else "")
+    return (f"ok {c['ok'] + c['invalid']}{covered}, mismatches {c['mismatch']}, exceptions {c['exception']}, "
             f"crashes {c['crash']}, hangs {c['hang']}")
 
 
