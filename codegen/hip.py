@@ -340,6 +340,7 @@ STMT = {
     L.Array: _array,
     L.Store: lambda s, pad: [f"{pad}{s.buf}[{bare(s.index)}] = {bare(s.value)};"],
     L.Barrier: lambda s, pad: [f"{pad}__syncthreads();"],
+    L.Stamp: lambda s, pad: [f"{pad}VF_STAMP({L.STAMP_STEPS.index(s.step)});   // {s.step}"],
     L.Arrive: lambda s, pad: [f"{pad}if (!vf_last_to_arrive({s.count}, {s.parts}, &vf_flag)) return;"
                               "  // all but the last workgroup end here"],
     L.Comment: lambda s, pad: [f"{pad}// {s.text}".rstrip()],

@@ -496,6 +496,17 @@ class RingProduce:
     flight: int = 2
 
 
+STAMP_STEPS = ("start", "staged", "dot", "end", "left")   # a traced persistent kernel's stamps, in a phase's order
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """GPU, a persistent kernel traced (``VEGAFUSE_PERSISTENT_TRACE``): thread 0 of the workgroup records
+    its compute unit's clock with ``step`` (one of ``STAMP_STEPS``: the launch's start, a phase's activation
+    staged, its dot products done, its end, the grid barrier left), read by ``engine.profile.phase_times``."""
+    step: str
+
+
 @dataclass(frozen=True)
 class GridBarrier:
     """GPU: every workgroup of the grid waits here until all have arrived; the global writes of
@@ -503,7 +514,7 @@ class GridBarrier:
 
 
 Stmt = Union[Loop, Declare, Assign, Array, Store, Reduce, If, Barrier, Comment, Attention, QuantizeQ8,
-             CopyQ8, CopyF32, QuantizeStored, Arrive, Phase, GridBarrier, RingDot, RingProduce]
+             CopyQ8, CopyF32, QuantizeStored, Arrive, Phase, GridBarrier, RingDot, RingProduce, Stamp]
 
 
 @dataclass(frozen=True)
@@ -1132,6 +1143,8 @@ def format_kernel(k: Kernel) -> str:
                 lines.append(f"{pad}{s.buf}[{format_expr(s.index)}] = {format_expr(s.value)}")
             elif isinstance(s, Barrier):
                 lines.append(f"{pad}barrier")
+            elif isinstance(s, Stamp):
+                lines.append(f"{pad}stamp {s.step}")
             elif isinstance(s, Comment):
                 lines.append(f"{pad}# {s.text}")
             elif isinstance(s, QuantizeQ8):

@@ -219,8 +219,12 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
     rings = {id(s.kernel): (g, tl) for _, s, g, tl in fed}           # phase kernel -> (RingGemv, Tiles)
     grid = fed[0][1].grid if fed else t.compute_units * workgroups_per_cu(False)
     n, per_cu = sum(isinstance(s, L.GridBarrier) for s in k.body), grid // t.compute_units
+    trace = trace_on()
     for i, (g, tl) in rings.items():
-        mapped[i] = replace(mapped[i], body=ring.consumer(g, tl), launch=replace(mapped[i].launch, how=ring.how(tl)))
+        body = _stamped(ring.consumer(g, tl)) if trace else ring.consumer(g, tl)
+        mapped[i] = replace(mapped[i], body=body, launch=replace(mapped[i].launch, how=ring.how(tl)))
+    stamps = 1 + n + sum(3 if id(s.kernel) in rings else 1 for s in phases)   # start, each barrier left, each
+                                                                                 # phase's end (staged, dot)
     head = (f"// vegafuse kernel for {t.name}; prelude generated from the target table\n"
             + (_CONSUMERS if rings else "")
             + prelude(replace(t, block=block), act, **prelude_parts(distinct, list(mapped.values())))
@@ -228,7 +232,7 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
             + "// the phases' arrays in dynamic LDS: declared in each, sized at launch\n#define VF_DYNAMIC_LDS(name, bytes) "
             "extern __shared__ __attribute__((aligned(16))) unsigned char name[]\n")
     written = {p.name for p in k.params if p.role != "in"}
-    lines, lds, space = [], 0, {}
+    lines, lds, space = _TRACE.format(grid=grid, n=stamps).splitlines() if trace else [], 0, {}
     for pk in distinct:
         m = mapped[id(pk)]
         coherent = {p.name for s in phases if s.kernel is pk for p, a in zip(m.params, s.args) if a in written}
@@ -252,21 +256,54 @@ def render_persistent(k: L.Kernel, t) -> HipKernel:
         lines += _ring_start(fed, space, slots, lds, total)
     lines += ["  VF_GRID_WAIT();                // from here on, the previous kernel's outputs are ready",
               "  VF_GRID_LAUNCH_DEPENDENTS();"]
+    stamp = (lambda step: stmts((L.Stamp(step),))) if trace else (lambda step: [])   # noqa: E731
+    lines += (["  if (threadIdx.x == 0) vf_trace_at = vf_trace + blockIdx.x * VF_TRACE_STAMPS;"] if trace else []) \
+        + stamp("start")
     at, ahead = 0, prefetch_bytes(t) if not rings else 0
     for i, s in enumerate(k.body):
         if isinstance(s, L.Phase):
-            lines += _call(s, mapped[id(s.kernel)], space[id(s.kernel)], ring=id(s.kernel) in rings)
+            lines += _call(s, mapped[id(s.kernel)], space[id(s.kernel)], ring=id(s.kernel) in rings) + stamp("end")
         elif isinstance(s, L.GridBarrier):
             lines += _prefetch(next(x for x in k.body[i:] if isinstance(x, L.Phase)), ahead)
             at += 1
             barrier = f"vf_grid_barrier(&vf_grid_arrived, {at}{', vf_ring.quiet' if rings else ''});"
             lines.append(f"  {barrier}" + (f"   // {at} of {n}" if at == 1 else ""))
+            lines += stamp("left")
     lines += ["  vf_grid_leave(&vf_grid_arrived, &vf_grid_left);", "}"]
     how = (f"{len(phases)} phases, {per_cu} workgroup{'s' if per_cu > 1 else ''} a compute unit"
            + (f", a ring of {slots} slots" if rings else ""))
     m = replace(k, launch=L.Launch(grid, threads, str(threads), how, 0, act))
     src = head + "\n" + "\n".join(lines) + "\n"
     return HipKernel(k.name, src, (grid, 1, 1), (threads, 1, 1), total, m, t, len(head) + 1)
+
+
+def trace_on() -> bool:
+    """Does the persistent kernel stamp each phase's steps (``VEGAFUSE_PERSISTENT_TRACE=1``; off by default):
+    thread 0 of each workgroup records its compute unit's clock at the launch's start, at each ring
+    phase's activation staged and dot products done, at each phase's end and as it leaves each grid
+    barrier (``engine.profile.phase_times`` reads them)?"""
+    return switch("VEGAFUSE_PERSISTENT_TRACE", "0", "stamp each phase's steps")
+
+
+_TRACE = """// VEGAFUSE_PERSISTENT_TRACE: thread 0 of each workgroup stamps its compute unit's clock at each step of each
+// phase (codegen.loopir.STAMP_STEPS, in the low 4 bits), in order, into its row of vf_trace: the last launch's
+// (engine.profile.phase_times reads them)
+#define VF_TRACE_STAMPS {n}
+__device__ unsigned long long vf_trace[{grid} * VF_TRACE_STAMPS];
+__shared__ unsigned long long* vf_trace_at;
+#define VF_STAMP(step) do {{ if (threadIdx.x == 0) *vf_trace_at++ = (unsigned long long)clock64() << 4 | (step); }} while (0)
+"""
+
+
+def _stamped(body: tuple) -> tuple:
+    """A ring phase's consumer body (``codegen.ring.consumer``: its prologue, then its loop over blocks)
+    with stamps where its activation is staged and after its first block's dot products (a row of
+    stamps a workgroup holds the same count whatever blocks it takes)."""
+    *prologue, blocks = body
+    first = L.Bin("lt", L.Sym(blocks.var, "i32"), L.Hw("grid"))
+    inner = tuple(x for b in blocks.body
+                  for x in ((b, L.If(first, (L.Stamp("dot"),))) if isinstance(b, L.RingDot) else (b,)))
+    return tuple(prologue) + (L.Stamp("staged"), replace(blocks, body=inner))
 
 
 def _phase(k: L.Kernel, m: L.Kernel, ns: str, coherent: set, dynamic: list, fed=None) -> list:

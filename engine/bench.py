@@ -243,6 +243,8 @@ def bench_torch_compile(cfg, n_tokens, context, prompt_tokens=32, dtype="f16", p
 def main_gpu(args):
     from .executable import get_device
     from stdlib.config import LlamaConfig
+    if args.phases:                                # before anything compiles
+        os.environ.update(VEGAFUSE_PERSISTENT="1", VEGAFUSE_PERSISTENT_TRACE="1")
     dev = get_device("cuda")
     if args.no_graphs:
         dev.graphs = False
@@ -290,6 +292,9 @@ def main_gpu(args):
             notes.append(f"HF static cache + torch.compile(reduce-overhead), {peer_dtype}: {1e3 / peer:.3f} ms/token"
                          f"  -> vegafuse {ratio(tps, peer)}")
     print("\n".join(notes), flush=True)
+    if args.phases:
+        from .profile import format_phases, phase_times
+        print(format_phases(phase_times(ex)), flush=True)
     if args.profile is not None:
         profile(args, kept[0], f"{name} {args.dtype}")
     if args.marginal:
@@ -539,6 +544,10 @@ def parse_args(argv=None):
                    help="then each kernel's cost inside the step (its graph, unless --no-graphs): the step "
                         "with that kernel launched twice, A/B/A against the step as it is (cuda; "
                         "engine.profile.marginal_costs)")
+    p.add_argument("--phases", action="store_true",
+                   help="decode through the persistent kernel with its stamps (VEGAFUSE_PERSISTENT=1, "
+                        "VEGAFUSE_PERSISTENT_TRACE=1), then print where its last step's time went, phase by "
+                        "phase (cuda; engine.profile.phase_times)")
     p.add_argument("-n", "--tokens", type=int, default=None,
                    help="tokens to decode and time after the prefill's (default 64 cpu, 128 cuda)")
     p.add_argument("--reference-tokens", type=int, default=8, help="tokens for the slow interpreter (default 8)")
@@ -583,6 +592,10 @@ def parse_args(argv=None):
     if args.marginal and (args.backend != "cuda" or args.prefill is not None or args.stream or args.capacity_check
                           or args.ab):
         p.error("--marginal times the decode step's graph: give --backend cuda, and leave out --prefill, "
+                "--stream, --capacity-check and --ab")
+    if args.phases and (args.backend != "cuda" or args.prefill is not None or args.stream or args.capacity_check
+                        or args.ab):
+        p.error("--phases traces the persistent decode kernel: give --backend cuda, and leave out --prefill, "
                 "--stream, --capacity-check and --ab")
     if args.profile is not None and (args.prefill is not None or args.stream or args.capacity_check):
         p.error("--profile profiles the decode benchmark: leave out --prefill, --stream and --capacity-check")

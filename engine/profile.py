@@ -472,6 +472,85 @@ def format_marginal(rows) -> str:
     return "\n".join(lines)
 
 
+PHASE_FIELDS = ("staged", "dot", "epilogue", "work", "wait")
+
+
+def phase_times(ex) -> list:
+    """Where the last launch of ``ex``'s traced persistent kernel (``VEGAFUSE_PERSISTENT=1`` and
+    ``VEGAFUSE_PERSISTENT_TRACE=1`` when it compiled: ``codegen.persistent.trace_on``) spent its time,
+    from the clock thread 0 of each workgroup stamped.  One row per phase group (``kernel_group``: the
+    layers' phases one row), in launch order: ``phase``, ``calls`` a launch, ``workgroups`` that
+    stamped, and in µs (at the device's ``clock_mhz``), the mean over calls and workgroups of
+    ``staged`` (from the phase's start, the previous grid barrier left, to its activation in LDS; ring
+    phases), ``dot`` (then to its dot products from the ring: the first block's, where a workgroup takes
+    several, as the LM head's), ``epilogue`` (then to its end), ``work`` (start to end), ``wait`` (end to the next barrier left: the barrier's own cost and
+    the slowest workgroup's lead), and ``slowest``, the mean over calls of the slowest workgroup's
+    ``work``.  A phase the ring does not feed has no ``staged`` or ``dot``: its ``epilogue`` is its work.
+    ValueError (one line) where ``ex`` has no traced persistent kernel."""
+    from codegen import loopir as L
+    text = lambda c: getattr(c.hip, "source", c.hip)       # noqa: E731  (a device's readable source, or its text)
+    ck = next((c for c in ex.kernels if c.kernel.family == "persistent" and "VF_STAMP(" in text(c)), None)
+    if ck is None:
+        raise ValueError("no traced persistent kernel: set VEGAFUSE_PERSISTENT=1 and VEGAFUSE_PERSISTENT_TRACE=1 "
+                         "before the model compiles (engine.bench --phases does)")
+    grid, n = map(int, re.search(r"#define VF_TRACE_STAMPS (\d+)\n.*vf_trace\[(\d+) \*", text(ck)).groups()[::-1])
+    rows = ex.device.read_symbol(ck, "vf_trace", grid * n).reshape(grid, n)
+    phases = [s for s in ck.kernel.body if isinstance(s, L.Phase)]
+    us = 1.0 / ex.device.clock_mhz
+    calls = [[] for _ in phases]                    # per call: one dict a workgroup
+    for w, row in enumerate(rows):
+        if not row.any():                           # a workgroup the launch did not run (the emulation's one)
+            continue
+        clock, step = (row >> 4).astype(np.int64), [L.STAMP_STEPS[int(x)] for x in row & 15]
+        if step[0] != "start":
+            raise RuntimeError(f"workgroup {w}'s stamps begin with {step[0]!r}, not 'start'")
+        prev, i = clock[0], 1
+        for c in range(len(phases)):
+            at = {}
+            while i < n and step[i] != "end":
+                at[step[i]] = clock[i]
+                i += 1
+            if i == n:
+                raise RuntimeError(f"workgroup {w}'s stamps end inside phase {phases[c].name}")
+            end, left, i = clock[i], clock[i], i + 1
+            if c < len(phases) - 1:                 # a grid barrier between each two phases
+                if i == n or step[i] != "left":
+                    raise RuntimeError(f"workgroup {w}'s stamps: no barrier after phase {phases[c].name}")
+                left, i = clock[i], i + 1
+            staged, dot = at.get("staged", prev), at.get("dot", at.get("staged", prev))
+            calls[c].append({"staged": staged - prev, "dot": dot - staged, "epilogue": end - dot, "work": end - prev,
+                             "wait": left - end})
+            prev = left
+    out = {}
+    for p, recs in zip(phases, calls):
+        if not recs:
+            continue
+        row = out.setdefault(kernel_group(p.name), {"phase": kernel_group(p.name), "calls": 0, "sums": [], "slowest": []})
+        row["calls"] += 1
+        row["workgroups"] = len(recs)
+        row["sums"] += recs
+        row["slowest"].append(max(r["work"] for r in recs) * us)
+    for row in out.values():
+        for f in PHASE_FIELDS:
+            row[f] = float(np.mean([r[f] for r in row["sums"]])) * us
+        row["slowest"] = float(np.mean(row.pop("slowest")))
+        del row["sums"]
+    return list(out.values())
+
+
+def format_phases(rows) -> str:
+    """``phase_times``' rows as a table, with the launch's time they add up to."""
+    lines = [f"{'phase (persistent kernel, µs a call)':52} {'calls':>5} " + " ".join(f"{f:>8}" for f in PHASE_FIELDS)
+             + f" {'slowest':>8} {'us/step':>8}"]
+    for r in rows:
+        lines.append(f"{r['phase'][:52]:52} {r['calls']:5d} " + " ".join(f"{r[f]:8.2f}" for f in PHASE_FIELDS)
+                     + f" {r['slowest']:8.2f} {(r['work'] + r['wait']) * r['calls']:8.1f}")
+    total = sum((r["work"] + r["wait"]) * r["calls"] for r in rows)
+    lines.append(f"{'the launch, from its stamps':52} {'':5} " + " ".join(f"{'':8}" for _ in PHASE_FIELDS)
+                 + f" {'':8} {total:8.1f}")
+    return "\n".join(lines)
+
+
 def profile_model(model, token, steps=STEPS, out_dir=None, title=None, file=None) -> dict:
     """Profile ``steps`` decode steps of ``model`` (an ``engine.model.Model`` on a compiled backend)
     after ``token``: measure the ceilings, record, ``analyze``; print ``format_table`` to ``file``

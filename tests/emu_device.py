@@ -137,6 +137,13 @@ class EmuDevice(GPUDevice):
         m = re.search(r"// launch (\d+) (\d+)", binary.source)
         return lib, (lib, int(m.group(1))), binary.code
 
+    def read_symbol(self, ck, name, n):
+        """The first ``n`` uint64 of the kernel's file-scope array ``name`` (a global of its library)."""
+        lib, _ = ck.function
+        return np.ctypeslib.as_array((ctypes.c_uint64 * n).in_dll(lib, name)).copy()
+
+    clock_mhz = 1000.0                    # the emulation's clock64: nanoseconds
+
     def _launch(self, ck, args):
         lib, grid = ck.function
         vals = (ctypes.c_void_p * len(args))(*[ctypes.c_uint64.from_address(int(a)).value for a in args])

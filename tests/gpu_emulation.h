@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <chrono>
 #include <thread>
 #include <vector>
 using std::max;
@@ -171,6 +172,9 @@ static inline void vf_bulk_copy(void* dst, const void* src, unsigned bytes, unsi
   vf_mbar_update(b, 1, bytes);
   std::memcpy(dst, src, bytes);
   vf_mbar_update(b, 0, -(long long)bytes);
+}
+static inline long long clock64() {   // nanoseconds (a traced persistent kernel's stamps)
+  return std::chrono::steady_clock::now().time_since_epoch().count();
 }
 static inline void vf_all_threads_sync() { vf_emu_all->arrive_and_wait(); }
 static inline void vf_mbar_init_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }

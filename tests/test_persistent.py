@@ -71,7 +71,7 @@ def test_a_decode_plan_becomes_one_persistent_kernel_with_a_phase_a_kernel(ring,
 def check_decode_steps(backend, positions, **shape):
     """The decode step of ``tiny_qwen2(**shape)`` at each of ``positions`` in turn (the cache each
     wrote feeding the next) as one persistent kernel and the argmax, against the float64
-    interpreter: logits, the greedy id and every layer's K and V cache."""
+    interpreter: logits, the greedy id and every layer's K and V cache.  Returns the last executable."""
     step, params, cache = tiny_qwen2(**shape)
     jf = dsl.jit(step, backend=backend)
     tokens = np.array([int(rng.integers(shape.get("vocab", 320)))], np.int32)
@@ -90,6 +90,7 @@ def check_decode_steps(backend, positions, **shape):
         for g, w in zip(got[2:], want[2:]):              # every layer's K and V cache, as f16
             np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
         cache = [(np.asarray(a, np.float16), np.asarray(b, np.float16)) for a, b in zip(got[2::2], got[3::2])]
+    return ex
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
@@ -102,6 +103,38 @@ def test_a_persistent_decode_step_matches_the_float64_interpreter_over_positions
     monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
     monkeypatch.setenv("VEGAFUSE_PERSISTENT_RING", ring)
     check_decode_steps(emu_backend(), (0, 5, 11))
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+def test_a_traced_persistent_decode_step_reports_each_phase(monkeypatch):
+    """With ``VEGAFUSE_PERSISTENT_TRACE=1`` the step computes as before, and ``engine.profile.phase_times``
+    reads its stamps: every phase group in launch order with its calls a launch, a ring phase's steps
+    adding up to its work, attention's only its work; the last phase waits at no barrier.  Without
+    the switch: one line saying how to turn it on."""
+    from engine.profile import format_phases, phase_times
+    from tests.emu_device import emu_backend
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_TRACE", "1")
+    ex = check_decode_steps(emu_backend(), (4,))
+    rows = phase_times(ex)
+    names = [re.sub(r"\d+", "#", s.name) for s in ex.kernels[0].kernel.body if isinstance(s, L.Phase)]
+    assert [(r["phase"], r["calls"]) for r in rows] == [(n, names.count(n)) for n in dict.fromkeys(names)]
+    assert {n: names.count(n) for n in names if n.startswith("layers_#")} == dict.fromkeys(
+        ["layers_#_rms_norm_linear_wq_wk_wv_rope_kv_write", "layers_#_causal_attention", "layers_#_linear_wo_add",
+         "layers_#_rms_norm_linear_w_gate_w_up_silu_mul", "layers_#_linear_w_down_add"], 3)
+    ring_fed = {re.sub(r"\d+", "#", s.name) for s in ex.kernels[0].kernel.body if isinstance(s, L.Phase) and s.tiled}
+    assert "rms_norm_linear_embed" in ring_fed and "layers_#_causal_attention" not in ring_fed
+    for r in rows:                                   # the emulation runs one workgroup
+        fed = r["phase"] in ring_fed
+        assert r["workgroups"] == 1 and r["work"] > 0 and r["wait"] >= 0 and r["slowest"] == pytest.approx(r["work"])
+        assert (r["staged"] > 0 and r["dot"] > 0) == fed and r["epilogue"] > 0
+        assert r["staged"] + r["dot"] + r["epilogue"] == pytest.approx(r["work"])
+    assert rows[-1]["wait"] == 0 and all(r["wait"] > 0 for r in rows[:-1])
+    assert format_phases(rows).splitlines()[-1].startswith("the launch, from its stamps")
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_TRACE", "0")
+    with pytest.raises(ValueError, match=r"^no traced persistent kernel: set VEGAFUSE_PERSISTENT=1 and "
+                                         r"VEGAFUSE_PERSISTENT_TRACE=1 before the model compiles \(engine.bench --phases does\)$"):
+        phase_times(check_decode_steps(emu_backend(), (4,)))
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
@@ -143,16 +176,16 @@ def test_the_persistent_decode_kernel_compiles_for_gfx906():
                                         ("VEGAFUSE_PERSISTENT_PER_CU", "1.5"), ("VEGAFUSE_PERSISTENT_PREFETCH", "-5"),
                                         ("VEGAFUSE_PERSISTENT_RING", "2"), ("VEGAFUSE_PERSISTENT_FLIGHT", "0"),
                                         ("VEGAFUSE_PERSISTENT_QUIET", "on"), ("VEGAFUSE_PERSISTENT_NORM", "2"),
-                                        ("VEGAFUSE_PERSISTENT_EVICT_FIRST", "yes")])
+                                        ("VEGAFUSE_PERSISTENT_EVICT_FIRST", "yes"), ("VEGAFUSE_PERSISTENT_TRACE", "2")])
 def test_a_bad_switch_value_is_one_line_naming_the_switch(name, value, monkeypatch):
     from codegen.persistent import (phase_target, prefetch_bytes, ring_evict_first, ring_flight, ring_on, ring_quiet,
-                                    workgroups_per_cu)
+                                    trace_on, workgroups_per_cu)
     from fusion.persistent import enabled
     monkeypatch.setenv(name, value)
     t = get_target("sm_90")
     with pytest.raises(ValueError, match=f"^{name}='{re.escape(value)}': set it to .*") as e:
         enabled(t), workgroups_per_cu(), prefetch_bytes(t), ring_on(t), ring_flight(), ring_quiet(), phase_target(t), \
-            ring_evict_first()
+            ring_evict_first(), trace_on()
     assert "\n" not in str(e.value)
 
 

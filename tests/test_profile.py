@@ -286,6 +286,11 @@ def test_marginal_costs_need_a_gpu_graph_and_say_so_in_one_line(tmp_path):
                            timeout=600, stdin=subprocess.DEVNULL)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and "--marginal" in lines[0], r.stderr
+    for args in (["--phases", "--backend", "cpu"], ["--phases", "--backend", "cuda", "--ab", "VEGAFUSE_PERSISTENT_QUIET=0"]):
+        r = subprocess.run([sys.executable, "-m", "engine.bench", *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600, stdin=subprocess.DEVNULL)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "--phases traces the persistent decode kernel" in lines[0], r.stderr
 
 
 def test_kernel_times_times_each_kernel_of_a_jitted_function():

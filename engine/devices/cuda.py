@@ -264,6 +264,22 @@ extern "C" __global__ void vf_fill(void* out, unsigned long long n, unsigned int
             self._check_resident(fn, source.readable, name)
         return module, fn, binary.code
 
+    def read_symbol(self, ck, name, n):
+        """The first ``n`` uint64 of the ``__device__`` array ``name`` in the module of the loaded kernel
+        ``ck`` (a ``GPUKernel``), after the stream's work."""
+        module = next(m for m, fn, _ in self._functions.values() if fn is ck.function)
+        ptr, size = _check(self.drv.cuModuleGetGlobal(module, name.encode()), "cuModuleGetGlobal", ck.kernel.name)
+        out = np.zeros(min(n, int(size) // 8), np.uint64)
+        self.synchronize()
+        self._dtoh(out.ctypes.data, ptr, out.nbytes)
+        return out
+
+    @property
+    def clock_mhz(self) -> float:
+        """The SMs' clock (``clock64``) in MHz: the device's peak, which a busy H200 runs at."""
+        attr = self.drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE
+        return _check(self.drv.cuDeviceGetAttribute(attr, self.dev), "cuDeviceGetAttribute") / 1e3
+
     def _check_resident(self, fn, h, name):
         """A persistent kernel's workgroups meet at grid barriers, so all must be resident at once:
         raise CudaError where this GPU holds fewer than its grid."""

@@ -25,6 +25,9 @@ here over a handful of driver primitives that each backend supplies:
 ``_capture(launches) -> (graph, exec)`` record the launches into a graph
 ``_graph_launch(exec)``                replay it on the stream
 ``_load(source, binary)``              load a built kernel: ``(module, function, binary)``
+``read_symbol(ck, name, n)``           the first ``n`` uint64 of kernel ``ck``'s ``__device__`` array
+                                       ``name`` (a traced persistent kernel's stamps); optional
+``clock_mhz``                          the clock those stamps count (MHz); optional
 =====================================  ===========================================================
 
 A backend also sets ``Error`` (its exception class), ``stream``, ``graphs``, ``sync_each`` and
