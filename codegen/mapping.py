@@ -630,8 +630,7 @@ def _contract(body, t, lds_limit, budget):
     if tiled:                                              # many rows: the tiled matmul (codegen/mma.py)
         return tiled
     info = {"q8": not matmul and _int8_path(body, t, budget)}
-    if (info["q8"] or t.norm_after_dot) and prologue.enabled():   # float: only where the target asks (the float
-                                                                  # fill lost in separate kernels, docs/performance.md)
+    if (info["q8"] or _float_norm_after_dot(body, t)) and prologue.enabled():
         body = prologue.norm_after_dot(body) or body
     original = body
     body = _matmul_rows(body, t, info, lds_limit) if matmul else _contract_rows(body, t, info)
@@ -692,6 +691,14 @@ def _contract(body, t, lds_limit, budget):
                 f"alone, consecutive lanes reading consecutive columns")
         how = f"{K}-element activation {where}; {cols}" if info.get("only_columns") else f"{how}; {cols}"
     return body, L.Launch(grid, t.block, "VF_BLOCK", how + stored, _lds_bytes(body), info.get("act_dtype", "f32"))
+
+
+def _float_norm_after_dot(body, t: Target) -> bool:
+    """Does a float GEMV take its RMSNorm in one pass (``codegen.prologue``): where the target asks
+    (``Target.norm_after_dot``: a persistent kernel's phases; in separate kernels the float fill lost,
+    docs/performance.md) and its activation stays f32 in LDS (in f16 the unnormalized ``x * g`` of a
+    residual stream's outliers would pass f16's range, where the normalized values do not)?"""
+    return t.norm_after_dot and all(act_dtype(t, a.size) == "f32" for a in body if isinstance(a, L.Array))
 
 
 def _activation_beyond_lds(body, info, budget: int):
@@ -1149,14 +1156,12 @@ def _float_fill_with_norm(r, t, info):
     take k in turn, each ``x[k]`` read once into a local for both the sum of squares and the fill (its
     block sum's barriers make the activation seen by every wave)."""
     st, K, (acc,) = r.body[0], r.stop.value, r.accs
-    dt = act_dtype(t, K)
-    info["act"], info["K"], info["act_dtype"] = st.buf, K, dt
+    info["act"], info["K"], info["act_dtype"] = st.buf, K, "f32"      # f32 only (_float_norm_after_dot)
     sq = prologue.squared(acc.value, st.value)            # the norm's x * x: x read once, into a local
     decls, value = (), st.value
     if sq:
         x = L.Sym("x_0", "f32")                           # "x" once loopir.tidy_names has run
         decls, value, acc = (L.Declare(x.name, "f32", sq[0]),), L.Bin("mul", x, sq[1]), replace(acc, value=L.Bin("mul", x, x))
-    value = L.Cast(value, dt) if dt != "f32" else value
     # a whole number of the workgroup's steps, few enough for registers: every step's x loaded at once
     whole = r.start == L.c(0) and K % t.block == 0 and K // t.block <= WHOLE_FILL_STEPS and _fill_steps_switch()
     return replace(r, map="block", unroll=0 if whole else t.prologue_unroll, whole=whole, accs=(acc,),

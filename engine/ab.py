@@ -117,7 +117,8 @@ def main_ab(args, argv) -> int:
         print(f"  {side}: {' '.join(f'{r:.1f}' for r in got[side])} tok/s", file=sys.stderr, flush=True)
     s = summarize(got["A1"], got["B"], got["A2"])
     print(f"A/B/A of {label}: {args.backend}, {os.path.basename(str(args.model or 'the default model'))}, "
-          f"tg{args.tokens}, {args.repeat} repeats a side, a fresh process each, cool-down {args.cooldown:g} s")
+          f"tg{args.tokens}, {args.repeat} repeat{'' if args.repeat == 1 else 's'} a side, a fresh process each, "
+          f"cool-down {args.cooldown:g} s")
     print("| run | setting | median t/s | min | max | spread |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for side in ("A1", "B", "A2"):

@@ -601,6 +601,7 @@ def parse_args(argv=None):
         p.error("--profile profiles the decode benchmark: leave out --prefill, --stream and --capacity-check")
     if args.prefill is not None and args.prefill < 1:
         p.error("--prefill takes a prompt length of at least 1 token")
+    args.gpu_only = next((o for o, on in (("--phases", args.phases), ("--marginal", args.marginal)) if on), "")
     return args
 
 

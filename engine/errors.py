@@ -52,7 +52,7 @@ def run_cli(run, args) -> int:
     try:
         if getattr(args, "backend", None) in ("cuda", "hip"):
             from .devices.probe import check_backend
-            check_backend(args.backend)
+            check_backend(args.backend, getattr(args, "gpu_only", ""))
         return run(args)
     except Exception as e:
         core = sys.modules.get("dsl.core")            # a DSLError needs dsl loaded: not imported here

@@ -483,9 +483,9 @@ def phase_times(ex) -> list:
     stamped, and in µs (at the device's ``clock_mhz``), the mean over calls and workgroups of
     ``staged`` (from the phase's start, the previous grid barrier left, to its activation in LDS; ring
     phases), ``dot`` (then to its dot products from the ring: the first block's, where a workgroup takes
-    several, as the LM head's), ``epilogue`` (then to its end), ``work`` (start to end), ``wait`` (end to the next barrier left: the barrier's own cost and
-    the slowest workgroup's lead), and ``slowest``, the mean over calls of the slowest workgroup's
-    ``work``.  A phase the ring does not feed has no ``staged`` or ``dot``: its ``epilogue`` is its work.
+    several, as the LM head's), ``epilogue`` (then to its end), ``work`` (start to end), ``wait`` (end
+    to the next barrier left: the barrier's own cost and the slowest workgroup's lead), and
+    ``slowest``, the mean over calls of the slowest workgroup's ``work``.  A phase the ring does not feed has no ``staged`` or ``dot``: its ``epilogue`` is its work.
     ValueError (one line) where ``ex`` has no traced persistent kernel."""
     from codegen import loopir as L
     text = lambda c: getattr(c.hip, "source", c.hip)       # noqa: E731  (a device's readable source, or its text)
@@ -525,7 +525,8 @@ def phase_times(ex) -> list:
     for p, recs in zip(phases, calls):
         if not recs:
             continue
-        row = out.setdefault(kernel_group(p.name), {"phase": kernel_group(p.name), "calls": 0, "sums": [], "slowest": []})
+        name = kernel_group(p.name)
+        row = out.setdefault(name, {"phase": name, "calls": 0, "sums": [], "slowest": []})
         row["calls"] += 1
         row["workgroups"] = len(recs)
         row["sums"] += recs

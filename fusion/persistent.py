@@ -27,11 +27,14 @@ from codegen import loopir as L
 
 def enabled(target) -> bool:
     """Is the step on for ``target`` (``VEGAFUSE_PERSISTENT=1`` and an NVIDIA target; ``target`` None
-    for a device without one, the CPU)?  ValueError for a value of the switch, or of
-    ``VEGAFUSE_PERSISTENT_RING``, other than 0 or 1, whatever the device."""
-    from codegen.persistent import ring_on, switch
-    on = switch("VEGAFUSE_PERSISTENT", "0", "a run of kernels as one persistent kernel")
-    ring_on(target)                                  # its value checked here too
+    for a device without one, the CPU)?  ValueError (one line naming it) for a bad value of the switch
+    or of any other ``VEGAFUSE_PERSISTENT_*`` switch, whatever the device."""
+    from codegen import persistent as P
+    from codegen.mapping import env_int
+    on = P.switch("VEGAFUSE_PERSISTENT", "0", "a run of kernels as one persistent kernel")
+    P.ring_on(target), P.phase_target(target)       # every switch's value checked here, whatever the device
+    P.workgroups_per_cu(), P.ring_flight(), P.ring_quiet(), P.ring_evict_first(), P.trace_on()
+    env_int("VEGAFUSE_PERSISTENT_PREFETCH", 0, 0, "a number of bytes (0: none)")
     return on and getattr(target, "vendor", "") == "nvidia"
 
 

@@ -60,9 +60,12 @@ def why_not(backend: str) -> str | None:
     return None
 
 
-def check_backend(backend: str) -> None:
+def check_backend(backend: str, gpu_only: str = "") -> None:
     """Raise :class:`BackendUnavailable` (``the cuda backend cannot run here: ...``) when
-    :func:`why_not` has a reason."""
+    :func:`why_not` has a reason; ``gpu_only``: the option asked for that only a GPU runs (then the
+    line says so instead of pointing at the CPU)."""
     why = why_not(backend)
+    if why and gpu_only:
+        why = why.replace("; use --backend cpu", "") + f"; {gpu_only} needs a GPU"
     if why:
         raise BackendUnavailable(f"the {backend} backend cannot run here: {why}")

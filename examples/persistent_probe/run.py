@@ -417,4 +417,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:                      # no GPU or no cuda-python: one line, not a traceback
+        sys.exit(f"error: {str(e).splitlines()[0]}")
