@@ -209,6 +209,7 @@ def _block_steps(s, pad):
     compiler keeps the two in order: a step at a time, a load's latency each)."""
     n = len(s.body) - len(tuple(itertools.dropwhile(lambda x: isinstance(x, L.Declare), s.body)))
     lead, rest, steps = s.body[:n], s.body[n:], f"{expr(s.stop)} / VF_BLOCK"
+    assert all(d.name.startswith("vf_") for d in lead), lead      # the mapping's own: {name}_steps is no user's
     head = [f"{pad}#pragma unroll", f"{pad}for (int vf_step = 0; vf_step < {steps}; ++vf_step) {{",
             f"{pad}  const int {s.var} = threadIdx.x + vf_step * VF_BLOCK;"]
     out = [f"{pad}{CTYPE[a.dtype]} {a.name} = {_const(a.init)};" for a in s.accs]

@@ -1160,7 +1160,7 @@ def _float_fill_with_norm(r, t, info):
     sq = prologue.squared(acc.value, st.value)            # the norm's x * x: x read once, into a local
     decls, value = (), st.value
     if sq:
-        x = L.Sym("x_0", "f32")                           # "x" once loopir.tidy_names has run
+        x = L.Sym("vf_x", "f32")                          # vf_: no user's name (fusion.naming)
         decls, value, acc = (L.Declare(x.name, "f32", sq[0]),), L.Bin("mul", x, sq[1]), replace(acc, value=L.Bin("mul", x, x))
     # a whole number of the workgroup's steps, few enough for registers: every step's x loaded at once
     whole = r.start == L.c(0) and K % t.block == 0 and K // t.block <= WHOLE_FILL_STEPS and _fill_steps_switch()

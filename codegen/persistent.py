@@ -70,7 +70,7 @@ def prefetch_bytes(t) -> int:
 def _prefetch(s: L.Phase, n: int, pad="  ") -> list:
     """Before the barrier ahead of phase ``s``: the first ``n`` bytes of each of its weights asked of L2,
     a share a workgroup (the weights do not depend on the phases before)."""
-    names = dict(zip((p.name for p in s.kernel.params), s.args))
+    names = phase_args(s)
     weights = _weights(clear_of_templates(s.kernel)) if n else []
     if not weights:
         return []
@@ -195,8 +195,14 @@ def tiling(k: L.Kernel, t) -> list:
     weights: ``(element offset, RingGemv, Tiles, {phase weight: k's buffer})`` per ring phase, in order
     (``codegen.ring.tile`` fills each share)."""
     phases = [s for s in k.body if isinstance(s, L.Phase)]
-    return [(at, g, tl, {w: dict(zip((p.name for p in s.kernel.params), s.args))[w] for seg in g.segments for w in seg.weights})
+    return [(at, g, tl, {w: phase_args(s)[w] for seg in g.segments for w in seg.weights})
             for at, s, g, tl in shares(phases, t)]
+
+
+def phase_args(s: L.Phase) -> dict:
+    """The buffer bound to each parameter of phase ``s``'s kernel, by the name its mapped kernel gives it
+    (``mapping.clear_of_templates``: a weight named ``k`` is ``k_`` there)."""
+    return dict(zip((p.name for p in clear_of_templates(s.kernel).params), s.args))
 
 
 def render_persistent(k: L.Kernel, t) -> HipKernel:

@@ -15,9 +15,10 @@ and each row's epilogue reads ``acc * s``.  For an activation quantized to q8_1 
 a block's quants are those of ``x w`` (its step scales with ``s``), and the integer dot product is
 scaled by the block's ``d`` and ``s``, both linear.
 
-At the edges of f32 it differs: where ``x * g`` itself overflows (the two-pass form's sum of
-squares has overflowed already) the rows read ``inf * 0``, NaN, and an ``x`` near 1e-38 is quantized
-in the denormal range rather than normalized first.
+At the edges of f32 it differs: where ``x * g`` itself overflows (with a gain near 1, the two-pass
+form's sum of squares has overflowed already; with a huge gain, 1e29, the two-pass form scales ``x``
+first and does not) the rows read ``inf * 0``, NaN, and an ``x`` near 1e-38 is quantized in the
+denormal range rather than normalized first.
 
 The mapping applies it to the int8 path, and to a float GEMV where the target asks
 (``Target.norm_after_dot``: a persistent kernel's phases, ``codegen.persistent.phase_target``).

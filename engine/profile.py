@@ -485,18 +485,27 @@ def phase_times(ex) -> list:
     phases), ``dot`` (then to its dot products from the ring: the first block's, where a workgroup takes
     several, as the LM head's), ``epilogue`` (then to its end), ``work`` (start to end), ``wait`` (end
     to the next barrier left: the barrier's own cost and the slowest workgroup's lead), and
-    ``slowest``, the mean over calls of the slowest workgroup's ``work``.  A phase the ring does not feed has no ``staged`` or ``dot``: its ``epilogue`` is its work.
-    ValueError (one line) where ``ex`` has no traced persistent kernel."""
-    from codegen import loopir as L
+    ``slowest``, the mean over calls of the slowest workgroup's ``work``.  A phase the ring does not
+    feed has no ``staged`` or ``dot``: its ``epilogue`` is its work.  Several persistent kernels: each
+    one's rows in turn.  ValueError (one line) where ``ex`` has no
+    traced persistent kernel, or it has not run."""
     text = lambda c: getattr(c.hip, "source", c.hip)       # noqa: E731  (a device's readable source, or its text)
-    ck = next((c for c in ex.kernels if c.kernel.family == "persistent" and "VF_STAMP(" in text(c)), None)
-    if ck is None:
+    traced = [c for c in ex.kernels if c.kernel.family == "persistent" and "VF_STAMP(" in text(c)]
+    if not traced:
         raise ValueError("no traced persistent kernel: set VEGAFUSE_PERSISTENT=1 and VEGAFUSE_PERSISTENT_TRACE=1 "
                          "before the model compiles (engine.bench --phases does)")
-    grid, n = map(int, re.search(r"#define VF_TRACE_STAMPS (\d+)\n.*vf_trace\[(\d+) \*", text(ck)).groups()[::-1])
-    rows = ex.device.read_symbol(ck, "vf_trace", grid * n).reshape(grid, n)
+    return [row for ck in traced for row in _phase_rows(ex.device, ck, text(ck))]
+
+
+def _phase_rows(device, ck, text) -> list:
+    """``phase_times``' rows of one traced persistent kernel ``ck`` (its source ``text``)."""
+    from codegen import loopir as L
+    grid, n = map(int, re.search(r"#define VF_TRACE_STAMPS (\d+)\n.*vf_trace\[(\d+) \*", text).groups()[::-1])
+    rows = device.read_symbol(ck, "vf_trace", grid * n).reshape(grid, n)
+    if not rows.any():
+        raise ValueError(f"the persistent kernel {ck.kernel.name} has not run yet: time a step first")
     phases = [s for s in ck.kernel.body if isinstance(s, L.Phase)]
-    us = 1.0 / ex.device.clock_mhz
+    us = 1.0 / device.clock_mhz
     calls = [[] for _ in phases]                    # per call: one dict a workgroup
     for w, row in enumerate(rows):
         if not row.any():                           # a workgroup the launch did not run (the emulation's one)

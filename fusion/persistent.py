@@ -147,14 +147,14 @@ def _ring_phases(phases, target, constant: set) -> set:
     """The ids of the phases whose GEMVs the ring can feed (``codegen.ring.ring_gemv``), their weights
     all ``constant`` (inputs no kernel writes: the tiles are made once, when they are bound)."""
     from codegen.mapping import map_kernel
-    from codegen.persistent import phase_target
+    from codegen.persistent import phase_args, phase_target
     from codegen.ring import ring_gemv
     gemv, ok = {}, {}
     for s in phases:                                 # a phase kernel is fed in every call or in none
         if id(s.kernel) not in gemv:
             gemv[id(s.kernel)] = ring_gemv(map_kernel(s.kernel, phase_target(target)))
         g = gemv[id(s.kernel)]
-        names = dict(zip((p.name for p in s.kernel.params), s.args))
+        names = phase_args(s)
         ok[id(s.kernel)] = ok.get(id(s.kernel), True) and g is not None and all(
             names[w] in constant for seg in g.segments for w in seg.weights)
     return {id(s) for s in phases if ok[id(s.kernel)]}
