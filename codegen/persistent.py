@@ -128,7 +128,8 @@ def _occupancy(t, block: int, per_cu: int) -> str:
 
 def phase_target(t):
     """The target a persistent kernel's phases are mapped for: ``t``, with a float GEMV's RMSNorm in one
-    pass where the ring feeds them (``Target.norm_after_dot``; ``VEGAFUSE_PERSISTENT_NORM=0`` keeps two)."""
+    pass where the ring is on (``Target.norm_after_dot``, every GEMV phase whose activation stays f32,
+    ``mapping._float_norm_after_dot``; ``VEGAFUSE_PERSISTENT_NORM=0`` keeps two)."""
     one = switch("VEGAFUSE_PERSISTENT_NORM", "1", "the ring phases' RMSNorm in one pass") and ring_on(t)
     return replace(t, norm_after_dot=True) if one else t
 

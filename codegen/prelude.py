@@ -955,7 +955,8 @@ RING = r"""// a persistent kernel's ring (codegen/ring.py): its GEMV phases' wei
 // workgroup's other threads); a slot's full barrier completes when its chunk has landed, its empty one when
 // every consumer warp is done with it.
 // With `quiet`, the producer issues nothing while the consumers wait at a grid barrier, so that the barrier's add
-// and polls cross an idle memory system.
+// and polls cross an idle memory system (the consumers are done with their phase's chunks then: none waits for
+// a chunk the pause holds back).
 struct vf_ring_t {
   unsigned char* data;
   unsigned long long* full;
