@@ -1063,7 +1063,8 @@ def run_many(n, seed, jobs=2, backend="cpu", batch=50, shrink_failures=True, pro
     time_limit = time_limit_of(backend, time_limit)
     pending = [list(range(b, min(b + batch, start + n))) for b in range(start, start + n, batch)]
     counts = dict.fromkeys(STATUSES, 0)
-    counts.update(persistent=0, ring=0) if backend in SWITCHED else None    # of the ok: what they covered
+    if backend in SWITCHED:                         # of the ok: what they covered
+        counts.update(persistent=0, ring=0)
     failures, running, done = [], [], 0
     while pending or running:
         while pending and len(running) < jobs:
