@@ -1,5 +1,5 @@
 """A GPU device without a GPU: the sm_90 kernel text of every kernel run on the CPU by the emulation
-(``tests/gpu_emulation.h``: a std::thread per GPU thread, the workgroups in turn), behind the
+(``tests/gpu_emulation.h``: a fiber per GPU thread, the workgroups in turn), behind the
 engine's own GPU path (``engine.devices.gpu.GPUDevice``: render, build, buffers, plans, launches).
 So whole programs run through the GPU mapping and its text on a machine with g++ only: the fuzzer's
 ``emu`` backend (``tests/fuzz.py``) and tests.  Device memory is host memory; a stream is the

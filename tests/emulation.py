@@ -1,4 +1,4 @@
-"""GPU kernel text run on the CPU (``tests/gpu_emulation.h``: a std::thread per GPU thread), and
+"""GPU kernel text run on the CPU (``tests/gpu_emulation.h``: a fiber per GPU thread), and
 whether gfx906 code can be compiled here: shared by the tests of the GPU templates."""
 import ctypes
 import hashlib

@@ -1,25 +1,111 @@
-// The GPU kernel text run on the CPU (tests/test_attention_gpu.py): one std::thread per GPU thread, the
-// workgroups of a grid in turn; __syncthreads and the wave's lane exchange are barriers, __shared__ is a
-// static (one workgroup at a time), and the prelude's target helpers are written out in plain C++.
+// The GPU kernel text run on the CPU (tests/test_attention_gpu.py): each GPU thread of a workgroup is a fiber
+// (ucontext) on the calling thread, the workgroups of a grid in turn.  A fiber runs until it waits (__syncthreads,
+// the wave's lane exchange, an mbarrier, a poll), then the next one runs: a barrier of a workgroup's threads costs
+// a switch a thread, not a wake-up of hundreds of OS threads.  __shared__ is a static (one workgroup at a time),
+// and the prelude's target helpers are written out in plain C++.
+#include <ucontext.h>
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <chrono>
-#include <thread>
 #include <vector>
 using std::max;
 using std::min;
 struct vf_dim { unsigned x; };
-static thread_local vf_dim threadIdx, blockIdx, gridDim;
-static std::barrier<>* vf_emu_block;   // __syncthreads: VF_SYNC_THREADS (a persistent kernel's ring: its consumers)
-static std::barrier<>* vf_emu_all;     // every thread of the workgroup
+static vf_dim threadIdx, blockIdx, gridDim;   // the running fiber's
+// a fiber's saved context, and the switch from one to another: on x86-64 the callee-saved registers pushed on
+// the old fiber's stack and popped from the new one's (no system call, unlike swapcontext's signal mask)
+#if defined(__x86_64__)
+struct vf_emu_context { void* sp; };
+extern "C" void vf_emu_swap(void** save, void* to);
+asm(".text\n.hidden vf_emu_swap\n.globl vf_emu_swap\n.type vf_emu_swap, @function\nvf_emu_swap:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n");
+static inline void vf_emu_switch(vf_emu_context* from, vf_emu_context* to) { vf_emu_swap(&from->sp, to->sp); }
+// a fresh fiber's stack: six zero registers to pop, then `entry` to return to, as if called (rsp 8 mod 16)
+static void vf_emu_prepare(vf_emu_context* c, char* stack, size_t size, void (*entry)()) {
+  void** top = (void**)((size_t)(stack + size) & ~(size_t)15);
+  for (int i = 1; i <= 8; ++i) top[-i] = nullptr;
+  top[-2] = (void*)entry;
+  c->sp = top - 8;
+}
+#else
+struct vf_emu_context { ucontext_t u; };
+static inline void vf_emu_switch(vf_emu_context* from, vf_emu_context* to) { swapcontext(&from->u, &to->u); }
+static void vf_emu_prepare(vf_emu_context* c, char* stack, size_t size, void (*entry)()) {
+  getcontext(&c->u);
+  c->u.uc_stack = {stack, 0, size};
+  c->u.uc_link = nullptr;
+  makecontext(&c->u, entry, 0);
+}
+#endif
+// the fibers: one a GPU thread of the workgroup, each with its own stack (kept from launch to launch)
+struct vf_emu_fiber { vf_emu_context context; std::unique_ptr<char[]> stack; bool done; };
+static std::vector<vf_emu_fiber> vf_emu_fibers;
+static vf_emu_context vf_emu_caller;           // the launch's own context, back when every fiber is done
+static unsigned vf_emu_running, vf_emu_left;
+static void (*vf_emu_body)(void*);
+static void* vf_emu_closure;
+static constexpr size_t VF_EMU_STACK = 256 * 1024;
+// the next fiber not done after the running one, round the workgroup (the running one when it is the last)
+static inline unsigned vf_emu_next() {
+  const unsigned n = (unsigned)vf_emu_fibers.size();
+  unsigned f = vf_emu_running;
+  do f = (f + 1) % n; while (vf_emu_fibers[f].done && f != vf_emu_running);
+  return f;
+}
+// the running fiber waits: the next one runs until it waits in turn
+static inline void vf_emu_yield() {
+  const unsigned from = vf_emu_running, to = vf_emu_next();
+  if (to == from) return;
+  vf_emu_running = threadIdx.x = to;
+  vf_emu_switch(&vf_emu_fibers[from].context, &vf_emu_fibers[to].context);
+}
+// a fiber's life: the body, then the next fiber not done (or, after the last, the launch) for good
+static void vf_emu_start() {
+  vf_emu_body(vf_emu_closure);
+  vf_emu_fiber& self = vf_emu_fibers[vf_emu_running];
+  self.done = true;
+  if (--vf_emu_left == 0) vf_emu_switch(&self.context, &vf_emu_caller);
+  vf_emu_running = threadIdx.x = vf_emu_next();
+  vf_emu_switch(&self.context, &vf_emu_fibers[vf_emu_running].context);
+}
+// run body(closure) as `threads` fibers, threadIdx.x 0 to threads - 1, until every one has returned
+static void vf_emu_run(unsigned threads, void (*body)(void*), void* closure) {
+  vf_emu_fibers.resize(threads);
+  vf_emu_body = body;
+  vf_emu_closure = closure;
+  for (auto& f : vf_emu_fibers) {
+    if (!f.stack) f.stack.reset(new char[VF_EMU_STACK]);
+    vf_emu_prepare(&f.context, f.stack.get(), VF_EMU_STACK, vf_emu_start);
+    f.done = false;
+  }
+  vf_emu_left = threads;
+  vf_emu_running = threadIdx.x = 0;
+  vf_emu_switch(&vf_emu_caller, &vf_emu_fibers[0].context);
+}
+// a barrier of n fibers: the last to arrive goes on, the others wait until it has
+struct vf_emu_barrier {
+  unsigned n, arrived = 0, generation = 0;
+  void arrive_and_wait() {
+    const unsigned g = generation;
+    if (++arrived == n) {
+      arrived = 0;
+      ++generation;
+      return;
+    }
+    while (generation == g) vf_emu_yield();
+  }
+};
+static vf_emu_barrier* vf_emu_block;   // __syncthreads: VF_SYNC_THREADS (a persistent kernel's ring: its consumers)
+static vf_emu_barrier* vf_emu_all;     // every thread of the workgroup
 #ifndef VF_SYNC_THREADS
 #define VF_SYNC_THREADS VF_ATT_BLOCK
 #endif
-static std::vector<std::unique_ptr<std::barrier<>>> vf_emu_waves;
+static std::vector<vf_emu_barrier> vf_emu_waves;
 static float vf_emu_lanes[1024];
 #define __shared__ static
 // dynamic LDS: one buffer, which every declaration names (a persistent kernel's phases take it in turn)
@@ -48,13 +134,13 @@ static inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exc
 // a persistent kernel's phases take their own workgroup index (codegen/persistent.py); its grid barrier, run
 // here with a grid of one workgroup (the workgroups of a grid run in turn)
 struct dim3 { unsigned x; explicit dim3(unsigned x_) : x(x_) {} };
-#define VF_POLL_PAUSE() std::this_thread::yield()
+#define VF_POLL_PAUSE() vf_emu_yield()
 static inline void vf_grid_barrier(unsigned* arrived, unsigned n, volatile unsigned* quiet = nullptr) {
   __syncthreads();
   if (threadIdx.x == 0) {
     if (quiet) __atomic_store_n(quiet, 1u, __ATOMIC_SEQ_CST);
     __atomic_fetch_add(arrived, 1u, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) < n * gridDim.x) std::this_thread::yield();
+    while (__atomic_load_n(arrived, __ATOMIC_ACQUIRE) < n * gridDim.x) vf_emu_yield();
     if (quiet) __atomic_store_n(quiet, 0u, __ATOMIC_SEQ_CST);
   }
   __syncthreads();
@@ -76,7 +162,7 @@ static inline void vf_unpack_f32(vf_vec16 v, float* f) { std::memcpy(f, &v, 16);
 static inline void vf_lds4(const vf_half* p, float* f) { for (int i = 0; i < 4; ++i) f[i] = (float)p[i]; }
 static inline void vf_lds4(const float* p, float* f) { std::memcpy(f, p, 16); }
 static inline float vf_shfl_xor(float v, int m) {          // every lane of the wave takes part
-  std::barrier<>& wave = *vf_emu_waves[threadIdx.x / VF_WAVE];
+  vf_emu_barrier& wave = vf_emu_waves[threadIdx.x / VF_WAVE];
   vf_emu_lanes[threadIdx.x] = v;
   wave.arrive_and_wait();
   const float other = vf_emu_lanes[threadIdx.x ^ m];
@@ -159,12 +245,10 @@ static inline void vf_mbar_update(unsigned long long* b, unsigned long long arri
     n = (v & (1ull << 63)) | (tx << 32) | (arrived << 16) | expected;
     if (arrived == expected && tx == 0) n = ((v & (1ull << 63)) ^ (1ull << 63)) | expected;   // the phase completes
   } while (!__atomic_compare_exchange_n(b, &v, n, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
-  if ((n ^ v) >> 63) std::atomic_ref<unsigned long long>(*b).notify_all();   // the phase completed: wake its waiters
 }
 static inline void vf_mbar_arrive(unsigned long long* b) { vf_mbar_update(b, 1, 0); }
-static inline void vf_mbar_wait(unsigned long long* b, unsigned parity) {   // asleep until the phase completes
-  std::atomic_ref<unsigned long long> a(*b);
-  for (unsigned long long v = a.load(); (v >> 63) == parity; v = a.load()) a.wait(v);
+static inline void vf_mbar_wait(unsigned long long* b, unsigned parity) {   // the others run until the phase completes
+  while ((__atomic_load_n(b, __ATOMIC_SEQ_CST) >> 63) == parity) vf_emu_yield();
 }
 static inline void vf_bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* b) {
   vf_emu_align16(dst);
@@ -178,27 +262,20 @@ static inline long long clock64() {   // nanoseconds (a traced persistent kernel
 }
 static inline void vf_all_threads_sync() { vf_emu_all->arrive_and_wait(); }
 static inline void vf_mbar_init_fence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-static inline void __syncwarp() { vf_emu_waves[threadIdx.x / VF_WAVE]->arrive_and_wait(); }
+static inline void __syncwarp() { vf_emu_waves[threadIdx.x / VF_WAVE].arrive_and_wait(); }
 // run KERNEL(ARGS) over `grid` workgroups of VF_ATT_BLOCK threads, in order or (after emulate_reversed(1))
 // from the last to the first
 static int vf_emu_reversed = 0;
 #define VF_EMULATE(KERNEL, ...)                                                                    \
   extern "C" void emulate_reversed(int r) { vf_emu_reversed = r; }                                  \
   extern "C" void emulate(void** a, int grid) {                                                     \
-    std::barrier<> block(VF_SYNC_THREADS), all(VF_ATT_BLOCK);                                        \
+    vf_emu_barrier block{VF_SYNC_THREADS}, all{VF_ATT_BLOCK};                                        \
     vf_emu_block = &block;                                                                          \
     vf_emu_all = &all;                                                                              \
-    vf_emu_waves.clear();                                                                           \
-    for (int w = 0; w < VF_ATT_BLOCK / VF_WAVE; ++w) vf_emu_waves.emplace_back(new std::barrier<>(VF_WAVE)); \
-    std::vector<std::thread> threads;                                                               \
-    for (unsigned t = 0; t < VF_ATT_BLOCK; ++t)                                                     \
-      threads.emplace_back([=, &all] {                                                              \
-        threadIdx.x = t; gridDim.x = grid;                                                          \
-        for (int b = 0; b < grid; ++b) {                                                           \
-          blockIdx.x = vf_emu_reversed ? grid - 1 - b : b;                                          \
-          KERNEL(__VA_ARGS__);                                                                      \
-          all.arrive_and_wait();                                                                    \
-        }                                                                                           \
-      });                                                                                           \
-    for (auto& t : threads) t.join();                                                               \
+    vf_emu_waves.assign(VF_ATT_BLOCK / VF_WAVE, vf_emu_barrier{VF_WAVE});                           \
+    gridDim.x = grid;                                                                               \
+    for (int b = 0; b < grid; ++b) {                                                               \
+      blockIdx.x = vf_emu_reversed ? grid - 1 - b : b;                                              \
+      vf_emu_run(VF_ATT_BLOCK, [](void* p) { void** a = (void**)p; KERNEL(__VA_ARGS__); }, a);       \
+    }                                                                                               \
   }
