@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <chrono>
@@ -47,6 +49,15 @@ struct vf_emu_fiber { vf_emu_context context; std::unique_ptr<char[]> stack; boo
 static std::vector<vf_emu_fiber> vf_emu_fibers;
 static vf_emu_context vf_emu_caller;           // the launch's own context, back when every fiber is done
 static unsigned vf_emu_running, vf_emu_left;
+static unsigned vf_emu_blocked;                // fibers waiting at a barrier not yet complete (vf_emu_barrier)
+static void vf_emu_check_deadlock(unsigned n, unsigned arrived) {
+  if (vf_emu_left && vf_emu_blocked == vf_emu_left) {
+    fprintf(stderr, "emulation: workgroup %u deadlocks: its %u threads left all wait at barriers that the others "
+            "(returned or at another barrier) never complete; thread %u at one of %u threads, %u arrived\n",
+            blockIdx.x, vf_emu_blocked, threadIdx.x, n, arrived);
+    abort();
+  }
+}
 static void (*vf_emu_body)(void*);
 static void* vf_emu_closure;
 static constexpr size_t VF_EMU_STACK = 256 * 1024;
@@ -70,6 +81,7 @@ static void vf_emu_start() {
   vf_emu_fiber& self = vf_emu_fibers[vf_emu_running];
   self.done = true;
   if (--vf_emu_left == 0) vf_emu_switch(&self.context, &vf_emu_caller);
+  vf_emu_check_deadlock(0, 0);
   vf_emu_running = threadIdx.x = vf_emu_next();
   vf_emu_switch(&self.context, &vf_emu_fibers[vf_emu_running].context);
 }
@@ -84,19 +96,25 @@ static void vf_emu_run(unsigned threads, void (*body)(void*), void* closure) {
     f.done = false;
   }
   vf_emu_left = threads;
+  vf_emu_blocked = 0;
   vf_emu_running = threadIdx.x = 0;
   vf_emu_switch(&vf_emu_caller, &vf_emu_fibers[0].context);
 }
-// a barrier of n fibers: the last to arrive goes on, the others wait until it has
+// a barrier of n fibers: the last to arrive goes on, the others wait until it has.  When every fiber not done
+// waits at a barrier, none can complete: the kernel would hang on a GPU too (a barrier some of its threads
+// never reach, or reach after returning), and the emulation stops with that line, not a hang
 struct vf_emu_barrier {
   unsigned n, arrived = 0, generation = 0;
   void arrive_and_wait() {
     const unsigned g = generation;
     if (++arrived == n) {
+      vf_emu_blocked -= n - 1;
       arrived = 0;
       ++generation;
       return;
     }
+    ++vf_emu_blocked;
+    vf_emu_check_deadlock(n, arrived);
     while (generation == g) vf_emu_yield();
   }
 };

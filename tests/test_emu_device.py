@@ -125,3 +125,51 @@ def test_a_gemv_whose_activation_passes_static_lds_runs_from_dynamic_lds(fmt, T)
     assert int(dynamic) > 48 * 1024
     tol = 2e-2 if fmt == "q4_0" else 2e-3                 # the q8_1 activation's rounding; f16's
     np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
+
+
+_BARRIERS = """#define VF_WAVE 32
+#define VF_ATT_BLOCK 64
+#include "{header}"
+// each thread's value passed round the workgroup through LDS, a barrier a step, and summed over its wave
+static void ring_pass(float* out, int* steps) {{
+  __shared__ float lds[64];
+  float v = (float)threadIdx.x;
+  for (int i = 0; i < *steps; ++i) {{
+    if (BROKEN && threadIdx.x == 5 && i == 3) return;      // a thread that leaves before the barrier
+    lds[threadIdx.x] = v;
+    __syncthreads();
+    v = lds[(threadIdx.x + 1) % 64] + 1.0f;
+    __syncthreads();
+  }}
+  for (int m = 16; m > 0; m /= 2) v += vf_shfl_xor(v, m);
+  out[blockIdx.x * 64 + threadIdx.x] = v;
+}}
+VF_EMULATE(ring_pass, (float*)a[0], (int*)a[1])
+"""
+
+
+@pytest.mark.parametrize("broken", [0, 1], ids=["whole", "a-thread-leaves"])
+def test_the_emulation_passes_values_at_barriers_and_names_a_barrier_that_never_completes(broken, tmp_path):
+    """The fibers of ``tests/gpu_emulation.h`` meet at ``__syncthreads`` and the wave's lane exchange
+    (values after many barriers against numpy); a barrier that one thread never reaches stops the
+    emulation with one line on stderr, where a GPU (and the emulation with OS threads) would hang."""
+    import subprocess
+    import sys
+    from tests.emulation import HEADER, compile_shared
+    cpp, so = str(tmp_path / "k.cpp"), str(tmp_path / "k.so")
+    open(cpp, "w").write(f"#define BROKEN {broken}\n" + _BARRIERS.format(header=HEADER))
+    assert compile_shared(cpp, so).returncode == 0
+    steps, grid = int(rng.integers(20, 60)), 3
+    run = ("import ctypes, sys, numpy as np\n"
+           f"lib = ctypes.CDLL({so!r}); out = np.zeros({grid * 64}, np.float32); n = np.array([{steps}], np.int32)\n"
+           f"lib.emulate((ctypes.c_void_p * 2)(out.ctypes.data, n.ctypes.data), {grid})\n"
+           "np.save(sys.argv[1], out)\n")
+    r = subprocess.run([sys.executable, "-c", run, str(tmp_path / "out.npy")], capture_output=True, text=True, timeout=120)
+    if broken:
+        assert r.returncode != 0 and r.stderr.count("\n") == 1 and "workgroup 0 deadlocks" in r.stderr, r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    t = np.arange(64)
+    v = ((t + steps) % 64 + steps).astype(np.float64)        # thread t ends with thread t + steps's first value
+    want = np.tile(np.repeat([v[w * 32:(w + 1) * 32].sum() for w in range(2)], 32), grid)
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want)

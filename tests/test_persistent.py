@@ -106,6 +106,26 @@ def test_a_persistent_decode_step_matches_the_float64_interpreter_over_positions
 
 
 @pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
+def test_smollm2_decodes_hugging_faces_greedy_ids_through_one_persistent_kernel_with_the_ring(monkeypatch):
+    """SmolLM2-135M (its GGUF's weights in f16), prefilled and then decoded token by token, each step one
+    persistent kernel whose GEMV phases take their weights from the ring, run by the CPU emulation:
+    Hugging Face's greedy ids (``tests/test_model.py``; all 20 matched when this was written, 6 are
+    checked here to keep the test short)."""
+    from engine.weights import default_model_path, load_model
+    from tests.emu_device import emu_backend
+    from tests.test_model import PROMPT_IDS, REFERENCE_IDS, greedy
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT", "1")
+    monkeypatch.setenv("VEGAFUSE_PERSISTENT_RING", "1")
+    cfg, params, tok = load_model(default_model_path(), "f16")
+    ids, out, m = greedy(cfg, params, tok, n=6, context=32, backend=emu_backend())
+    assert ids == PROMPT_IDS and out == REFERENCE_IDS[:6]
+    (k,) = m.compile().plan.kernels                  # the logits' step: every kernel a phase of one
+    phases = [s for s in k.body if isinstance(s, L.Phase)]
+    assert k.family == "persistent" and len(phases) == 5 * cfg.n_layers + 1
+    assert sum(bool(s.tiled) for s in phases) == 4 * cfg.n_layers + 1      # each GEMV (and the LM head) fed by the ring
+
+
+@pytest.mark.skipif(not GXX, reason="no g++ for the CPU emulation of the GPU kernel text")
 def test_a_traced_persistent_decode_step_reports_each_phase(monkeypatch):
     """With ``VEGAFUSE_PERSISTENT_TRACE=1`` the step computes as before, and ``engine.profile.phase_times``
     reads its stamps: every phase group in launch order with its calls a launch, a ring phase's steps
