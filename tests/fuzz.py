@@ -116,6 +116,11 @@ OPS += ["residual"]
 # multiple of 64 and N of odd sizes: a persistent kernel's ring phases with partial chunks and blocks of rows of
 # unequal numbers of weight rows (codegen/ring.py; --backend emu-ring)
 OPS += ["gemv_chain"] * 3
+# one decoder layer at one position, as stdlib/llama.py's block writes it: RMSNorm, q, k and v (f16 weights, at
+# times with biases), RoPE, the KV write at a runtime position into f16 or f32 caches, grouped-query attention, the
+# output projection onto the residual, RMSNorm, SiLU(gate) * up, the down projection; dims, heads and head sizes
+# off the real models' (on NVIDIA: a persistent kernel's QKV, attention, O, gate/up and down phases, emu-ring)
+OPS += ["decode_layer"] * 2
 FLOAT_TOL = {"f16": 4e-3, "f32": 4e-5}
 
 
@@ -348,6 +353,8 @@ class Writer:
             return self.control(name, an, av, pk, p)
         if name == "bisect":
             return self.bisect(an, av, p)
+        if name == "decode_layer":
+            return self.decode_layer(an, pk, p)
         if name == "gemv_chain":
             k = [64, 136, 200, 512, 1000][int(p[0] * 5)]
             n = [24, 96, 264, 520][int(p[1] * 4)]
@@ -437,6 +444,33 @@ class Writer:
         c, _ = self.emit(f"dsl.dynamic_update_slice({cache}, {r}.astype('{cdt}'), [0, {pos}, 0])")
         self.terminal.append(c)
         return self.emit(f"dsl.attention({r}, {c}, {c}, {pos}, {round(1 / np.sqrt(hd), 4)})")
+
+    def decode_layer(self, an, pk, p):
+        """``block`` of stdlib/llama.py at T = 1 (see ``OPS``): x [1, D] from a new input and the value at hand,
+        the caches [Hkv, S, hd] (written at ``pos`` in 0 .. S - 1) outputs too."""
+        f = lambda x, m: int((x * m * 7.31) % 1 * m)                # noqa: E731  (another choice from one fraction)
+        D, F = [64, 96, 128, 200][int(p[0] * 4)], [96, 136, 264][f(p[0], 3)]
+        hkv, group, hd = 1 + int(p[1] * 2), [1, 2, 3][f(p[1], 3)], [16, 32, 64][int(p[2] * 3)]
+        hq, S, cdt = hkv * group, 2 + int(p[3] * 40), "f16" if pk[1] < 0.7 else "f32"
+        x, _ = self.emit(f"{self.new_input((1, D), 'f32')} + dsl.tanh({an}.astype('f32').mean())")
+        g1, g2 = self.new_input((D,), "f32"), self.new_input((D,), "f32")
+        kc, vc = self.new_input((hkv, S, hd), cdt), self.new_input((hkv, S, hd), cdt)
+        pos = self.new_input((), "i32", "int", S - 2, 0)
+
+        def linear(h, n, k, heads=None):                         # x @ w.T (+ b) / sqrt(k), as heads [H, 1, hd]
+            b = f", {self.new_input((n,), 'f32')}" if pk[2] < 0.5 else ""
+            y = f"nn.linear({h}, {self.new_input((n, k), 'f16')}{b}) * {round(1 / np.sqrt(k), 4)}"
+            return f"({y}).reshape(1, {heads}, {hd}).transpose(1, 0, 2)" if heads else f"({y})"
+        h, _ = self.emit(f"nn.rms_norm({x}, {g1}, 1e-5)")
+        q, _ = self.emit(f"nn.rope({linear(h, hq * hd, D, hq)}, {pos}, 1e4)")
+        k, _ = self.emit(f"nn.rope({linear(h, hkv * hd, D, hkv)}, {pos}, 1e4)")
+        v, _ = self.emit(linear(h, hkv * hd, D, hkv))
+        a, _ = self.emit(f"nn.causal_attention({q}, {kc}, {vc}, {k}, {v}, {pos})")
+        self.terminal += [self.emit(f"{a}[1]")[0], self.emit(f"{a}[2]")[0]]         # the caches written
+        x, _ = self.emit(f"{x} + {linear(f'{a}[0].transpose(1, 0, 2).reshape(1, {hq * hd})', D, hq * hd)}")
+        h, _ = self.emit(f"nn.rms_norm({x}, {g2}, 1e-5)")
+        m, _ = self.emit(f"nn.silu({linear(h, F, D)}) * {linear(h, F, D)}")
+        return self.emit(f"{x} + {linear(m, D, F)}")
 
     def tiled(self, av, an, pk, p):
         """``epilogue(dot_t(prologue(x), w))`` of T rows (15 to 100: the tiled matmul's rule takes 16 or
