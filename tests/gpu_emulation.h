@@ -3,6 +3,7 @@
 // the wave's lane exchange, an mbarrier, a poll), then the next one runs: a barrier of a workgroup's threads costs
 // a switch a thread, not a wake-up of hundreds of OS threads.  __shared__ is a static (one workgroup at a time),
 // and the prelude's target helpers are written out in plain C++.
+#include <sys/mman.h>
 #include <ucontext.h>
 #include <algorithm>
 #include <atomic>
@@ -44,8 +45,22 @@ static void vf_emu_prepare(vf_emu_context* c, char* stack, size_t size, void (*e
   makecontext(&c->u, entry, 0);
 }
 #endif
+// a fiber's stack: as large as an OS thread's (a kernel's local arrays may be large), taken from memory as it is
+// touched, with a page below it that faults instead of an overflow writing into another fiber's stack
+static constexpr size_t VF_EMU_STACK = 8 << 20, VF_EMU_GUARD = 1 << 16;
+struct vf_emu_stack {
+  char* base = nullptr;
+  vf_emu_stack() {
+    void* m = mmap(nullptr, VF_EMU_GUARD + VF_EMU_STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) { perror("emulation: a fiber's stack"); abort(); }
+    mprotect(m, VF_EMU_GUARD, PROT_NONE);
+    base = (char*)m + VF_EMU_GUARD;
+  }
+  ~vf_emu_stack() { munmap(base - VF_EMU_GUARD, VF_EMU_GUARD + VF_EMU_STACK); }
+  vf_emu_stack(const vf_emu_stack&) = delete;
+};
 // the fibers: one a GPU thread of the workgroup, each with its own stack (kept from launch to launch)
-struct vf_emu_fiber { vf_emu_context context; std::unique_ptr<char[]> stack; bool done; };
+struct vf_emu_fiber { vf_emu_context context; std::unique_ptr<vf_emu_stack> stack; bool done; };
 static std::vector<vf_emu_fiber> vf_emu_fibers;
 static vf_emu_context vf_emu_caller;           // the launch's own context, back when every fiber is done
 static unsigned vf_emu_running, vf_emu_left;
@@ -60,7 +75,6 @@ static void vf_emu_check_deadlock(unsigned n, unsigned arrived) {
 }
 static void (*vf_emu_body)(void*);
 static void* vf_emu_closure;
-static constexpr size_t VF_EMU_STACK = 256 * 1024;
 // the next fiber not done after the running one, round the workgroup (the running one when it is the last)
 static inline unsigned vf_emu_next() {
   const unsigned n = (unsigned)vf_emu_fibers.size();
@@ -91,8 +105,8 @@ static void vf_emu_run(unsigned threads, void (*body)(void*), void* closure) {
   vf_emu_body = body;
   vf_emu_closure = closure;
   for (auto& f : vf_emu_fibers) {
-    if (!f.stack) f.stack.reset(new char[VF_EMU_STACK]);
-    vf_emu_prepare(&f.context, f.stack.get(), VF_EMU_STACK, vf_emu_start);
+    if (!f.stack) f.stack.reset(new vf_emu_stack);
+    vf_emu_prepare(&f.context, f.stack->base, VF_EMU_STACK, vf_emu_start);
     f.done = false;
   }
   vf_emu_left = threads;

@@ -134,6 +134,9 @@ _BARRIERS = """#define VF_WAVE 32
 static void ring_pass(float* out, int* steps) {{
   __shared__ float lds[64];
   float v = (float)threadIdx.x;
+  volatile float big[300000];                             // a local array of 1.2 MB: a fiber's stack holds it
+  for (int i = 0; i < 300000; i += 1000) big[i] = v + (float)i;
+  v = big[299000] - 299000.0f;
   for (int i = 0; i < *steps; ++i) {{
     if (BROKEN && threadIdx.x == 5 && i == 3) return;      // a thread that leaves before the barrier
     lds[threadIdx.x] = v;
@@ -151,7 +154,8 @@ VF_EMULATE(ring_pass, (float*)a[0], (int*)a[1])
 @pytest.mark.parametrize("broken", [0, 1], ids=["whole", "a-thread-leaves"])
 def test_the_emulation_passes_values_at_barriers_and_names_a_barrier_that_never_completes(broken, tmp_path):
     """The fibers of ``tests/gpu_emulation.h`` meet at ``__syncthreads`` and the wave's lane exchange
-    (values after many barriers against numpy); a barrier that one thread never reaches stops the
+    (values after many barriers against numpy, a local array of 1.2 MB on each fiber's stack); a
+    barrier that one thread never reaches stops the
     emulation with one line on stderr, where a GPU (and the emulation with OS threads) would hang."""
     import subprocess
     import sys
