@@ -177,3 +177,24 @@ def test_the_emulation_passes_values_at_barriers_and_names_a_barrier_that_never_
     v = ((t + steps) % 64 + steps).astype(np.float64)        # thread t ends with thread t + steps's first value
     want = np.tile(np.repeat([v[w * 32:(w + 1) * 32].sum() for w in range(2)], 32), grid)
     np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want)
+
+
+def test_a_gemv_in_a_scan_whose_activation_each_thread_keeps_passes_256_kb():
+    """A loop body's GEMV keeps its activation in a local array a thread (``mapping._one_workgroup``):
+    at K = 66000, 264 KB, more than a small fiber stack held (it crashed the emulation), on the
+    emulation against the float64 interpreter."""
+    from tests.emu_device import emu_backend
+    K = 66000
+    w = (rng.standard_normal((K, 4)) / np.sqrt(K)).astype(np.float32)
+    xs = rng.standard_normal((2, K)).astype(np.float32)
+
+    def f(w, xs):
+        def body(c, x):
+            y = (c + x) @ w                                        # (4,)
+            return c * 0.5 + dsl.sum(y), y
+        return dsl.lax.scan(body, dsl.zeros((K,), dsl.float32), xs)
+    jf = dsl.jit(f, backend=emu_backend())
+    want = jf.lower(w, xs).program.run(w, xs, compute_dtype="f64")
+    got = jf(w, xs)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), e, rtol=0, atol=1e-4 * np.abs(e).max())
