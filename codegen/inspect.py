@@ -273,8 +273,10 @@ def main(argv=None):
         if args.kernel:
             match = [k for k in kernels if k.name == args.kernel] or [k for k in kernels if args.kernel in k.name]
             if len(match) != 1:
-                names = ", ".join(k.name for k in match[:8]) or "none"
-                raise ValueError(f"--kernel {args.kernel!r} matches {len(match)} kernels ({names})")
+                distinct = list(dict.fromkeys(k.name for k in (match or kernels)))
+                names = ", ".join(distinct[:8]) + (f", ... ({len(distinct)} in all)" if len(distinct) > 8 else "")
+                raise ValueError(f"--kernel {args.kernel!r} matches {len(match)} kernels; give a kernel's name, or a "
+                                 f"part of it that no other name has: {names}")
             it = Inspected(match[0], target)
             print(it.isa() if args.isa else it.source)
             return 0

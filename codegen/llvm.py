@@ -45,6 +45,7 @@ from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
 from .loopir import spelling as op_spelling
 from .loopir import fold, rewrite_expr, walk_exprs, walk_stmts
 from dsl.quant import FORMATS, QUANT_DTYPES, nbytes
+from .env import env_choice, env_int, switch
 
 I1, I8, I32, PTR = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.PointerType()
 VOID = ir.VoidType()
@@ -61,8 +62,8 @@ FMF = ("reassoc", "nsz", "arcp", "contract", "afn")   # `fast` minus nnan/ninf
 ACC_FMF = FMF[1:]                                     # an accumulator's adds: not reassociated
 # an interchanged GEMV (a (K, N) weight): each thread's columns in chunks of COLUMNS accumulators in
 # all (L1-resident), each pass over a chunk folding ROWS weight rows
-COLUMNS = int(os.environ.get("VEGAFUSE_CPU_COLUMNS", 4096))
-ROWS = int(os.environ.get("VEGAFUSE_CPU_ROWS", 8))
+COLUMNS = env_int("VEGAFUSE_CPU_COLUMNS", 4096, 1)
+ROWS = env_int("VEGAFUSE_CPU_ROWS", 8, 1)
 MAX_STACK_BYTES = 4 << 20                              # local Arrays live on the (thread's) stack
 
 
@@ -601,7 +602,7 @@ class _Renderer:
         n = s.stop.value - s.start.value if isinstance(s.start, Const) and isinstance(s.stop, Const) else 1
         even = n % 2 == 0 and n > 0
         pair = even and s.start.value == 0 and all(self.interleaved(a.value.act) for a in s.accs)
-        ways = 2 if (n > 2 if pair else even) and os.environ.get("VEGAFUSE_CPU_ACCS", "2") != "1" else 1
+        ways = 2 if (n > 2 if pair else even) and env_choice("VEGAFUSE_CPU_ACCS", ("1", "2"), "2") != "1" else 1
         per = 2 if pair else 1                                # blocks per QDot rendered
         slots = []
         for a in s.accs:
@@ -807,7 +808,7 @@ def int8_gemv(k: Kernel) -> Kernel:
     them (``QDot``: integer dot products).  Other kernels, and all with ``VEGAFUSE_QUANT_ACT=float``,
     are returned as they are (each weight then dequantized as it is loaded)."""
     from .mapping import quant_weights
-    if k.family != "contract" or os.environ.get("VEGAFUSE_QUANT_ACT", "q8_1") == "float":
+    if k.family != "contract" or env_choice("VEGAFUSE_QUANT_ACT", ("q8_1", "float"), "q8_1") == "float":
         return k
     acts = {s.name: s.size for s in walk_stmts(k.body) if isinstance(s, Array) and s.size % 32 == 0}
     segs = [s for s in walk_stmts(k.body) if isinstance(s, Loop) and s.parallel and s.body
@@ -844,9 +845,9 @@ def int8_gemv(k: Kernel) -> Kernel:
     return replace(k, body=rewrite(k.body))
 
 
-MICRO_ROWS = int(os.environ.get("VEGAFUSE_CPU_MICRO_ROWS", 4))
-MICRO_ACCS = int(os.environ.get("VEGAFUSE_CPU_MICRO_ACCS", 16))     # vector accumulators of a micro-tile
-MICRO_COLUMNS = int(os.environ.get("VEGAFUSE_CPU_MICRO_COLUMNS", 64))  # columns whose epilogue runs as one loop
+MICRO_ROWS = env_int("VEGAFUSE_CPU_MICRO_ROWS", 4, 1)
+MICRO_ACCS = env_int("VEGAFUSE_CPU_MICRO_ACCS", 16, 1)     # vector accumulators of a micro-tile
+MICRO_COLUMNS = env_int("VEGAFUSE_CPU_MICRO_COLUMNS", 64, 1)  # columns whose epilogue runs as one loop
 
 
 def is_matmul_columns(s: Loop) -> bool:
@@ -900,7 +901,7 @@ def micro_tiles(s: Loop, lo, hi) -> Loop:
     body = (replace(red, accs=tuple(accs)),) + tuple(stores)
     groups = Bin("idiv", Bin("add", m, i32(C - 1)), i32(C))
     row_groups = i32(-(-TR // R))
-    if fill or os.environ.get("VEGAFUSE_CPU_ROWS_OUTER", "1") == "0":      # each column's weights dequantized once
+    if fill or not switch("VEGAFUSE_CPU_ROWS_OUTER", True):      # each column's weights dequantized once
         tiles = Loop(ng.name, i32(0), groups, fill + (Loop(rg.name, i32(0), row_groups, body),))
     else:                                  # float weights: R rows' activation stays in L1 as the columns pass
         tiles = Loop(rg.name, i32(0), row_groups, (Loop(ng.name, i32(0), groups, body),))

@@ -58,6 +58,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Union
 
+from .env import switch
+
 DTYPES = ("f32", "f16", "i32", "bool")
 FLOAT_DTYPES = ("f32", "f16")
 # buffers of quantized weights (dsl/quant.py), read by QLoad, QDot
@@ -69,8 +71,7 @@ def int8_activation() -> str:
     """The dtype an int8 GEMV quantizes its activation to: "q8_1r" (q8_1 with a residual plane:
     about f16's precision), or plain "q8_1" with ``VEGAFUSE_QUANT_RESIDUAL=0`` (half the integer
     work and LDS, 1/254 of each block's largest value per element; the A/B switch)."""
-    import os
-    return "q8_1" if os.environ.get("VEGAFUSE_QUANT_RESIDUAL", "1") == "0" else "q8_1r"
+    return "q8_1r" if switch("VEGAFUSE_QUANT_RESIDUAL", True) else "q8_1"
 
 KINDS = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 

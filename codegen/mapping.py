@@ -32,6 +32,7 @@ from . import prologue
 from .mma import mma_tiles
 from .prelude import act_dtype
 from .targets import Target, get_target, lds_budget
+from .env import env_choice, env_int, switch
 
 LANE, WAVE, THREAD = L.Hw("lane"), L.Hw("wave"), L.Hw("thread")
 MAX_GRID = 65535
@@ -177,7 +178,7 @@ def _across(body, t: Target, block: int):
     reds = [s for s in body if isinstance(s, L.Reduce)]
     rest = [s for s in body if not isinstance(s, (L.Comment, L.Reduce))]
     if len(reds) != 1 or len(rest) != 1 or not isinstance(rest[0], L.If) or rest[0].orelse \
-            or os.environ.get("VEGAFUSE_REDUCE_ACROSS", "1") == "0":
+            or not switch("VEGAFUSE_REDUCE_ACROSS", True):
         return None
     r, then = reds[0], rest[0]
     if r.body or len(r.accs) != 1 or r.accs[0].op not in ("add", "max", "argmax") \
@@ -226,7 +227,7 @@ def _few_long_rows(body, rows, t) -> bool:
     takes a workgroup of ``one_workgroup_block`` threads, whose loads in flight shorten the row's
     chain of latencies (256 threads left 192 loads a thread in sequence at 49152 ids: 13 µs a pass on
     an H200).  ``VEGAFUSE_WIDE_ROWS=0`` keeps ``t.block`` (A/B)."""
-    if rows > t.compute_units or os.environ.get("VEGAFUSE_WIDE_ROWS", "1") == "0":
+    if rows > t.compute_units or not switch("VEGAFUSE_WIDE_ROWS", True):
         return False
     block = one_workgroup_block(t)
     return any(isinstance(r, L.Reduce) and isinstance(r.stop, L.Const) and isinstance(r.start, L.Const)
@@ -246,24 +247,6 @@ def _one_workgroup(body, t):
 
 
 # ------------------------------------------------------------------------------ attention
-def env_int(name: str, default: int, least: int | None = None, what: str = "") -> int:
-    """The whole number an environment switch sets (``VEGAFUSE_ATT_VGPRS``, ``VEGAFUSE_ATT_CHUNK``), else
-    ``default``; ValueError naming the switch when it is not a whole number or is below ``least``
-    (the message says ``what`` to set it to, where given)."""
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        n = int(v)
-    except ValueError:
-        n = None
-    if n is not None and (least is None or n >= least):
-        return n
-    if what:
-        raise ValueError(f"{name}={v!r}: set it to {what}, or unset it (default {default})")
-    raise ValueError(f"{name}={v!r} is not a whole number; set it to one (e.g. {name}=128) or unset it") from None
-
-
 ATT_ROWS = 16              # rows (query positions x the heads of a KV group) a prefill tile aims for
 
 
@@ -345,7 +328,7 @@ def prefill_tiles(a: L.Attention, t: Target):
     ``VEGAFUSE_ATT_BLOCK=RMxKNxTKxTHREADS`` sets them (A/B).  A workgroup takes the
     most of the KV group's query heads (a divisor) that fit its rows, at as many positions as fill
     them.  Splits as ``attention_tiles``.  Raises ValueError when no tile fits."""
-    if a.t == 1 or os.environ.get("VEGAFUSE_ATT_PREFILL", "blocked") == "scalar" or \
+    if a.t == 1 or env_choice("VEGAFUSE_ATT_PREFILL", ("blocked", "scalar"), "blocked") == "scalar" or \
             any(a.d * ITEMSIZE[x] % t.load_bytes for x in a.dtypes[1:]):
         return None
     budget = t.attention_vgprs or PREFILL_VGPRS
@@ -598,7 +581,7 @@ def _int8_path(body, t, lds_limit) -> bool:
     arrays = [a for a in L.walk_stmts(body) if isinstance(a, L.Array)]
     act = {a.name for a in arrays}
     fits = all(a.size * ITEMSIZE[L.int8_activation()] <= lds_limit - 2048 for a in arrays)
-    on = t.int8_dot and fits and os.environ.get("VEGAFUSE_QUANT_ACT", "q8_1") != "float"
+    on = t.int8_dot and fits and env_choice("VEGAFUSE_QUANT_ACT", ("q8_1", "float"), "q8_1") != "float"
     return bool(on and reds and act) and all(quant_weights(r, n) for r in reds for n in act
                                                      if any(x == L.Load(n, L.Sym(r.var, "i32"), "f32")
                                                             for a in r.accs for x in L.walk_exprs(a.value)))
@@ -755,7 +738,7 @@ STAGE_LIMIT = 2048      # values a workgroup keeps in LDS for its own q8_1 block
 def _stage_switch() -> bool:
     """``VEGAFUSE_Q8_STAGE=0``: a workgroup quantizing the blocks it stored reads them back from global
     memory instead of from LDS (A/B)."""
-    return os.environ.get("VEGAFUSE_Q8_STAGE", "1") != "0"
+    return switch("VEGAFUSE_Q8_STAGE", True)
 
 
 def _staged(body, q):
@@ -788,12 +771,12 @@ def _flat(body, f):
 def _copy16() -> bool:
     """``VEGAFUSE_COPY16=0``: a float GEMV's fill that only copies its input takes a float a thread
     per trip, as any fill (A/B)."""
-    return os.environ.get("VEGAFUSE_COPY16", "1") != "0"
+    return switch("VEGAFUSE_COPY16", True)
 
 
 def _whole_switch() -> bool:
     """``VEGAFUSE_Q8_WHOLE=0``: every q8_1 block a GEMV stores is quantized by arrivals (A/B)."""
-    return os.environ.get("VEGAFUSE_Q8_WHOLE", "1") != "0"
+    return switch("VEGAFUSE_Q8_WHOLE", True)
 
 
 def _blocks_per_cu(t: Target, K: int, int8: bool, copied: bool = False) -> int:
@@ -806,7 +789,7 @@ def _blocks_per_cu(t: Target, K: int, int8: bool, copied: bool = False) -> int:
         per_cu = t.int8_blocks_per_cu or per_cu
         if t.int8_prologue_budget and _balance() and not copied:
             per_cu = max(1, min(per_cu, t.int8_prologue_budget // K))
-    return int(os.environ.get("VEGAFUSE_GEMV_BLOCKS_PER_CU", per_cu))
+    return env_int("VEGAFUSE_GEMV_BLOCKS_PER_CU", per_cu, 1)
 
 
 def _contract_rows(body, t, info):
@@ -1174,7 +1157,7 @@ WHOLE_FILL_STEPS = 16      # steps a thread of a norm's fill (codegen.prologue) 
 def _fill_steps_switch() -> bool:
     """``VEGAFUSE_FILL_STEPS=0``: a norm's one-pass fill takes its steps one after another (A/B: with a
     step a load's latency, the 1.5B persistent kernel's fills took 1.3-1.8 µs against 0.3-0.6)."""
-    return os.environ.get("VEGAFUSE_FILL_STEPS", "1") != "0"
+    return switch("VEGAFUSE_FILL_STEPS", True)
 
 
 def _lanes_per_row(t, K, sizes):
@@ -1196,7 +1179,7 @@ def _lanes_per_row(t, K, sizes):
 
 def _full_lanes_switch() -> bool:
     """``VEGAFUSE_INT8_FULL_LANES=0``: a wave per row however many lanes its blocks leave idle (A/B)."""
-    return os.environ.get("VEGAFUSE_INT8_FULL_LANES", "1") != "0"
+    return switch("VEGAFUSE_INT8_FULL_LANES", True)
 
 
 def rows_per_lane(sizes, rows_per_wave, most=4, idle=None) -> int:
@@ -1209,7 +1192,7 @@ def rows_per_lane(sizes, rows_per_wave, most=4, idle=None) -> int:
     decoded at 403.6 tok/s with one row per lane against 365.8 with up to 4 (1.5B: 818.6 against
     713.1), and a last round that keeps a few waves busy while the rest wait costs more still.
     ``VEGAFUSE_QUANT_ROWS`` overrides ``most`` (A/B)."""
-    most = int(os.environ.get("VEGAFUSE_QUANT_ROWS", most))
+    most = env_int("VEGAFUSE_QUANT_ROWS", most, 1)
     fits = [u for u in (8, 4, 2, 1) if u <= most and all(n % (u * rows_per_wave) == 0 for n in sizes)]
     if idle is None:
         return fits[0]
@@ -1221,7 +1204,7 @@ def _balance() -> bool:
     """The int8 GEMV's balance rules (``Target.int8_balance``, ``int8_prologue_budget``) are on;
     ``VEGAFUSE_GEMV_BALANCE=0`` turns them off (A/B), and the float GEMV's one round per CU
     (``_balanced``)."""
-    return os.environ.get("VEGAFUSE_GEMV_BALANCE", "1") != "0"
+    return switch("VEGAFUSE_GEMV_BALANCE", True)
 
 
 def _idle_share(tasks: int, capacity: int) -> float:

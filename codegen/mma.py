@@ -23,13 +23,13 @@ of ``mma.sync`` nor gfx906's 16-byte reads of 8 consecutive rows meet in a bank.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, replace
 
 from . import loopir as L
 from .loopir import ITEMSIZE
 from .targets import Target
+from .env import switch
 
 CTYPE = {"f32": "float", "i32": "int"}
 
@@ -79,14 +79,14 @@ class MatmulTiles:
 
 def enabled() -> bool:
     """``VEGAFUSE_MMA=0`` turns the tiled matmul off (A/B)."""
-    return os.environ.get("VEGAFUSE_MMA", "1") != "0"
+    return switch("VEGAFUSE_MMA", True)
 
 
 def prefetch() -> bool:
     """With one LDS buffer (``VEGAFUSE_MMA_DOUBLE=0``), each chunk's tiles are loaded into registers
     at the end of the previous chunk's products (in flight across the barrier);
     ``VEGAFUSE_MMA_PREFETCH=0`` loads each chunk right before storing it (A/B)."""
-    return os.environ.get("VEGAFUSE_MMA_PREFETCH", "1") != "0"
+    return switch("VEGAFUSE_MMA_PREFETCH", True)
 
 
 ROW, COL, K, R = (L.Sym(n, "i32") for n in ("row", "col", "k", "r"))
@@ -248,7 +248,7 @@ def mma_tiles(body, t: Target, lds_limit: int):
     m = parse(body)
     if m is None or m.t < MMA_ROWS or m.k < KC or (BN * KC // 8) % t.block or _not_f16_values(m):
         return None
-    m = replace(m, threads=t.block, buffers=1 if os.environ.get("VEGAFUSE_MMA_DOUBLE", "1") == "0" else 2)
+    m = replace(m, threads=t.block, buffers=2 if switch("VEGAFUSE_MMA_DOUBLE", True) else 1)
     arrays = lds_arrays(m)
     lds = sum(a.size * ITEMSIZE[a.dtype] for a in arrays)
     grid = m.row_tiles * sum(m.col_tiles(g) for g in m.segments)

@@ -16,16 +16,16 @@ another workgroup's writes within a launch.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 from . import loopir as L
 from . import ring
 from .hip import (CTYPE, HipKernel, _lds_size, _signature, _weights, file_scope, function_body, parameter, prelude_parts,
                   stmts)
-from .mapping import _lds_bytes, clear_of_templates, env_int, map_kernel
+from .mapping import _lds_bytes, clear_of_templates, map_kernel
 from .prelude import grid_barrier, prelude
 from .prelude import ring as prelude_ring
+from .env import env_int, switch
 
 
 def _phase_signature(k: L.Kernel, coherent: set, ring_phase: bool = False) -> str:
@@ -94,20 +94,11 @@ def _call(s: L.Phase, m: L.Kernel, ns: str, pad="  ", ring: bool = False) -> lis
             f"{pad}  {ns}::run(dim3(w), dim3({g}), {args});"]
 
 
-def switch(name: str, default: str, what: str) -> bool:
-    """An on/off switch: ``name`` in the environment, 1 or 0 (``default`` unset); ValueError naming it,
-    and ``what`` 1 turns on, for any other value."""
-    v = os.environ.get(name, default).strip() or default
-    if v not in ("0", "1"):
-        raise ValueError(f"{name}={v!r}: set it to 1 ({what}) or 0")
-    return v == "1"
-
-
 def ring_on(t) -> bool:
     """Do a persistent kernel's GEMV phases for ``t`` take their weights from a ring (``codegen/ring.py``):
     an NVIDIA target (bulk copies into LDS) and ``VEGAFUSE_PERSISTENT_RING`` 1, the default (0.99x of
     the separate kernels where the phases without it run at 0.87x, docs/performance.md)?"""
-    return switch("VEGAFUSE_PERSISTENT_RING", "1", "GEMV phases fed by a ring of weights") and \
+    return switch("VEGAFUSE_PERSISTENT_RING", True, "GEMV phases fed by a ring of weights") and \
         getattr(t, "vendor", "") == "nvidia"
 
 
@@ -130,7 +121,7 @@ def phase_target(t):
     """The target a persistent kernel's phases are mapped for: ``t``, with a float GEMV's RMSNorm in one
     pass where the ring is on (``Target.norm_after_dot``, every GEMV phase whose activation stays f32,
     ``mapping._float_norm_after_dot``; ``VEGAFUSE_PERSISTENT_NORM=0`` keeps two)."""
-    one = switch("VEGAFUSE_PERSISTENT_NORM", "1", "the ring phases' RMSNorm in one pass") and ring_on(t)
+    one = switch("VEGAFUSE_PERSISTENT_NORM", True, "the ring phases' RMSNorm in one pass") and ring_on(t)
     return replace(t, norm_after_dot=True) if one else t
 
 
@@ -146,13 +137,13 @@ def ring_evict_first() -> bool:
     a step streams its weights once, through an L2 far smaller than they are, and each phase's chain of
     small reads (activations, the norms' gains, biases, the KV cache) waits on HBM's latency under
     load where they have been pushed out (docs/performance.md)?"""
-    return switch("VEGAFUSE_PERSISTENT_EVICT_FIRST", "1", "the ring's weights first out of L2")
+    return switch("VEGAFUSE_PERSISTENT_EVICT_FIRST", True, "the ring's weights first out of L2")
 
 
 def ring_quiet() -> bool:
     """Does the ring's producer pause while its consumers wait at a grid barrier
     (``VEGAFUSE_PERSISTENT_QUIET``, default 1)?"""
-    return switch("VEGAFUSE_PERSISTENT_QUIET", "1", "the ring's producer pauses at grid barriers")
+    return switch("VEGAFUSE_PERSISTENT_QUIET", True, "the ring's producer pauses at grid barriers")
 
 
 def _ring_slots(t, per_cu: int, lds: int, static: int) -> int:
@@ -289,7 +280,7 @@ def trace_on() -> bool:
     thread 0 of each workgroup records its compute unit's clock at the launch's start, at each ring
     phase's activation staged and dot products done, at each phase's end and as it leaves each grid
     barrier (``engine.profile.phase_times`` reads them)?"""
-    return switch("VEGAFUSE_PERSISTENT_TRACE", "0", "stamp each phase's steps")
+    return switch("VEGAFUSE_PERSISTENT_TRACE", False, "stamp each phase's steps")
 
 
 _TRACE = """// VEGAFUSE_PERSISTENT_TRACE: thread 0 of each workgroup stamps its compute unit's clock at each step of each

@@ -18,9 +18,9 @@ unchanged on an NVIDIA GPU.  The helpers that lanes of one wave talk through:
 """
 from __future__ import annotations
 
-import os
-
+from .env import switch
 from .targets import Target
+
 _DEFINES = r"""#define VF_WAVE {wave}
 #define VF_BLOCK {block}
 #define VF_WAVES (VF_BLOCK / VF_WAVE)
@@ -429,7 +429,7 @@ _MMA_NV64 = dict(how="a 64-lane wave is two warps, each computing one n8 half", 
 
 def ldmatrix() -> bool:
     """NVIDIA fragments loaded by ldmatrix; ``VEGAFUSE_MMA_LDMATRIX=0``: by 4-byte LDS loads (A/B)."""
-    return os.environ.get("VEGAFUSE_MMA_LDMATRIX", "1") != "0"
+    return switch("VEGAFUSE_MMA_LDMATRIX", True)
 
 
 def _mma_nv(t: Target) -> str:
@@ -1157,7 +1157,7 @@ def _nv_wave(t: Target) -> str:
 
 def nv_int8() -> str:
     """The int8 GEMV's NVIDIA helpers (``VEGAFUSE_NV_LDG=0``: quant blocks by a plain load)."""
-    return _NV_INT8 + _NV_LOAD_QUANTS[os.environ.get("VEGAFUSE_NV_LDG", "1") != "0"]
+    return _NV_INT8 + _NV_LOAD_QUANTS[switch("VEGAFUSE_NV_LDG", True)]
 
 
 def prelude(t: Target, act: str | None = None, quant: bool = False, attention: bool = False, mma: bool = False,

@@ -26,16 +26,16 @@ The mapping applies it to the int8 path, and to a float GEMV where the target as
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import replace
 
 from . import loopir as L
+from .env import switch
 
 
 def enabled() -> bool:
     """``VEGAFUSE_NORM_AFTER_DOT=0``: the lowered two-pass prologue (A/B)."""
-    return os.environ.get("VEGAFUSE_NORM_AFTER_DOT", "1") != "0"
+    return switch("VEGAFUSE_NORM_AFTER_DOT", True)
 
 
 def _uses(body, name) -> int:

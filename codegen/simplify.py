@@ -29,12 +29,12 @@ keeps that shape.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import MISSING, fields, is_dataclass, replace
 from typing import get_args
 
 from . import loopir as L
+from .env import switch
 
 I32_MIN, I32_MAX = -2 ** 31, 2 ** 31 - 1
 FULL = (I32_MIN, I32_MAX)
@@ -635,7 +635,7 @@ def simplify(kernel):
     re-estimated from the new body (``loopir.traffic``).  The pipeline runs it on every kernel
     (``engine.pipeline.lower_program``)."""
     body = fold(kernel.body, {})
-    if kernel.family in ("reduce", "loop") and os.environ.get("VEGAFUSE_MERGE_REDUCE", "1") != "0":
+    if kernel.family in ("reduce", "loop") and switch("VEGAFUSE_MERGE_REDUCE", True):
         body = merge_reductions(body)
     taken, ours = all_names(kernel), set()
     readonly = {p.name for p in kernel.params if p.role == "in" and p.kind == "buffer"}

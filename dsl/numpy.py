@@ -120,7 +120,15 @@ def __dir__():
     return sorted(set(globals()) | {n for n in dir(_dsl) if not n.startswith("_")})
 
 
-class linalg:  # noqa: N801  (jnp.linalg)
+class _Partial(type):
+    """A jnp submodule of which some names are here: any other is "not supported yet", as for jnp's own."""
+
+    def __getattr__(cls, name):
+        raise AttributeError(f"'dsl.numpy.{cls.__name__}' has no attribute {name!r} (not supported yet; "
+                             "see docs/jax.md for what is)")
+
+
+class linalg(metaclass=_Partial):  # noqa: N801  (jnp.linalg)
     """``jnp.linalg``: ``norm`` only."""
 
     @staticmethod

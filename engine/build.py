@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from codegen.loopir import Kernel, canonicalize
 from engine.codecache import CodeCache, cache_key, default_cache_dir, warn
 from engine.progress import progress
+from codegen.env import switch
 
 # Switches that never change generated code: left out of render keys.
 _NOT_CODEGEN = {"VEGAFUSE_CACHE", "VEGAFUSE_CACHE_DIR", "VEGAFUSE_DEBUG", "VEGAFUSE_PLAN_CACHE",
@@ -157,7 +158,7 @@ def code_cache() -> CodeCache:
     """The process-wide :class:`CodeCache` (made again if ``VEGAFUSE_CACHE_DIR`` or
     ``VEGAFUSE_CACHE`` changed; ``VEGAFUSE_CACHE=0``: a cache that holds nothing)."""
     global _cache
-    enabled = os.environ.get("VEGAFUSE_CACHE", "1") != "0"
+    enabled = switch("VEGAFUSE_CACHE", True)
     if _cache is None or _cache.root != default_cache_dir() or _cache.enabled != enabled:
         _cache = CodeCache(enabled=enabled)
     return _cache
@@ -187,7 +188,7 @@ def render(kernels, compiler: Compiler, cache: CodeCache | None = None) -> list[
 def _render_cached(compiler: Compiler, canonical: Kernel, loop_ir: str, cache: CodeCache | None):
     """``compiler.render(canonical)``, through the disk cache where the compiler has a render key."""
     parts = compiler.render_key()
-    if parts is None or os.environ.get("VEGAFUSE_RENDER_CACHE", "1") == "0":
+    if parts is None or not switch("VEGAFUSE_RENDER_CACHE", True):
         _count("renders")
         return compiler.render(canonical)
 

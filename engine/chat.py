@@ -8,12 +8,12 @@ otherwise they are read plainly from standard input.  Statistics and notices go 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 from .errors import ModelError, Parser, run_cli
 from .sampling import settings_error
+from codegen.env import switch
 
 HELP = """commands:
   /reset        forget the conversation (the system prompt stays)
@@ -110,7 +110,7 @@ class Conversation:
             del self.turns[:dropped]
             on_notice(f"context full: dropped the oldest {dropped} turn{'s' * (dropped > 1)} "
                       f"({len(self.turns)} kept)")
-        start, reuse = 0, os.environ.get("VEGAFUSE_CHAT_REUSE", "1") != "0"    # 0: prefill it all, for A/B
+        start, reuse = 0, switch("VEGAFUSE_CHAT_REUSE", True)    # 0: prefill it all, for A/B
         while reuse and start < min(len(ids) - 1, len(self.cached)) and ids[start] == self.cached[start]:
             start += 1
         feed, pieces = _Continuation(self.model, start), []

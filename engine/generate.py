@@ -19,7 +19,9 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import ModelError, Parser, run_cli
+from .progress import streaming
 from .sampling import is_eos, sample, settings_error
+from codegen.env import switch
 
 
 class Finished(NamedTuple):
@@ -51,7 +53,7 @@ def _on_device(model, repeat_penalty) -> bool:
     run is verified (``engine.verify`` checks the kernels of executable calls, one at a time)."""
     from .verify import active
     return (repeat_penalty == 1 and hasattr(model, "decode_ids") and getattr(model, "backend", "") in ("cuda", "hip")
-            and os.environ.get("VEGAFUSE_DEVICE_SAMPLING", "1") != "0" and active() is None)
+            and switch("VEGAFUSE_DEVICE_SAMPLING", True) and active() is None)
 
 
 def stream(model, tokenizer, prompt_ids, max_tokens=128, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -256,7 +258,7 @@ def run(args):
                          "shorten the prompt or raise --context")
     # the first token needs only the prefill: the decode step compiles after it is shown
     # (VEGAFUSE_PREFILL_FIRST=0: both before the prefill, for A/B)
-    model.compile(len(prompt_ids), decode=os.environ.get("VEGAFUSE_PREFILL_FIRST", "1") == "0")
+    model.compile(len(prompt_ids), decode=not switch("VEGAFUSE_PREFILL_FIRST", True))
     max_tokens = min(args.max_tokens, model.context - len(prompt_ids))
 
     def emit(piece):
@@ -264,7 +266,7 @@ def run(args):
             sys.stdout.write(piece)
             sys.stdout.flush()
     from .verify import checking
-    with checking() if args.verify else contextlib.nullcontext() as checked:
+    with checking() if args.verify else contextlib.nullcontext() as checked, streaming():
         for out in stream(model, tok, prompt_ids, max_tokens, args.temperature, args.top_k, args.top_p,
                           args.min_p, args.repeat_penalty, args.seed, eos, args.stop, args.repeat_last_n):
             if isinstance(out, str) and not args.json:

@@ -30,6 +30,7 @@ from dsl.core import DTYPES, QUANT_DTYPES, DSLError, Lit, Program, Var, check_sh
 from engine.build import build, render, text_of
 from engine.executable import Executable, get_device
 from fusion import build_plan, enabled_rules
+from codegen.env import switch
 
 
 
@@ -84,7 +85,7 @@ def cached_plan(traced, rules, lower):
     """``lower()``'s plan through the disk cache: keyed by ``plan_cache_key`` (the program's IR
     text and source lines, its inputs' names and donations, the rules, the compiler's sources), written atomically,
     lowered again when an entry does not load.  ``VEGAFUSE_PLAN_CACHE=0`` turns it off."""
-    if os.environ.get("VEGAFUSE_PLAN_CACHE", "1") == "0":
+    if not switch("VEGAFUSE_PLAN_CACHE", True):
         return lower()
     from engine.build import code_cache
     built = []

@@ -4,23 +4,45 @@
         ...
 
 A bar is drawn only when stderr is a terminal (never into a pipe, a file or a test's captured
-output) and ``VEGAFUSE_PROGRESS`` is not ``0``; otherwise :func:`progress` returns the iterable
-itself.  A step shorter than ``delay`` seconds shows nothing.
+output), ``VEGAFUSE_PROGRESS`` is not ``0`` and no generated text is streaming to the terminal
+(:func:`streaming`); otherwise :func:`progress` returns the iterable itself.  A step shorter than
+``delay`` seconds shows nothing.
 """
 from __future__ import annotations
 
-import os
+import contextlib
 import sys
+
+from codegen.env import switch
+
+
+_STREAMING = []        # text is being written to stdout (``streaming``)
+
+
+def _tty(f) -> bool:
+    try:
+        return f.isatty()
+    except (AttributeError, ValueError):             # replaced by an object without isatty, or closed
+        return False
 
 
 def shown() -> bool:
-    """Are progress bars drawn: stderr is a terminal and ``VEGAFUSE_PROGRESS`` is not ``0``."""
-    if os.environ.get("VEGAFUSE_PROGRESS", "1") == "0":
+    """Are progress bars drawn: stderr is a terminal, ``VEGAFUSE_PROGRESS`` is not ``0``, and no text
+    is being streamed to stdout on a terminal (``streaming``: a bar would draw over its line)."""
+    if not switch("VEGAFUSE_PROGRESS", True):
         return False
+    return _tty(sys.stderr) and not (_STREAMING and _tty(sys.stdout))
+
+
+@contextlib.contextmanager
+def streaming():
+    """While generated text goes to stdout a piece at a time (``engine.generate``: the decode step
+    compiles after the first token is shown), draw no bar: on a terminal it shares the text's line."""
+    _STREAMING.append(True)
     try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):             # replaced by an object without isatty, or closed
-        return False
+        yield
+    finally:
+        _STREAMING.pop()
 
 
 def progress(iterable, desc: str, total: int | None = None, unit: str = "it", delay: float = 0.3):

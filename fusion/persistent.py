@@ -23,6 +23,7 @@ import re
 from dataclasses import replace
 
 from codegen import loopir as L
+from codegen.env import env_int, switch
 
 
 def enabled(target) -> bool:
@@ -30,8 +31,7 @@ def enabled(target) -> bool:
     for a device without one, the CPU)?  ValueError (one line naming it) for a bad value of the switch
     or of any other ``VEGAFUSE_PERSISTENT_*`` switch, whatever the device."""
     from codegen import persistent as P
-    from codegen.mapping import env_int
-    on = P.switch("VEGAFUSE_PERSISTENT", "0", "a run of kernels as one persistent kernel")
+    on = switch("VEGAFUSE_PERSISTENT", False, "a run of kernels as one persistent kernel")
     P.ring_on(target), P.phase_target(target)       # every switch's value checked here, whatever the device
     P.workgroups_per_cu(), P.ring_flight(), P.ring_quiet(), P.ring_evict_first(), P.trace_on()
     env_int("VEGAFUSE_PERSISTENT_PREFETCH", 0, 0, "a number of bytes (0: none)")

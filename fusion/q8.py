@@ -31,23 +31,23 @@ row itself, ``codegen/llvm.py`` ``int8_gemv``).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import numpy as np
 
 from codegen import loopir as L
+from codegen.env import env_choice, switch
 
 
 def enabled() -> bool:
     """Is the step on (``VEGAFUSE_Q8_PRODUCER``, and activations quantized at all)?"""
-    return (os.environ.get("VEGAFUSE_Q8_PRODUCER", "1") != "0"
-            and os.environ.get("VEGAFUSE_QUANT_ACT", "q8_1") != "float")
+    return (switch("VEGAFUSE_Q8_PRODUCER", True)
+            and env_choice("VEGAFUSE_QUANT_ACT", ("q8_1", "float"), "q8_1") != "float")
 
 
 def norm_enabled() -> bool:
     """Is the normalizing consumer's quantization moved to its producer too (``VEGAFUSE_NORM_AT_PRODUCER``)?"""
-    return os.environ.get("VEGAFUSE_NORM_AT_PRODUCER", "1") != "0"
+    return switch("VEGAFUSE_NORM_AT_PRODUCER", True)
 
 
 def normed_fill(k: L.Kernel):

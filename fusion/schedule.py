@@ -14,7 +14,6 @@ Kernel families and their loop nests (``rows`` are the output's leading dims):
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field, replace
 
@@ -28,6 +27,7 @@ from .loops import scan_kernel
 from .lower import LOWER, Builder, Unfusable, fresh, grid_value, unravel, wrap_index
 from .naming import buffer_name, c_safe, kernel_names
 from .partition import UPDATES, Graph, enabled_rules, is_scalar_param, materialize, plan_epilogues, plan_stores
+from codegen.env import switch
 
 
 
@@ -718,9 +718,9 @@ def plan_switches() -> dict:
     keeps sibling reductions in passes of their own (``codegen.simplify.merge_reductions``);
     ``VEGAFUSE_GATHER_KERNEL=0`` keeps a quantized table's gather inside the matmul that reads it
     (``fusion.partition._quantized_gathers``)."""
-    return {"matmul": os.environ.get("VEGAFUSE_MATMUL", "1") != "0",
-            "merge_reduce": os.environ.get("VEGAFUSE_MERGE_REDUCE", "1") != "0",
-            "gather_kernel": os.environ.get("VEGAFUSE_GATHER_KERNEL", "1") != "0"}
+    return {"matmul": switch("VEGAFUSE_MATMUL", True),
+            "merge_reduce": switch("VEGAFUSE_MERGE_REDUCE", True),
+            "gather_kernel": switch("VEGAFUSE_GATHER_KERNEL", True)}
 
 
 def row_tile(T: int, K: int) -> int:

@@ -785,6 +785,23 @@ SWITCHED = {   # backends that are the emulated GPU path with switches set
 }
 
 
+BACKENDS = ("cpu", "cpu+gfx906", "emu", "emu-persistent", "emu-ring", "cuda", "hip")
+
+
+def for_backend(src, backend):
+    """``src`` (a script of ``source``, which runs on the CPU) set to run as the fuzzer ran it on
+    ``backend``: its device and its switches (``SWITCHED``)."""
+    base = backend.removesuffix("+gfx906")
+    if base == "cpu":
+        return src if base == backend else "# every kernel also compiled for gfx906 (tests/fuzz.py _compile_gfx906)\n" + src
+    device = repr(base)
+    if base.startswith("emu"):
+        src = "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in SWITCHED.get(base, {}).items()) + \
+            "from tests.emu_device import emu_backend  # noqa: E402\n" + src
+        src, device = "import os\n" + src, "emu_backend()"
+    return src.replace("jf = dsl.jit(f", f"jf = dsl.jit(f, backend={device}", 1)
+
+
 def run_source(src, backend="cpu"):
     """Run a script written by ``source``; returns (status, detail).  ``backend`` "emu-persistent":
     the emulated GPU path with ``VEGAFUSE_PERSISTENT=1`` (runs of kernels as one persistent kernel) and
@@ -1175,6 +1192,14 @@ def main(argv=None):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--indices", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.backend not in BACKENDS:
+        ap.error(f"--backend {a.backend}: choose one of {', '.join(BACKENDS)}")
+    if a.backend in ("cuda", "hip") and not a.worker:
+        from engine.devices.probe import BackendUnavailable, check_backend
+        try:
+            check_backend(a.backend)
+        except BackendUnavailable as e:
+            ap.error(str(e))
     seed = a.seed if a.seed is not None else int(np.random.SeedSequence().entropy % 2 ** 31)
     if a.worker:
         worker(seed, [int(i) for i in a.indices.split(",") if i], a.backend, not a.no_shrink,
@@ -1187,7 +1212,7 @@ def main(argv=None):
     print(f"({counts['invalid']} of the ok were invalid programs rejected with a DSLError)")
     for f in sorted(failures, key=lambda r: r["index"]):
         print(f"\n# --- program {f['index']} (seed {seed}): {f['status']}: {f['detail']}")
-        print(f.get("repro", ""))
+        print(for_backend(f["repro"], a.backend) if f.get("repro") else "")
     return 1 if failures else 0
 
 

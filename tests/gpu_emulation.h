@@ -11,7 +11,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <chrono>
 #include <vector>
 using std::max;
@@ -45,22 +44,25 @@ static void vf_emu_prepare(vf_emu_context* c, char* stack, size_t size, void (*e
   makecontext(&c->u, entry, 0);
 }
 #endif
-// a fiber's stack: as large as an OS thread's (a kernel's local arrays may be large), taken from memory as it is
-// touched, with a page below it that faults instead of an overflow writing into another fiber's stack
+// the fibers' stacks of a launch, one mapping (the process's count of mappings is limited): each as large as an OS
+// thread's (a kernel's local arrays may be large), taken from memory as it is touched, with a page below it that
+// faults instead of an overflow writing into another fiber's stack; given back when the launch ends
 static constexpr size_t VF_EMU_STACK = 8 << 20, VF_EMU_GUARD = 1 << 16;
-struct vf_emu_stack {
-  char* base = nullptr;
-  vf_emu_stack() {
-    void* m = mmap(nullptr, VF_EMU_GUARD + VF_EMU_STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (m == MAP_FAILED) { perror("emulation: a fiber's stack"); abort(); }
-    mprotect(m, VF_EMU_GUARD, PROT_NONE);
-    base = (char*)m + VF_EMU_GUARD;
+struct vf_emu_stacks {
+  char* region;
+  size_t n;
+  explicit vf_emu_stacks(size_t fibers) : n(fibers) {
+    void* m = mmap(nullptr, n * (VF_EMU_GUARD + VF_EMU_STACK), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) { perror("emulation: the fibers' stacks"); abort(); }
+    region = (char*)m;
+    for (size_t i = 0; i < n; ++i) mprotect(region + i * (VF_EMU_GUARD + VF_EMU_STACK), VF_EMU_GUARD, PROT_NONE);
   }
-  ~vf_emu_stack() { munmap(base - VF_EMU_GUARD, VF_EMU_GUARD + VF_EMU_STACK); }
-  vf_emu_stack(const vf_emu_stack&) = delete;
+  ~vf_emu_stacks() { munmap(region, n * (VF_EMU_GUARD + VF_EMU_STACK)); }
+  char* operator[](size_t i) const { return region + i * (VF_EMU_GUARD + VF_EMU_STACK) + VF_EMU_GUARD; }
 };
-// the fibers: one a GPU thread of the workgroup, each with its own stack (kept from launch to launch)
-struct vf_emu_fiber { vf_emu_context context; std::unique_ptr<vf_emu_stack> stack; bool done; };
+// the fibers: one a GPU thread of the workgroup
+struct vf_emu_fiber { vf_emu_context context; bool done; };
 static std::vector<vf_emu_fiber> vf_emu_fibers;
 static vf_emu_context vf_emu_caller;           // the launch's own context, back when every fiber is done
 static unsigned vf_emu_running, vf_emu_left;
@@ -75,11 +77,14 @@ static void vf_emu_check_deadlock(unsigned n, unsigned arrived) {
 }
 static void (*vf_emu_body)(void*);
 static void* vf_emu_closure;
-// the next fiber not done after the running one, round the workgroup (the running one when it is the last)
+// the next fiber not done after the running one, round the workgroup (the running one when it is the last), in
+// the order of vf_emu_step: up, or down after each workgroup barrier that came up (so that a write and a read of
+// LDS with no barrier between them meet in both orders, one of which gives a wrong value, as a GPU may)
+static unsigned vf_emu_step = 1;
 static inline unsigned vf_emu_next() {
   const unsigned n = (unsigned)vf_emu_fibers.size();
   unsigned f = vf_emu_running;
-  do f = (f + 1) % n; while (vf_emu_fibers[f].done && f != vf_emu_running);
+  do f = (f + vf_emu_step) % n; while (vf_emu_fibers[f].done && f != vf_emu_running);
   return f;
 }
 // the running fiber waits: the next one runs until it waits in turn
@@ -99,24 +104,26 @@ static void vf_emu_start() {
   vf_emu_running = threadIdx.x = vf_emu_next();
   vf_emu_switch(&self.context, &vf_emu_fibers[vf_emu_running].context);
 }
-// run body(closure) as `threads` fibers, threadIdx.x 0 to threads - 1, until every one has returned
-static void vf_emu_run(unsigned threads, void (*body)(void*), void* closure) {
+// run body(closure) as `threads` fibers on `stacks`, threadIdx.x 0 to threads - 1, until every one has returned
+static void vf_emu_run(unsigned threads, void (*body)(void*), void* closure, const vf_emu_stacks& stacks) {
   vf_emu_fibers.resize(threads);
   vf_emu_body = body;
   vf_emu_closure = closure;
-  for (auto& f : vf_emu_fibers) {
-    if (!f.stack) f.stack.reset(new vf_emu_stack);
-    vf_emu_prepare(&f.context, f.stack->base, VF_EMU_STACK, vf_emu_start);
-    f.done = false;
+  for (unsigned t = 0; t < threads; ++t) {
+    vf_emu_prepare(&vf_emu_fibers[t].context, stacks[t], VF_EMU_STACK, vf_emu_start);
+    vf_emu_fibers[t].done = false;
   }
   vf_emu_left = threads;
   vf_emu_blocked = 0;
+  vf_emu_step = 1;
   vf_emu_running = threadIdx.x = 0;
   vf_emu_switch(&vf_emu_caller, &vf_emu_fibers[0].context);
 }
 // a barrier of n fibers: the last to arrive goes on, the others wait until it has.  When every fiber not done
 // waits at a barrier, none can complete: the kernel would hang on a GPU too (a barrier some of its threads
 // never reach, or reach after returning), and the emulation stops with that line, not a hang
+struct vf_emu_barrier;
+static vf_emu_barrier* vf_emu_block;   // __syncthreads: VF_SYNC_THREADS (a persistent kernel's ring: its consumers)
 struct vf_emu_barrier {
   unsigned n, arrived = 0, generation = 0;
   void arrive_and_wait() {
@@ -125,6 +132,7 @@ struct vf_emu_barrier {
       vf_emu_blocked -= n - 1;
       arrived = 0;
       ++generation;
+      if (this == vf_emu_block) vf_emu_step = vf_emu_fibers.size() - vf_emu_step;   // the other way round
       return;
     }
     ++vf_emu_blocked;
@@ -132,7 +140,6 @@ struct vf_emu_barrier {
     while (generation == g) vf_emu_yield();
   }
 };
-static vf_emu_barrier* vf_emu_block;   // __syncthreads: VF_SYNC_THREADS (a persistent kernel's ring: its consumers)
 static vf_emu_barrier* vf_emu_all;     // every thread of the workgroup
 #ifndef VF_SYNC_THREADS
 #define VF_SYNC_THREADS VF_ATT_BLOCK
@@ -305,9 +312,10 @@ static int vf_emu_reversed = 0;
     vf_emu_block = &block;                                                                          \
     vf_emu_all = &all;                                                                              \
     vf_emu_waves.assign(VF_ATT_BLOCK / VF_WAVE, vf_emu_barrier{VF_WAVE});                           \
+    const vf_emu_stacks stacks(VF_ATT_BLOCK);                                                       \
     gridDim.x = grid;                                                                               \
     for (int b = 0; b < grid; ++b) {                                                               \
       blockIdx.x = vf_emu_reversed ? grid - 1 - b : b;                                              \
-      vf_emu_run(VF_ATT_BLOCK, [](void* p) { void** a = (void**)p; KERNEL(__VA_ARGS__); }, a);       \
+      vf_emu_run(VF_ATT_BLOCK, [](void* p) { void** a = (void**)p; KERNEL(__VA_ARGS__); }, a, stacks); \
     }                                                                                               \
   }

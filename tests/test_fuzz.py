@@ -108,3 +108,28 @@ def test_a_predicate_on_its_tie_may_go_either_way_and_only_that_is_excused():
     def g(x):
         return dsl.lax.cond(x.sum() > x.sum() + 1.0, lambda t: t * 2.0, lambda t: t - 1.0, x),
     assert fuzz._ties_flipped(dsl.jit(g).lower(x).program, [x], 1e-4, 1.0) is None
+
+
+def test_a_reproduction_runs_on_the_backend_and_switches_it_failed_with():
+    """The printed script of a failure (``fuzz.for_backend``) sets the device and the switches of the run
+    that found it, so that it fails again as it did: the emulated GPU with the persistent kernel's ring."""
+    import os
+    import subprocess
+    import sys
+    src = fuzz.for_backend(fuzz.program_source(7, 0)[0], "emu-ring")
+    src += "print('ran on', jf.backend, os.environ['VEGAFUSE_PERSISTENT'], os.environ['VEGAFUSE_PERSISTENT_RING'])\n"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", src], cwd=root, capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("VEGAFUSE_PERSISTENT")})
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == "ran on emu 1 1", (r.stdout, r.stderr)
+    assert fuzz.for_backend("jf = dsl.jit(f, donate_argnums=(0,))\n", "cuda") == \
+        "jf = dsl.jit(f, backend='cuda', donate_argnums=(0,))\n"
+
+
+def test_a_backend_the_fuzzer_cannot_run_is_one_error_before_any_program():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "tests.fuzz", "-n", "3", "--backend", "bogus"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.splitlines()[-1] == \
+        "fuzz.py: error: --backend bogus: choose one of " + ", ".join(fuzz.BACKENDS), r.stderr

@@ -93,7 +93,8 @@ def test_inspect_cli():
     assert r.returncode == 0 and "__shared__ vf_half act[576]" in r.stdout and "vf_dot8_h(" in r.stdout
     r = subprocess.run([sys.executable, "-m", "codegen.inspect", "--kernel", "nonexistent"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2 and r.stderr.startswith("error:")
+    assert r.returncode == 2 and r.stderr.startswith("error: --kernel 'nonexistent' matches 0 kernels; give a kernel's "
+                                                     "name") and "layers_0_causal_attention" in r.stderr
 
 
 def _plan(f, *args):

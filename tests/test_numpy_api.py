@@ -401,3 +401,15 @@ def test_jnp_compositions_against_numpy():
                                    equal_nan=True, err_msg=str(i))
     with pytest.raises(AttributeError, match="dsl.numpy"):
         jnp.core
+
+
+def test_a_name_jnp_has_that_is_not_here_yet_says_so_in_submodules_too():
+    """``jnp.fft`` and ``jnp.linalg.inv`` are jnp's, not ours yet: one line saying so and where to look
+    (``jnp.linalg.inv`` once raised a bare AttributeError of the class)."""
+    import dsl.numpy as jnp
+    for get in (lambda: jnp.fft, lambda: jnp.linalg.inv):
+        with pytest.raises(AttributeError, match=r"has no attribute '(fft|inv)' \(not supported yet; see docs/jax.md"):
+            get()
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(dsl.jit(lambda x: jnp.linalg.norm(x, axis=1))(x)),
+                               np.linalg.norm(x.astype(np.float64), axis=1), rtol=1e-5)

@@ -203,6 +203,41 @@ def test_progress_is_drawn_on_a_terminal_only():
     assert "building kernels" in shown and "4/4" in shown, shown
 
 
+STREAMING = r"""
+import time
+from engine.progress import progress, streaming
+with streaming():
+    print(" Paris", end="", flush=True)           # the first token, then the decode step compiles
+    for _ in progress(range(4), "building kernels", unit="kernel", delay=0):
+        time.sleep(0.05)
+    print(".", flush=True)
+"""
+
+
+def test_no_bar_draws_over_text_streaming_to_the_same_terminal():
+    """``engine.generate`` shows the first token before the decode step compiles: with stdout and
+    stderr on one terminal, a bar would start on the text's line and blank it when it closes."""
+    master, slave = pty.openpty()
+    import fcntl
+    import termios
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    p = subprocess.Popen([sys.executable, "-c", STREAMING], cwd=REPO, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 1 << 16)
+        except OSError:                            # the child closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert p.wait(60) == 0
+    shown = b"".join(chunks).decode(errors="replace")
+    assert shown.replace("\r\n", "\n") == " Paris.\n", repr(shown)
+
+
 def test_run_script_once_set_up_costs_nothing(tmp_path):
     """``./run``: with the set-up recorded (its stamp newer than pyproject.toml, for this Python) it
     installs nothing and runs the command straight away."""
@@ -358,3 +393,16 @@ def test_a_warm_engine_process_traces_nothing(tiny, tmp_path):
     assert cold["misses"] == 2 and cold["hits"] == 0 and cold["compiles"] >= 2
     assert warm["hits"] == 2 and warm["misses"] == 0 and warm["compiles"] == warm["renders"] == 0
     assert warm_ids == ids and len(ids) >= 1
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("VEGAFUSE_CACHE", "false", "VEGAFUSE_CACHE='false': set it to 1 or 0, or unset it (default 1)"),
+    ("VEGAFUSE_CPU_VNNI", "off", "VEGAFUSE_CPU_VNNI='off': set it to one of 512, 256, 0, or unset it (default 512)"),
+    ("VEGAFUSE_CPU_COLUMNS", "many", "VEGAFUSE_CPU_COLUMNS='many' is not a whole number; set it to one "
+                                     "(e.g. VEGAFUSE_CPU_COLUMNS=4096) or unset it")])
+def test_a_switch_with_a_value_it_does_not_take_is_one_line_naming_it(name, value, message):
+    """An on/off switch, one of a few words, a whole number (``codegen.env``): each once took any other
+    value as its default, silently (an A/B of ``VEGAFUSE_CPU_VNNI=off`` measured the default twice)."""
+    r = subprocess.run([sys.executable, "-m", "engine.generate", "-n", "2", "Hi"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, name: value})
+    assert r.returncode == 2 and r.stderr == f"error: {message}\n", r.stderr

@@ -42,6 +42,7 @@ import numpy as np
 from dsl.quant import storage
 import llvmlite.binding as llvm
 
+from codegen.env import env_choice
 from codegen.llvm import render_llvm
 from codegen.loopir import Attention, Const, Kernel, Load, Loop, Reduce, Store, plain, walk_exprs, walk_stmts
 from engine.build import Compiler, build, render, render_switches
@@ -638,9 +639,9 @@ class LLVMCompiler(Compiler):
         (``VEGAFUSE_CPU_VNNI=0``: the generic vector code LLVM lowers itself, the A/B switch), its
         512-bit form, two weight blocks a step, where it has AVX-512 VNNI and BW
         (``VEGAFUSE_CPU_VNNI=256``: the 256-bit form, a block at a time)."""
-        feats, switch = llvm.get_host_cpu_features(), os.environ.get("VEGAFUSE_CPU_VNNI", "512")
-        vnni = bool(feats.get("avx512vnni") and feats.get("avx512vl") or feats.get("avxvnni")) and switch != "0"
-        wide = vnni and bool(feats.get("avx512vnni") and feats.get("avx512bw")) and switch != "256"
+        feats, mode = llvm.get_host_cpu_features(), env_choice("VEGAFUSE_CPU_VNNI", ("512", "256", "0"), "512")
+        vnni = bool(feats.get("avx512vnni") and feats.get("avx512vl") or feats.get("avxvnni")) and mode != "0"
+        wide = vnni and bool(feats.get("avx512vnni") and feats.get("avx512bw")) and mode != "256"
         return render_llvm(kernel, vnni=512 if wide else 256 if vnni else 0)
 
     def render_key(self) -> dict:

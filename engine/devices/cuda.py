@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from codegen.env import env_int, switch
 from codegen.hip import render_hip
-from codegen.mapping import env_int
 from codegen.targets import get_target
 from engine.build import Compiler
 from engine.devices.gpu import NP_DTYPES, DeviceArray, GPUDevice, GPUKernel, Launch, Plan, ScalarSlots  # noqa: F401
@@ -115,8 +115,8 @@ class CUDADevice(GPUDevice):
         else:
             self.target = replace(get_target("sm_90"), name=self.arch)
         self.stream = _check(drv.cuStreamCreate(0), "cuStreamCreate")
-        self.graphs = (os.environ.get("VEGAFUSE_CUDA_GRAPHS", "1") != "0") if graphs is None else graphs
-        self.sync_each = os.environ.get("VEGAFUSE_SYNC", "0") == "1"
+        self.graphs = switch("VEGAFUSE_CUDA_GRAPHS", True) if graphs is None else graphs
+        self.sync_each = switch("VEGAFUSE_SYNC", False)
         # programmatic dependent launch on Hopper and newer, as the target table says (sm_90: on; see
         # Target.pdl); VEGAFUSE_CUDA_PDL=0 turns it off, =1 on, for A/B runs; VEGAFUSE_PDL_PREFETCH=BYTES
         # sets how much of each weight a GEMV asks of L2 before its wait (Target.pdl_prefetch)

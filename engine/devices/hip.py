@@ -15,11 +15,10 @@ Kernels are compiled by :mod:`engine.build` with the hiprtc compiler of
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from codegen.codeobject import CodeObject, pack_kernargs  # noqa: F401  (CodeObject: importable from here too)
+from codegen.env import switch
 from engine.devices.gpu import NP_DTYPES, DeviceArray, GPUDevice, GPUKernel, ScalarSlots  # noqa: F401
 from engine.devices.rocm import (  # noqa: F401  (compile_hip, HipCompileError: importable from here too)
     INSTALL_HINT, HipCompileError, HiprtcCompiler, HipUnavailable, amd_target, compile_hip, find_hiprtc)
@@ -121,8 +120,8 @@ class HIPDevice(GPUDevice):
         self.arch = arch
         self.target = amd_target(arch)
         self._compiler = None
-        self.sync_each = os.environ.get("VEGAFUSE_SYNC", "0") == "1"
-        self.graphs = os.environ.get("VEGAFUSE_HIP_GRAPHS", "0") == "1"          # default off: see the class
+        self.sync_each = switch("VEGAFUSE_SYNC", False)
+        self.graphs = switch("VEGAFUSE_HIP_GRAPHS", False)          # default off: see the class
         self.online, self.stream, self.index = False, None, None
         self.hip = _Offline()
         self._functions = {}
