@@ -178,14 +178,15 @@ print("done")
 """
 
 
-def test_progress_is_drawn_on_a_terminal_only():
-    piped = subprocess.run([sys.executable, "-c", PROGRESS], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert piped.returncode == 0 and piped.stdout == "done\n" and piped.stderr == ""
-    master, slave = pty.openpty()
+def on_a_terminal(script: str, stdout_too: bool):
+    """Run ``script`` with its stderr (and, ``stdout_too``, its stdout) on a pseudo-terminal 100 columns
+    wide: (exit code, its stdout when piped, what the terminal showed)."""
     import fcntl
     import termios
+    master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    p = subprocess.Popen([sys.executable, "-c", PROGRESS], cwd=REPO, stdout=subprocess.PIPE, stderr=slave)
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=slave if stdout_too else subprocess.PIPE,
+                         stderr=slave)
     os.close(slave)
     out, _ = p.communicate(timeout=60)
     chunks = []
@@ -198,8 +199,14 @@ def test_progress_is_drawn_on_a_terminal_only():
             break
         chunks.append(data)
     os.close(master)
-    shown = b"".join(chunks).decode(errors="replace")
-    assert p.returncode == 0 and out == b"done\n"
+    return p.returncode, out, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_is_drawn_on_a_terminal_only():
+    piped = subprocess.run([sys.executable, "-c", PROGRESS], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 0 and piped.stdout == "done\n" and piped.stderr == ""
+    rc, out, shown = on_a_terminal(PROGRESS, stdout_too=False)
+    assert rc == 0 and out == b"done\n"
     assert "building kernels" in shown and "4/4" in shown, shown
 
 
@@ -217,25 +224,8 @@ with streaming():
 def test_no_bar_draws_over_text_streaming_to_the_same_terminal():
     """``engine.generate`` shows the first token before the decode step compiles: with stdout and
     stderr on one terminal, a bar would start on the text's line and blank it when it closes."""
-    master, slave = pty.openpty()
-    import fcntl
-    import termios
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    p = subprocess.Popen([sys.executable, "-c", STREAMING], cwd=REPO, stdout=slave, stderr=slave)
-    os.close(slave)
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 1 << 16)
-        except OSError:                            # the child closed its end
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
-    assert p.wait(60) == 0
-    shown = b"".join(chunks).decode(errors="replace")
-    assert shown.replace("\r\n", "\n") == " Paris.\n", repr(shown)
+    rc, _, shown = on_a_terminal(STREAMING, stdout_too=True)
+    assert rc == 0 and shown.replace("\r\n", "\n") == " Paris.\n", repr(shown)
 
 
 def test_run_script_once_set_up_costs_nothing(tmp_path):
