@@ -1,5 +1,5 @@
-// The GPU kernel text run on the CPU (tests/test_attention_gpu.py): each GPU thread of a workgroup is a fiber
-// (ucontext) on the calling thread, the workgroups of a grid in turn.  A fiber runs until it waits (__syncthreads,
+// The GPU kernel text run on the CPU (tests/test_attention_gpu.py): each GPU thread of a workgroup is a fiber (a
+// stack of its own) on the calling thread, the workgroups of a grid in turn.  A fiber runs until it waits (__syncthreads,
 // the wave's lane exchange, an mbarrier, a poll), then the next one runs: a barrier of a workgroup's threads costs
 // a switch a thread, not a wake-up of hundreds of OS threads.  __shared__ is a static (one workgroup at a time),
 // and the prelude's target helpers are written out in plain C++.
@@ -67,19 +67,21 @@ static std::vector<vf_emu_fiber> vf_emu_fibers;
 static vf_emu_context vf_emu_caller;           // the launch's own context, back when every fiber is done
 static unsigned vf_emu_running, vf_emu_left;
 static unsigned vf_emu_blocked;                // fibers waiting at a barrier not yet complete (vf_emu_barrier)
+// `n` and `arrived`: the barrier the running thread waits at, or 0 when it has just returned
 static void vf_emu_check_deadlock(unsigned n, unsigned arrived) {
   if (vf_emu_left && vf_emu_blocked == vf_emu_left) {
     fprintf(stderr, "emulation: workgroup %u deadlocks: its %u threads left all wait at barriers that the others "
-            "(returned or at another barrier) never complete; thread %u at one of %u threads, %u arrived\n",
-            blockIdx.x, vf_emu_blocked, threadIdx.x, n, arrived);
+            "(returned or at another barrier) never complete; thread %u ", blockIdx.x, vf_emu_blocked, threadIdx.x);
+    if (n) fprintf(stderr, "waits at one of %u threads, %u arrived\n", n, arrived);
+    else fprintf(stderr, "has just returned\n");
     abort();
   }
 }
 static void (*vf_emu_body)(void*);
 static void* vf_emu_closure;
 // the next fiber not done after the running one, round the workgroup (the running one when it is the last), in
-// the order of vf_emu_step: up, or down after each workgroup barrier that came up (so that a write and a read of
-// LDS with no barrier between them meet in both orders, one of which gives a wrong value, as a GPU may)
+// the order of vf_emu_step: up, then down after a workgroup barrier completes, and so on (so that a write and a read
+// of LDS with no barrier between them meet in both orders, one of which gives a wrong value, as a GPU may)
 static unsigned vf_emu_step = 1;
 static inline unsigned vf_emu_next() {
   const unsigned n = (unsigned)vf_emu_fibers.size();
