@@ -452,7 +452,7 @@ class Writer:
         D, F = [64, 96, 128, 200][int(p[0] * 4)], [96, 136, 264][f(p[0], 3)]
         hkv, group, hd = 1 + int(p[1] * 2), [1, 2, 3][f(p[1], 3)], [16, 32, 64][int(p[2] * 3)]
         hq, S, cdt = hkv * group, 2 + int(p[3] * 40), "f16" if pk[1] < 0.7 else "f32"
-        x, _ = self.emit(f"{self.new_input((1, D), 'f32')} + dsl.tanh({an}.astype('f32').mean())")
+        x, _ = self.emit(f"{self.new_input((1, D), 'f32')} + dsl.tanh({an}.astype('f32').reshape(-1).mean())")
         g1, g2 = self.new_input((D,), "f32"), self.new_input((D,), "f32")
         kc, vc = self.new_input((hkv, S, hd), cdt), self.new_input((hkv, S, hd), cdt)
         pos = self.new_input((), "i32", "int", S - 2, 0)
