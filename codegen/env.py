@@ -5,6 +5,7 @@ command-line tools print as ``error: ...``; unset or empty, a switch takes its d
 from __future__ import annotations
 
 import os
+import re
 
 
 def _raw(name: str) -> str:
@@ -23,21 +24,23 @@ def switch(name: str, default: bool, what: str = "") -> bool:
     return v == "1"
 
 
-def env_int(name: str, default: int, least: int | None = None, what: str = "") -> int:
-    """The whole number the switch ``name`` sets, else ``default``; ValueError naming the switch when
-    it is not a whole number or is below ``least`` (the message says ``what`` to set it to, where given)."""
+def env_int(name: str, default: int, least: int | None = None, what: str = "", most: int | None = None) -> int:
+    """The whole number (ASCII digits, a leading minus) the switch ``name`` sets, else ``default``;
+    ValueError naming the switch when it is not one or is outside ``least`` .. ``most`` (the message
+    says ``what`` to set it to, where given)."""
     v = _raw(name)
     if not v:
         return default
-    try:
-        n = int(v)
-    except ValueError:
-        n = None
-    if n is not None and (least is None or n >= least):
+    n = int(v) if re.fullmatch(r"-?[0-9]+", v) else None
+    if n is not None and (least is None or n >= least) and (most is None or n <= most):
         return n
     if what:
         raise ValueError(f"{name}={v!r}: set it to {what}, or unset it (default {default})")
-    raise ValueError(f"{name}={v!r} is not a whole number; set it to one (e.g. {name}={default}) or unset it")
+    if n is None:
+        raise ValueError(f"{name}={v!r} is not a whole number; set it to one (e.g. {name}={default}) or unset it")
+    bounds = " to ".join(str(b) for b in (least, most) if b is not None)
+    raise ValueError(f"{name}={v!r}: set it to {'at least ' if most is None else ''}{bounds}, or unset it "
+                     f"(default {default})")
 
 
 def env_choice(name: str, choices: tuple, default: str) -> str:

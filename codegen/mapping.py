@@ -287,7 +287,7 @@ def attention_tiles(a: L.Attention, t: Target) -> L.AttentionTiles:
     kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
     groups = a.hkv * -(-a.t // rows_q)
     chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
-    chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk          # positions per split (A/B)
+    chunk = env_int("VEGAFUSE_ATT_CHUNK", 0, 0) or chunk          # positions per split (A/B)
     chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
     vector = all(a.d * ITEMSIZE[x] % t.load_bytes == 0 for x in a.dtypes[1:])
     return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), min(keys, t.wave), vector,
@@ -364,7 +364,7 @@ def prefill_tiles(a: L.Attention, t: Target):
     kv_bytes = sum(ITEMSIZE[x] for x in a.dtypes[1:])
     groups = a.hkv * group // heads * -(-a.t // rows_q)
     chunk = max(a.s * groups / t.compute_units, math.sqrt(a.s * rows * 4 / kv_bytes), keys)
-    chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk          # positions per split (A/B)
+    chunk = env_int("VEGAFUSE_ATT_CHUNK", 0, 0) or chunk          # positions per split (A/B)
     chunk = min(-(-int(math.ceil(chunk)) // keys) * keys, -(-a.s // keys) * keys)
     return L.AttentionTiles(rows_q, keys, chunk, -(-a.s // chunk), tk, True, threads, t.wave, heads, 1, (rm, kn))
 
@@ -441,7 +441,7 @@ def decode_tiles(a: L.Attention, t: Target):
         step = waves * unroll * (t.wave // lanes)  # keys a workgroup loads at once
         # the chunk where the target's workgroups per CU cover the full cache
         chunk = a.s * a.hkv * -(-group // heads) / (t.compute_units * t.attention_workgroups_per_cu)
-        chunk = env_int("VEGAFUSE_ATT_CHUNK", 0) or chunk
+        chunk = env_int("VEGAFUSE_ATT_CHUNK", 0, 0) or chunk
         chunk = min(-(-int(math.ceil(chunk)) // step) * step, -(-a.s // step) * step)
         short = env_int("VEGAFUSE_ATT_SHORT", t.attention_short * step)
         if short >= a.s:                                   # the whole cache is short: one split
@@ -1285,7 +1285,7 @@ def trip_unroll(t: Target, blocks: int, gptq: bool) -> int:
     gptq_int4 (``gptq``: each block's dot waits on its group's scale and zero point), else none.
     ``VEGAFUSE_TRIP_UNROLL`` overrides (A/B; 0: none)."""
     rule = 0 if not t.int8_trip_unroll else t.int8_trip_unroll if blocks <= 2 else 2 if gptq else 0
-    return env_int("VEGAFUSE_TRIP_UNROLL", rule)
+    return env_int("VEGAFUSE_TRIP_UNROLL", rule, 0)
 
 
 def whole_steps(t: Target, steps: int) -> bool:
@@ -1309,8 +1309,7 @@ def _block_unroll(trips: int) -> int:
     unrolled, 19.4 (an older mapping) and 14.0 by 2, 9.7 by 4; its LM head (3.5 blocks a lane) was
     slower by 4, and its gate/up lost 10% by 2 in 256-thread workgroups.  ``VEGAFUSE_QUANT_UNROLL``
     overrides (A/B; 0: the compiler's choice)."""
-    env = os.environ.get("VEGAFUSE_QUANT_UNROLL")
-    return int(env) if env is not None else (4 if trips >= 16 else 2 if trips >= 8 else 0)
+    return env_int("VEGAFUSE_QUANT_UNROLL", 4 if trips >= 16 else 2 if trips >= 8 else 0, 0)
 
 
 def _column_loops(segs, t, info):

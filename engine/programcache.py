@@ -38,6 +38,8 @@ import pickle
 import sys
 import types
 
+from codegen.env import switch
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PACKAGES = ("dsl", "fusion", "codegen", "stdlib", "engine", os.path.join("engine", "devices"))
 _SOURCES = None
@@ -51,8 +53,7 @@ def enabled() -> bool:
     """On unless ``VEGAFUSE_PROGRAM_CACHE``, ``VEGAFUSE_PLAN_CACHE`` or ``VEGAFUSE_RENDER_CACHE``
     is 0 (an entry holds a plan and renders) or debug output is asked for."""
     from engine.pipeline import debug_level
-    return (all(os.environ.get(f"VEGAFUSE_{k}_CACHE", "1") != "0" for k in ("PROGRAM", "PLAN", "RENDER"))
-            and debug_level() == 0)
+    return all(switch(f"VEGAFUSE_{k}_CACHE", True) for k in ("PROGRAM", "PLAN", "RENDER")) and debug_level() == 0
 
 
 def _file_hash(path: str) -> str | None:

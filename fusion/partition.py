@@ -35,7 +35,8 @@ def enabled_rules(overrides=None) -> frozenset:
     env = [r.strip() for r in os.environ.get("VEGAFUSE_FUSION_OFF", "").split(",") if r.strip()]
     for name, val in [(r, False) for r in env] + list((overrides or {}).items()):
         if name not in RULES:
-            raise ValueError(f"unknown fusion rule {name!r}; rules are: {', '.join(RULES)}")
+            where = f"VEGAFUSE_FUSION_OFF={os.environ['VEGAFUSE_FUSION_OFF']!r}: " if name in env else ""
+            raise ValueError(f"{where}unknown fusion rule {name!r}; rules are: {', '.join(RULES)}")
         (on.add if val else on.discard)(name)
     return frozenset(on)
 

@@ -790,10 +790,14 @@ BACKENDS = ("cpu", "cpu+gfx906", "emu", "emu-persistent", "emu-ring", "cuda", "h
 
 def for_backend(src, backend):
     """``src`` (a script of ``source``, which runs on the CPU) set to run as the fuzzer ran it on
-    ``backend``: its device and its switches (``SWITCHED``)."""
+    ``backend``: its device and its switches (``SWITCHED``), every kernel also compiled for gfx906
+    after ``+gfx906``.  It imports ``tests``: run it from the repository's root."""
     base = backend.removesuffix("+gfx906")
+    if base != backend:
+        src += ("from tests.fuzz import _compile_gfx906  # noqa: E402  (every kernel for gfx906, through hiprtc)\n"
+                "_compile_gfx906(jf.compile(*args).plan.kernels)\n")
     if base == "cpu":
-        return src if base == backend else "# every kernel also compiled for gfx906 (tests/fuzz.py _compile_gfx906)\n" + src
+        return src
     device = repr(base)
     if base.startswith("emu"):
         src = "".join(f"os.environ[{k!r}] = {v!r}\n" for k, v in SWITCHED.get(base, {}).items()) + \

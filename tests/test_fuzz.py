@@ -124,6 +124,7 @@ def test_a_reproduction_runs_on_the_backend_and_switches_it_failed_with():
     assert r.returncode == 0 and r.stdout.splitlines()[-1] == "ran on emu 1 1", (r.stdout, r.stderr)
     assert fuzz.for_backend("jf = dsl.jit(f, donate_argnums=(0,))\n", "cuda") == \
         "jf = dsl.jit(f, backend='cuda', donate_argnums=(0,))\n"
+    assert fuzz.for_backend("jf = dsl.jit(f)\n", "cpu+gfx906").endswith("_compile_gfx906(jf.compile(*args).plan.kernels)\n")
 
 
 def test_a_backend_the_fuzzer_cannot_run_is_one_error_before_any_program():

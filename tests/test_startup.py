@@ -389,10 +389,29 @@ def test_a_warm_engine_process_traces_nothing(tiny, tmp_path):
     ("VEGAFUSE_CACHE", "false", "VEGAFUSE_CACHE='false': set it to 1 or 0, or unset it (default 1)"),
     ("VEGAFUSE_CPU_VNNI", "off", "VEGAFUSE_CPU_VNNI='off': set it to one of 512, 256, 0, or unset it (default 512)"),
     ("VEGAFUSE_CPU_COLUMNS", "many", "VEGAFUSE_CPU_COLUMNS='many' is not a whole number; set it to one "
-                                     "(e.g. VEGAFUSE_CPU_COLUMNS=4096) or unset it")])
+                                     "(e.g. VEGAFUSE_CPU_COLUMNS=4096) or unset it"),
+    ("VEGAFUSE_SPIN_US", "inf", "VEGAFUSE_SPIN_US='inf': set it to microseconds from 0 to 1000000, or unset it "
+                                "(default 2000)"),
+    ("VEGAFUSE_PROGRAM_CACHE", "true", "VEGAFUSE_PROGRAM_CACHE='true': set it to 1 or 0, or unset it (default 1)")])
 def test_a_switch_with_a_value_it_does_not_take_is_one_line_naming_it(name, value, message):
     """An on/off switch, one of a few words, a whole number (``codegen.env``): each once took any other
     value as its default, silently (an A/B of ``VEGAFUSE_CPU_VNNI=off`` measured the default twice)."""
     r = subprocess.run([sys.executable, "-m", "engine.generate", "-n", "2", "Hi"], cwd=REPO, capture_output=True,
                        text=True, timeout=300, env={**os.environ, name: value})
     assert r.returncode == 2 and r.stderr == f"error: {message}\n", r.stderr
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("VEGAFUSE_X", "0", "VEGAFUSE_X='0': set it to at least 1, or unset it (default 5)"),
+    ("VEGAFUSE_X", "1_0", "VEGAFUSE_X='1_0' is not a whole number; set it to one (e.g. VEGAFUSE_X=5) or unset it"),
+    ("VEGAFUSE_X", "١", "VEGAFUSE_X='١' is not a whole number; set it to one (e.g. VEGAFUSE_X=5) or unset it")])
+def test_a_whole_number_switch_takes_ascii_digits_within_its_bounds(name, value, message, monkeypatch):
+    """``codegen.env.env_int``: a value below the least is said so (it once read "not a whole number"),
+    and Python's other spellings of a number (1_0, other scripts' digits) are not whole numbers here."""
+    from codegen.env import env_int
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as e:
+        env_int(name, 5, 1)
+    assert str(e.value) == message
+    monkeypatch.setenv(name, " -3 ")
+    assert env_int(name, 5) == -3

@@ -42,7 +42,7 @@ import numpy as np
 from dsl.quant import storage
 import llvmlite.binding as llvm
 
-from codegen.env import env_choice
+from codegen.env import env_choice, env_int
 from codegen.llvm import render_llvm
 from codegen.loopir import Attention, Const, Kernel, Load, Loop, Reduce, Store, plain, walk_exprs, walk_stmts
 from engine.build import Compiler, build, render, render_switches
@@ -570,13 +570,8 @@ def compile_workers(jobs: int) -> int:
     """How many helper processes compile beside this one: ``VEGAFUSE_COMPILE_WORKERS`` if set (0:
     compile in this process only, the A/B switch), else ``jobs - 1``.  ValueError, one line, for
     a value that is not a whole number >= 0."""
-    raw = os.environ.get("VEGAFUSE_COMPILE_WORKERS", "").strip()
-    if not raw:
-        return max(0, jobs - 1)
-    if not raw.isdigit():
-        raise ValueError(f"VEGAFUSE_COMPILE_WORKERS={raw!r} is not a count; use 0 (compile in this process) "
-                         "or the number of helper processes")
-    return int(raw)
+    return env_int("VEGAFUSE_COMPILE_WORKERS", max(0, jobs - 1), 0,
+                   "0 (compile in this process) or the number of helper processes")
 
 
 _PLACES: dict = {}                    # helper count -> queue of free compile places (None: this process)
@@ -660,10 +655,7 @@ class LLVMCompiler(Compiler):
         third of the time, and their speed measured the same within the shared machine's noise
         (docs/performance.md); one-row kernels (decode: their int8 GEMVs need the full unroll) keep
         it.  ValueError, one line, for another value of the switch."""
-        mode = os.environ.get("VEGAFUSE_CPU_UNROLL", "one-row")
-        if mode not in ("one-row", "all"):
-            raise ValueError(f"VEGAFUSE_CPU_UNROLL={mode!r}: use one-row (the unroller on one-row kernels "
-                             "only, the default) or all (on every kernel)")
+        mode = env_choice("VEGAFUSE_CPU_UNROLL", ("one-row", "all"), "one-row")
         return {"unroll": False} if mode == "one-row" and over_rows(kernel) else {}
 
     def optimize(self, text: str, symbol: str, unroll: bool = True):
@@ -766,7 +758,8 @@ class CPUDevice:
         _init_llvm()
         self.nthreads = max(1, nthreads or host_threads())
         self.parallel_bytes = parallel_bytes
-        self.spin_us = float(os.environ.get("VEGAFUSE_SPIN_US", 2000) if spin_us is None else spin_us)
+        self.spin_us = env_int("VEGAFUSE_SPIN_US", 2000, 0, "microseconds from 0 to 1000000", 10 ** 6) \
+            if spin_us is None else spin_us
         self.triple = llvm.get_process_triple()
         self.cpu_name = llvm.get_host_cpu_name()
         self.compiler = LLVMCompiler(jobs=self.nthreads)
