@@ -41,7 +41,7 @@ from .loopir import (Array, Assign, Attention, Barrier, Bin, Cast, Comment, Cons
                      Reduce, Select, Store, Sym, Un, expand_attention, format_expr, format_kernel, can_interchange,
                      interchange, serial_reduce)
 from .loopir import attention_tiles, combine_attention
-from .loopir import QDot, QLoad, QuantizeQ8, int8_activation
+from .loopir import QDot, QLoad, QuantizeQ8, int8_activation, quantized_activations
 from .loopir import spelling as op_spelling
 from .loopir import fold, rewrite_expr, walk_exprs, walk_stmts
 from dsl.quant import FORMATS, QUANT_DTYPES, nbytes
@@ -808,7 +808,7 @@ def int8_gemv(k: Kernel) -> Kernel:
     them (``QDot``: integer dot products).  Other kernels, and all with ``VEGAFUSE_QUANT_ACT=float``,
     are returned as they are (each weight then dequantized as it is loaded)."""
     from .mapping import quant_weights
-    if k.family != "contract" or env_choice("VEGAFUSE_QUANT_ACT", ("q8_1", "float"), "q8_1") == "float":
+    if k.family != "contract" or not quantized_activations():
         return k
     acts = {s.name: s.size for s in walk_stmts(k.body) if isinstance(s, Array) and s.size % 32 == 0}
     segs = [s for s in walk_stmts(k.body) if isinstance(s, Loop) and s.parallel and s.body

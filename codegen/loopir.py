@@ -58,7 +58,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Union
 
-from .env import switch
+from .env import env_choice, switch
 
 DTYPES = ("f32", "f16", "i32", "bool")
 FLOAT_DTYPES = ("f32", "f16")
@@ -72,6 +72,13 @@ def int8_activation() -> str:
     about f16's precision), or plain "q8_1" with ``VEGAFUSE_QUANT_RESIDUAL=0`` (half the integer
     work and LDS, 1/254 of each block's largest value per element; the A/B switch)."""
     return "q8_1r" if switch("VEGAFUSE_QUANT_RESIDUAL", True) else "q8_1"
+
+
+def quantized_activations() -> bool:
+    """Do int8 GEMVs quantize their activations (``VEGAFUSE_QUANT_ACT=q8_1``, the default), or do
+    quantized weights meet float activations (``float``: the A/B switch)?"""
+    return env_choice("VEGAFUSE_QUANT_ACT", ("q8_1", "float"), "q8_1") == "q8_1"
+
 
 KINDS = {"f32": "float", "f16": "float", "i32": "int", "bool": "bool"}
 

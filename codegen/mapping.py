@@ -581,7 +581,7 @@ def _int8_path(body, t, lds_limit) -> bool:
     arrays = [a for a in L.walk_stmts(body) if isinstance(a, L.Array)]
     act = {a.name for a in arrays}
     fits = all(a.size * ITEMSIZE[L.int8_activation()] <= lds_limit - 2048 for a in arrays)
-    on = t.int8_dot and fits and env_choice("VEGAFUSE_QUANT_ACT", ("q8_1", "float"), "q8_1") != "float"
+    on = t.int8_dot and fits and L.quantized_activations()
     return bool(on and reds and act) and all(quant_weights(r, n) for r in reds for n in act
                                                      if any(x == L.Load(n, L.Sym(r.var, "i32"), "f32")
                                                             for a in r.accs for x in L.walk_exprs(a.value)))

@@ -56,7 +56,7 @@ import weakref
 
 import numpy as np
 
-from codegen.env import env_choice
+from codegen.loopir import quantized_activations
 from dsl.core import NP_DTYPES
 
 from .errors import ModelError
@@ -180,7 +180,7 @@ def kernel_checks(ex) -> list:
     where = dict(zip(prog.inputs, plan.inputs))
     where.update({prog.eqns[i].out: name for i, name in plan.computed.items()})
     quant_input = {v: i for i, v in enumerate(prog.inputs) if v.dtype in QUANT_DTYPES}
-    int8 = env_choice("VEGAFUSE_QUANT_ACT", ("q8_1", "float"), "q8_1") != "float"
+    int8 = quantized_activations()
     checks = []
     for k, ck in zip(plan.kernels, ex.kernels):
         eqns = list(k.eqns)

@@ -36,13 +36,13 @@ from dataclasses import replace
 import numpy as np
 
 from codegen import loopir as L
-from codegen.env import env_choice, switch
+from codegen.env import switch
 
 
 def enabled() -> bool:
     """Is the step on (``VEGAFUSE_Q8_PRODUCER``, and activations quantized at all)?"""
     return (switch("VEGAFUSE_Q8_PRODUCER", True)
-            and env_choice("VEGAFUSE_QUANT_ACT", ("q8_1", "float"), "q8_1") != "float")
+            and L.quantized_activations())
 
 
 def norm_enabled() -> bool:
